@@ -1,0 +1,89 @@
+"""The interface every backend implements.
+
+A backend turns one batch into per-datum gradients ``g_b = d losses[b] / d theta`` of the
+selected parameters, and leaves ``p.grad`` of every trainable parameter exactly as the ordinary
+backward of the batch loss would. The recorder owns everything else (input checks, reductions,
+weights, the self-check, writing), so a new backend only implements these methods.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["Backend", "LossFn", "PerDatumGrads"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``loss_fn(model, batch)`` returning per-datum ``(B,)`` or per-token ``(B, T)`` losses."""
+
+PerDatumGrads = dict[str, torch.Tensor]
+"""Parameter name -> per-datum gradients ``(B, *param.shape)`` on the parameter's device."""
+
+
+class Backend(abc.ABC):
+    """Computes per-datum gradients of selected parameters.
+
+    Args:
+        model: The user's model; never wrapped, renamed or patched.
+        params: The parameters to record, by their recorded names.
+        batch_reduction: ``"mean"`` or ``"sum"``: ``p.grad`` is the gradient of
+            ``losses.mean()`` or ``losses.sum()``.
+        randomness: ``torch.func.vmap`` randomness for backends that use it.
+    """
+
+    name: ClassVar[str]
+    needs_loss_fn: ClassVar[bool] = False
+    """True when per-datum gradients need the loss function (``rec.step``), not just losses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        *,
+        batch_reduction: str,
+        randomness: str,
+    ) -> None:
+        self.model = model
+        self.params = dict(params)
+        self.batch_reduction = batch_reduction
+        self.randomness = randomness
+
+    def attach(self) -> None:  # noqa: B027 - optional hook for backends that install hooks
+        """Called when recording starts."""
+
+    def detach(self) -> None:  # noqa: B027
+        """Called when recording ends; must undo everything ``attach`` did."""
+
+    @abc.abstractmethod
+    def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
+        """Per-datum gradients of ``losses`` (B,), then the ordinary ``batch_loss.backward()``.
+
+        ``batch_loss`` is ``losses.mean()`` or ``losses.sum()``; its backward accumulates into
+        ``p.grad`` exactly as the user's own ``loss.backward()`` would.
+        """
+
+    def step(
+        self,
+        loss_fn: LossFn,
+        batch: Any,
+        reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+        mask: torch.Tensor | None,
+        check: Callable[[torch.Tensor], None],
+    ) -> tuple[torch.Tensor, PerDatumGrads]:
+        """Compute losses from ``loss_fn(model, batch)``, then as :meth:`backward`.
+
+        ``reduce(raw_losses, mask)`` turns the loss function's output into per-datum losses
+        (B,); ``check(losses)`` validates them and must run before ``p.grad`` is touched.
+        Returns the per-datum losses (B,) and gradients.
+        """
+        losses = reduce(loss_fn(self.model, batch), mask)
+        check(losses)
+        return losses, self.backward(losses, self.reduce_batch(losses))
+
+    def reduce_batch(self, losses: torch.Tensor) -> torch.Tensor:
+        """The scalar whose ordinary backward gives ``p.grad``."""
+        return losses.mean() if self.batch_reduction == "mean" else losses.sum()

@@ -1,0 +1,134 @@
+"""``torch.func`` backend: ``vmap(grad(functional_call))`` over the batch.
+
+Each datum runs the user's loss function alone (batch of one) with the model's parameters
+passed functionally, so it needs the loss function: it is reached through ``rec.step``. It
+computes per-datum gradients of every trainable parameter (they are summed into ``p.grad``),
+so memory grows with the whole model; record few layers of a large model with another backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from gradlog.backends.base import Backend, LossFn, PerDatumGrads
+from gradlog.errors import BackendError, InputError
+
+__all__ = ["VmapBackend"]
+
+
+class _LossModule(nn.Module):
+    """Lets ``functional_call`` swap the parameters of ``model`` inside ``loss_fn``."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Leaves of nested tuples/lists/dicts, and a function that rebuilds the structure."""
+    if isinstance(tree, (tuple, list)):
+        parts = [_flatten(t) for t in tree]
+        sizes = [len(leaves) for leaves, _ in parts]
+
+        def rebuild_seq(leaves: list[Any]) -> Any:
+            out, i = [], 0
+            for (_, rebuild), n in zip(parts, sizes):
+                out.append(rebuild(leaves[i : i + n]))
+                i += n
+            return type(tree)(out) if not hasattr(tree, "_fields") else type(tree)(*out)
+
+        return [leaf for leaves, _ in parts for leaf in leaves], rebuild_seq
+    if isinstance(tree, dict):
+        keys = list(tree)
+        leaves, rebuild_values = _flatten([tree[k] for k in keys])
+        return leaves, lambda ls: dict(zip(keys, rebuild_values(ls)))
+    return [tree], lambda ls: ls[0]
+
+
+class VmapBackend(Backend):
+    """Per-datum gradients from ``torch.func.vmap(grad(...))`` over the user's loss function."""
+
+    name = "vmap"
+    needs_loss_fn = True
+
+    def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
+        raise BackendError(
+            "backend='vmap' needs the loss function, not finished losses: call "
+            "rec.step(loss_fn, batch) with loss_fn(model, batch) -> losses, or use "
+            "backend='loop' with rec.backward(losses)."
+        )
+
+    def step(
+        self,
+        loss_fn: LossFn,
+        batch: Any,
+        reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+        mask: torch.Tensor | None,
+        check: Callable[[torch.Tensor], None],
+    ) -> tuple[torch.Tensor, PerDatumGrads]:
+        module = _LossModule(self.model, loss_fn)
+        trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        fixed = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
+        fixed.update(dict(module.named_buffers()))
+
+        leaves, rebuild = _flatten(batch)
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if not slots:
+            raise InputError("rec.step(loss_fn, batch): batch holds no tensor to split by datum.")
+        size = leaves[slots[0]].shape[0] if leaves[slots[0]].dim() else 0
+        for i in slots:
+            if leaves[i].dim() == 0 or leaves[i].shape[0] != size:
+                shapes = [tuple(leaves[j].shape) for j in slots]
+                raise InputError(
+                    f"every tensor in batch must have the batch size as its first dimension for "
+                    f"backend='vmap'; got shapes {shapes}. Pass per-batch constants through "
+                    "loss_fn's closure instead of the batch."
+                )
+        if mask is not None and mask.shape[0] != size:
+            raise InputError(f"mask has {mask.shape[0]} rows but the batch has {size} datums.")
+
+        def datum_loss(
+            params: dict[str, torch.Tensor], tensors: list[torch.Tensor], mask_b: Any
+        ) -> torch.Tensor:
+            full = list(leaves)
+            for i, t in zip(slots, tensors):
+                full[i] = t.unsqueeze(0)  # a batch of one datum
+            raw = functional_call(module, {**params, **fixed}, (rebuild(full),))
+            loss = reduce(raw, None if mask_b is None else mask_b.unsqueeze(0))  # (1,)
+            return loss[0]
+
+        per_datum = vmap(
+            grad_and_value(datum_loss),
+            in_dims=(None, 0, None if mask is None else 0),
+            randomness=self.randomness,
+        )
+        try:
+            grads, losses = per_datum(trainable, [leaves[i] for i in slots], mask)
+        except RuntimeError as e:
+            raise BackendError(
+                f"torch.func.vmap could not differentiate this model per datum: {e}. In-place "
+                "updates of buffers (BatchNorm in training mode) and data-dependent control "
+                "flow are not supported by vmap; use backend='loop'."
+            ) from e
+        check(losses)
+
+        # p.grad of every trainable parameter from the same per-datum gradients.
+        for name, p in trainable.items():
+            g = grads[name]  # (B, *shape)
+            total = g.mean(0) if self.batch_reduction == "mean" else g.sum(0)
+            if p.grad is None:
+                p.grad = total.detach().clone()
+            else:
+                p.grad.add_(total)
+
+        by_id = {id(p): n for n, p in trainable.items()}
+        return losses.detach(), {n: grads[by_id[id(p)]] for n, p in self.params.items()}

@@ -1,0 +1,79 @@
+"""Errors raised by gradlog.
+
+Every error derives from :class:`GradlogError` and also from the builtin it refines, so
+``except ValueError`` keeps working for callers who do not know gradlog. Messages say what
+happened, what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "ConfigError",
+    "GradientCheckError",
+    "GradlogError",
+    "InputError",
+    "NonFiniteLossError",
+    "NotAStoreError",
+    "ParamSelectionError",
+    "SelectionError",
+    "StoreExistsError",
+    "StoreFormatError",
+    "StoreVersionError",
+    "UnsupportedLayerError",
+]
+
+
+class GradlogError(Exception):
+    """Base class of every gradlog error."""
+
+
+class ConfigError(GradlogError, ValueError):
+    """A recorder option has an invalid value."""
+
+
+class InputError(GradlogError, ValueError):
+    """Arguments of ``backward``/``step`` (losses, ids, mask, step) are malformed."""
+
+
+class NonFiniteLossError(InputError):
+    """A datum's loss is NaN or infinite; the step was refused before any backward."""
+
+
+class ParamSelectionError(GradlogError, ValueError):
+    """A ``params=`` pattern selects nothing, or selects something that cannot be recorded."""
+
+
+class BackendError(GradlogError, RuntimeError):
+    """A backend cannot compute per-datum gradients for this model or call."""
+
+
+class UnsupportedLayerError(BackendError):
+    """A layer cannot give per-datum gradients (it couples data, e.g. BatchNorm in training)."""
+
+
+class GradientCheckError(GradlogError, RuntimeError):
+    """The self-check ``sum_b w_b g_b == p.grad`` failed: per-datum gradients are wrong."""
+
+
+class NotAStoreError(GradlogError, FileNotFoundError):
+    """The path is not a gradlog store."""
+
+
+class StoreExistsError(GradlogError, FileExistsError):
+    """Recording would overwrite an existing store."""
+
+
+class StoreFormatError(GradlogError, ValueError):
+    """The store's metadata or layout does not follow schemas/FORMAT.md."""
+
+
+class StoreVersionError(StoreFormatError):
+    """The store was written by a newer format version than this gradlog reads."""
+
+
+class SelectionError(GradlogError, LookupError):
+    """A query names a parameter, step or datum that the run does not hold."""
+
+    def __str__(self) -> str:  # LookupError would repr() the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,152 @@
+"""Constants and checks of the store format (the normative text is schemas/FORMAT.md).
+
+Imports no torch: ``gradlog info`` and readers stay fast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import quote
+
+from gradlog.errors import StoreFormatError, StoreVersionError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_DIR",
+    "STEPS_DIR",
+    "array_path",
+    "check_root_attrs",
+    "index_schema",
+    "index_part_name",
+    "norm_column",
+    "step_part_name",
+    "steps_schema",
+]
+
+FORMAT_NAME = "gradlog"
+FORMAT_VERSION = 1
+"""The newest format this code writes and reads; readers refuse newer stores."""
+
+GRADS_GROUP = "grads"
+INDEX_DIR = "index"
+STEPS_DIR = "steps"
+NORM_PREFIX = "norm/"
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_PART = re.compile(r"^step-(\d{12})(?:-(\d{6}))?\.parquet$")
+
+
+def array_path(param: str) -> str:
+    """Path of a parameter's gradient array inside the store.
+
+    Parameter names are used verbatim when they are plain (letters, digits, ``_ . -``);
+    anything else is percent-encoded so that no name can escape the ``grads`` group.
+    """
+    name = param if _SAFE.match(param) else quote(param, safe="")
+    if name.startswith("__") or name in {".", ".."} or name.startswith("."):
+        name = "%" + format(ord(name[0]), "02X") + name[1:]  # zarr reserves these names
+    return f"{GRADS_GROUP}/{name}"
+
+
+def norm_column(param: str) -> str:
+    """Index column holding the per-record gradient norm of ``param``."""
+    return NORM_PREFIX + param
+
+
+def index_part_name(step: int, micro: int) -> str:
+    """File of the index rows of one ``backward`` call (micro-batch) of a step."""
+    return f"step-{step:012d}-{micro:06d}.parquet"
+
+
+def step_part_name(step: int) -> str:
+    """File of a step's row in the steps table; its presence commits the step."""
+    return f"step-{step:012d}.parquet"
+
+
+def parse_part_name(name: str) -> tuple[int, int | None] | None:
+    """``(step, micro)`` of a part file name, or None for a file that is not a part."""
+    m = _PART.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def check_root_attrs(attrs: dict[str, Any], where: str) -> None:
+    """Check the parts of the root attributes a reader relies on; cheap, no jsonschema.
+
+    Raises:
+        StoreFormatError: not a gradlog store, or malformed attributes.
+        StoreVersionError: written by a newer format version.
+    """
+    if attrs.get("format") != FORMAT_NAME:
+        raise StoreFormatError(
+            f"{where} is a Zarr group but not a gradlog store (its attribute 'format' is "
+            f"{attrs.get('format')!r}, expected {FORMAT_NAME!r})."
+        )
+    version = attrs.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise StoreFormatError(f"{where}: format_version {version!r} is not a positive integer.")
+    if version > FORMAT_VERSION:
+        raise StoreVersionError(
+            f"{where} was written in gradlog format version {version} (by gradlog "
+            f"{attrs.get('gradlog_version', '?')}); this gradlog reads versions up to "
+            f"{FORMAT_VERSION}. Upgrade gradlog: pip install -U gradlog."
+        )
+    params = attrs.get("params")
+    if not isinstance(params, dict):
+        raise StoreFormatError(f"{where}: attribute 'params' must be an object of param specs.")
+    for name, spec in params.items():
+        if not isinstance(spec, dict):
+            raise StoreFormatError(f"{where}: spec of parameter {name!r} is not an object.")
+        shape = spec.get("shape")
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise StoreFormatError(
+                f"{where}: parameter {name!r} has shape {shape!r}; expected a list of "
+                "non-negative integers."
+            )
+        if spec.get("array") != array_path(name):
+            raise StoreFormatError(
+                f"{where}: parameter {name!r} points at array {spec.get('array')!r}; the format "
+                f"requires {array_path(name)!r}."
+            )
+
+
+def index_schema(params: list[str]) -> Any:
+    """Arrow schema of the record index: one row per (step, datum) record."""
+    import pyarrow as pa
+
+    fields = [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("micro", pa.int32(), nullable=False),
+        pa.field("datum_id", pa.int64(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False),
+        pa.field("loss", pa.float64(), nullable=False),
+        pa.field("weight", pa.float64(), nullable=False),
+        pa.field("lr", pa.float64(), nullable=True),
+    ]
+    fields += [pa.field(norm_column(p), pa.float64(), nullable=False) for p in params]
+    return pa.schema(fields)
+
+
+def steps_schema() -> Any:
+    """Arrow schema of the steps table: one row per committed step."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("step", pa.int64(), nullable=False),
+            pa.field("first_row", pa.int64(), nullable=False),
+            pa.field("n_records", pa.int64(), nullable=False),
+            pa.field("n_micro", pa.int32(), nullable=False),
+            pa.field("tokens", pa.int64(), nullable=False),
+            pa.field("lr", pa.float64(), nullable=True),
+            pa.field("loss_mean", pa.float64(), nullable=False),
+            pa.field("time_compute_s", pa.float64(), nullable=False),
+            pa.field("time_write_s", pa.float64(), nullable=False),
+        ]
+    )
