@@ -172,8 +172,6 @@ class GradRecorder:
             )
             for name, p in self.params.items()
         }
-        self._writer = StoreWriter(self.path, attrs=self._root_attrs(), specs=specs,
-                                   overwrite=self.overwrite)
         self._backend = BACKENDS[self.config.backend](
             self.model,
             self.params,
@@ -181,6 +179,15 @@ class GradRecorder:
             randomness=self.config.vmap_randomness,
         )
         self._backend.attach()
+        attrs = self._root_attrs()
+        attrs["backend"] = self._backend.describe()
+        try:
+            self._writer = StoreWriter(self.path, attrs=attrs, specs=specs,
+                                       overwrite=self.overwrite)
+        except BaseException:
+            self._backend.detach()
+            self._backend = None
+            raise
         log.info(
             "gradlog: recording %d parameters (%s per datum per step) into %s",
             len(self.params), _fmt_bytes(self.bytes_per_record), self.path,

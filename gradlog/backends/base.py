@@ -58,6 +58,12 @@ class Backend(abc.ABC):
     def detach(self) -> None:  # noqa: B027
         """Called when recording ends; must undo everything ``attach`` did."""
 
+    def describe(self) -> dict[str, Any]:
+        """JSON facts about how this backend computes gradients, stored in the run's
+        attributes under ``backend`` (e.g. which modules fell back to a generic method).
+        Called after :meth:`attach`."""
+        return {"name": self.name}
+
     @abc.abstractmethod
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
         """Per-datum gradients of ``losses`` (B,), then the ordinary ``batch_loss.backward()``.
