@@ -1,0 +1,1 @@
+"""Test helpers for gradlog: small deterministic models and batches (see :mod:`.zoo`)."""
