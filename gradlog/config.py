@@ -1,4 +1,4 @@
-"""Recorder configuration: one frozen dataclass, validated on construction, hashed into the store."""
+"""Recorder configuration: one frozen dataclass, validated when built, hashed into the store."""
 
 from __future__ import annotations
 

@@ -76,7 +76,9 @@ def _as_list(sel: Selector, name: str) -> np.ndarray | None:
     except TypeError:
         values = np.asarray([])
     if values.size and not np.issubdtype(values.dtype, np.integer):
-        raise SelectionError(f"{name}={sel!r}: expected an int, a list of ints, a range or a slice.")
+        raise SelectionError(
+            f"{name}={sel!r}: expected an int, a list of ints, a range or a slice."
+        )
     return values.astype(np.int64)
 
 
@@ -229,15 +231,16 @@ class Run:
         """
         import zarr
 
-        self._check_param(param)
+        spec = self._check_param(param)
         rows = np.asarray(self.records(step, datum).column("row"), dtype=np.int64)
-        arr = zarr.open_array(str(self.path / fmt.array_path(param)), mode="r")
-        if rows.size == 0:
-            out = np.zeros((0, *arr.shape[1:]), dtype=dtype)
-        elif rows[-1] - rows[0] + 1 == rows.size:  # contiguous: one slice read
-            out = np.asarray(arr[int(rows[0]) : int(rows[-1]) + 1], dtype=dtype)
+        if rows.size == 0:  # arrays are created at the first append: they may not exist yet
+            out = np.zeros((0, *spec["shape"]), dtype=dtype)
         else:
-            out = np.asarray(arr.oindex[rows], dtype=dtype)
+            arr = zarr.open_array(str(self.path / fmt.array_path(param)), mode="r")
+            if rows[-1] - rows[0] + 1 == rows.size:  # contiguous: one slice read
+                out = np.asarray(arr[int(rows[0]) : int(rows[-1]) + 1], dtype=dtype)
+            else:
+                out = np.asarray(arr.oindex[rows], dtype=dtype)
         if as_torch:
             import torch
 

@@ -1,0 +1,1 @@
+"""The ``gradlog`` command line (typer + rich); ships as ``gradlog.cli``. Calls gradlog only."""

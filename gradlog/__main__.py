@@ -1,0 +1,5 @@
+"""``python -m gradlog``: the same as the ``gradlog`` command."""
+
+from gradlog.cli.main import main
+
+main()

@@ -1,0 +1,164 @@
+"""Every backend against the independent oracle (one forward per datum), in float64."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradlog
+from gradlog.losses import per_datum_losses
+from gradlog.testing.oracle import naive_per_datum_grads
+from gradlog.testing.zoo import gpt_batch, mlp, mlp_batch, per_token_ce, tiny_gpt
+
+BACKENDS = ["loop", "vmap"]
+
+
+class Case:
+    """A model, a batch, and how to compute its losses batched and per datum."""
+
+    def __init__(self, kind: str, B: int = 5) -> None:
+        self.kind = kind
+        self.B = B
+        self.mask: torch.Tensor | None = None
+        if kind == "mlp":
+            self.model = mlp()
+            self.batch: Any = mlp_batch(B)
+        else:
+            self.model = tiny_gpt(tie_weights=kind == "gpt_tied")
+            x, y, mask = gpt_batch(B, 6)
+            self.batch, self.mask = (x, y), mask
+
+    def loss_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if self.kind == "mlp":
+            return F.cross_entropy(model(x), y, reduction="none")  # (B,)
+        return per_token_ce(model(x), y)  # (B, T); position ids broadcast as [1, T]
+
+    def oracle(self, token_reduction: str) -> dict[str, torch.Tensor]:
+        def datum_loss(b: int) -> torch.Tensor:
+            one = tuple(t[b : b + 1] for t in self.batch)
+            mask = None if self.mask is None else self.mask[b : b + 1]
+            return per_datum_losses(self.loss_fn(self.model, one), mask, token_reduction)[0]
+
+        return naive_per_datum_grads(datum_loss, dict(self.model.named_parameters()), self.B)
+
+    def record(self, rec: Any, backend: str) -> torch.Tensor:
+        if backend == "vmap":
+            return rec.step(self.loss_fn, self.batch, mask=self.mask)  # type: ignore[no-any-return]
+        losses = self.loss_fn(self.model, self.batch)
+        return rec.backward(losses, mask=self.mask)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt_tied"])
+@pytest.mark.parametrize("batch_reduction", ["mean", "sum"])
+@pytest.mark.parametrize("token_reduction", ["mean", "sum"])
+def test_per_datum_grads_match_oracle(
+    tmp_path: Any, backend: str, kind: str, batch_reduction: str, token_reduction: str
+) -> None:
+    if kind == "mlp" and token_reduction == "sum":
+        pytest.skip("per-datum losses have no tokens to reduce")
+    case = Case(kind)
+    expected = case.oracle(token_reduction)
+    path = tmp_path / "run.gradlog"
+    with gradlog.GradRecorder(
+        case.model,
+        path,
+        backend=backend,
+        dtype="float64",
+        batch_reduction=batch_reduction,
+        token_reduction=token_reduction,
+        check_every=1,
+    ) as rec:
+        case.record(rec, backend)
+    run = gradlog.open(path)
+    assert set(run.param_names) == set(expected)
+    weight = 1.0 / case.B if batch_reduction == "mean" else 1.0
+    for name, p in case.model.named_parameters():
+        got = run.grads(name, dtype=np.float64)
+        np.testing.assert_allclose(got, expected[name].numpy(), rtol=1e-6, atol=1e-12,
+                                   err_msg=name)
+        # p.grad is the weighted sum of the per-datum gradients
+        np.testing.assert_allclose(p.grad.numpy(), weight * expected[name].sum(0).numpy(),
+                                   rtol=1e-6, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(np.asarray(run.datums.column("weight")), weight)
+
+
+def _train(model: torch.nn.Module, case: Case, steps: int, record: str | None, path: Any) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    rec = gradlog.GradRecorder(model, path, backend=record or "loop", dtype="float64")
+    if record:
+        rec.open()
+    try:
+        for step in range(steps):
+            if record == "vmap":
+                rec.step(case.loss_fn, case.batch, mask=case.mask, step=step)
+            elif record == "loop":
+                rec.backward(case.loss_fn(model, case.batch), mask=case.mask, step=step)
+            else:  # what the user's loop does without gradlog
+                losses = per_datum_losses(case.loss_fn(model, case.batch), case.mask, "mean")
+                losses.mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if record:
+            rec.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recording_does_not_change_training(tmp_path: Any, backend: str) -> None:
+    case = Case("gpt")
+    plain, recorded = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    _train(plain, case, 3, None, tmp_path / "a.gradlog")
+    _train(recorded, case, 3, backend, tmp_path / "b.gradlog")
+    for (name, a), b in zip(plain.named_parameters(), recorded.parameters()):
+        if backend == "loop":  # the ordinary backward itself: bitwise
+            assert torch.equal(a, b), name
+        else:  # vmap sums per-datum gradients: equal to float tolerance
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert gradlog.open(tmp_path / "b.gradlog").steps.num_rows == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_entry_point_on_every_backend(tmp_path: Any, backend: str) -> None:
+    case = Case("mlp", B=4)
+    expected = case.oracle("mean")
+    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog", backend=backend,
+                              dtype="float64") as rec:
+        losses = rec.step(case.loss_fn, case.batch, datum_ids=[7, 3, 9, 1])
+    assert losses.shape == (4,) and not losses.requires_grad
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert run.datums.column("datum_id").to_pylist() == [7, 3, 9, 1]
+    np.testing.assert_allclose(run.grads("0.weight", datum=9, dtype=np.float64)[0],
+                               expected["0.weight"][2].numpy(), rtol=1e-6)
+
+
+def test_vmap_handles_dict_batches(tmp_path: Any) -> None:
+    case = Case("mlp", B=3)
+    expected = case.oracle("mean")
+
+    def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+    x, y = case.batch
+    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog", backend="vmap",
+                              dtype="float64") as rec:
+        rec.step(loss_fn, {"x": x, "y": y})
+    got = gradlog.open(tmp_path / "r.gradlog").grads("2.weight", dtype=np.float64)
+    np.testing.assert_allclose(got, expected["2.weight"].numpy(), rtol=1e-6)
+
+
+def test_selected_params_only(tmp_path: Any) -> None:
+    case = Case("gpt")
+    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog",
+                              params=["blocks.*.mlp.*", "head.weight"]) as rec:
+        case.record(rec, "loop")
+    names = gradlog.open(tmp_path / "r.gradlog").param_names
+    assert names and all((n.startswith("blocks.") and ".mlp." in n) or n == "head.weight"
+                         for n in names)
+    assert "head.weight" in names

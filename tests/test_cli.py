@@ -1,0 +1,98 @@
+"""The ``gradlog`` command through typer's CliRunner: exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import gradlog
+from gradlog.cli.main import app
+
+runner = CliRunner()
+SMALL = ["--steps", "3", "--batch-size", "4", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "demo.gradlog"
+    result = runner.invoke(app, ["train", *SMALL, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_train_prints_a_summary(tmp_path: Path) -> None:
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(app, ["train", *SMALL, "--out", str(out), "--backend", "loop"])
+    assert result.exit_code == 0, result.output
+    for text in ("steps recorded", "records", "bytes on disk", "x plain", "per step"):
+        assert text in result.output
+    run = gradlog.open(out)
+    assert run.steps.num_rows == 3 and run.datums.num_rows == 12
+
+
+def test_train_store_reads_back(trained: Path) -> None:
+    run = gradlog.open(trained)
+    assert run.config["backend"] == "vmap"
+    assert run.steps.column("step").to_pylist() == [0, 1, 2]
+    g = run.grads("head.weight", step=1)
+    assert g.shape[0] == 4 and np.isfinite(g).all() and np.abs(g).sum() > 0
+    # datum ids are windows of the corpus: stable identifiers within the run
+    assert all(i >= 0 for i in run.datums.column("datum_id").to_pylist())
+
+
+def test_train_params_and_every(tmp_path: Path) -> None:
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(
+        app, ["train", *SMALL, "--out", str(out), "-p", "blocks.*.mlp.*", "--every", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    run = gradlog.open(out)
+    assert run.steps.column("step").to_pylist() == [0, 2]
+    assert all(".mlp." in n for n in run.param_names)
+
+
+def test_info(trained: Path) -> None:
+    result = runner.invoke(app, ["info", str(trained)])
+    assert result.exit_code == 0, result.output
+    for text in ("gradlog v1", "CharGPT", "head.weight", "records", "bytes on disk"):
+        assert text in result.output
+
+
+def test_info_json(trained: Path) -> None:
+    result = runner.invoke(app, ["info", str(trained), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["format_version"] == 1 and info["steps"] == 3 and info["records"] == 12
+    assert {p["name"] for p in info["params"]} == set(gradlog.open(trained).param_names)
+
+
+def test_info_on_a_path_that_is_not_a_store(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["info", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "not a gradlog store" in result.output and "Traceback" not in result.output
+
+
+def test_train_refuses_to_overwrite(trained: Path) -> None:
+    result = runner.invoke(app, ["train", *SMALL, "--out", str(trained)])
+    assert result.exit_code == 1
+    assert "--overwrite" in result.output
+    assert gradlog.open(trained).steps.num_rows == 3  # the existing run is intact
+
+
+def test_train_bad_params_pattern(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["train", *SMALL, "--out", str(tmp_path / "r"), "-p", "nope*"])
+    assert result.exit_code == 1
+    assert "matches no parameter" in result.output
+
+
+def test_train_default_path_does_not_clobber(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert runner.invoke(app, ["train", *SMALL]).exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "demo-2.gradlog", "demo.gradlog"
+    ]

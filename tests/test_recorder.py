@@ -1,0 +1,228 @@
+"""Recorder semantics and bad input: clear errors, and nothing already recorded is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlog
+from gradlog.errors import (
+    BackendError,
+    ConfigError,
+    GradientCheckError,
+    GradlogError,
+    InputError,
+    NonFiniteLossError,
+    ParamSelectionError,
+    UnsupportedLayerError,
+)
+from gradlog.testing.zoo import gpt_batch, mlp, mlp_batch, per_token_ce, tiny_gpt
+
+
+def _losses(model: nn.Module, B: int = 4, seed: int = 0) -> torch.Tensor:
+    x, y = mlp_batch(B, seed=seed)
+    return F.cross_entropy(model(x), y, reduction="none")  # (B,)
+
+
+@pytest.fixture
+def recording(tmp_path: Any) -> Any:
+    """A recorder with one committed step (step 0, datums 0..3)."""
+    model = mlp()
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog")
+    rec.open()
+    rec.backward(_losses(model), step=0)
+    yield model, rec, tmp_path / "r.gradlog"
+    rec.close()
+
+
+def _assert_first_step_intact(path: Any) -> None:
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0]
+    assert run.datums.column("datum_id").to_pylist() == [0, 1, 2, 3]
+    assert run.grads("0.weight").shape == (4, 8, 6)
+
+
+@pytest.mark.parametrize(
+    ("make_call", "message"),
+    [
+        (lambda m, r: r.backward(_losses(m)[:, None, None]), "shape (B,) per datum or (B, T)"),
+        (lambda m, r: r.backward(_losses(m), datum_ids=[1, 2, 3]), "datum_ids has 3 entries"),
+        (lambda m, r: r.backward(_losses(m), datum_ids=[0.5, 1, 2, 3]), "integers"),
+        (lambda m, r: r.backward(_losses(m).detach()), "do not require grad"),
+        (lambda m, r: r.backward(_losses(m), mask=torch.ones(4)), "mask applies to per-token"),
+        (lambda m, r: r.backward(_losses(m), step=-1), "step must be >= 0"),
+        (lambda m, r: r.backward([1.0, 2.0]), "must be a torch.Tensor"),
+        (lambda m, r: r.backward(_losses(m)[:0]), "batch size 0"),
+    ],
+)
+def test_bad_input_is_refused_and_run_stays_readable(
+    recording: Any, make_call: Any, message: str
+) -> None:
+    model, rec, path = recording
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_call(model, rec)
+    rec.close()
+    _assert_first_step_intact(path)
+
+
+def test_steps_must_not_decrease(recording: Any) -> None:
+    model, rec, path = recording
+    rec.backward(_losses(model), step=5)
+    with pytest.raises(InputError, match="must not decrease"):
+        rec.backward(_losses(model), step=3)
+    rec.close()
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0, 5]
+
+
+def test_non_finite_loss_is_refused_before_backward(recording: Any) -> None:
+    model, rec, path = recording
+    for p in model.parameters():
+        p.grad = None
+    losses = _losses(model)
+    bad = losses * torch.tensor([1.0, float("nan"), 1.0, float("inf")], dtype=losses.dtype)
+    with pytest.raises(NonFiniteLossError, match=r"datum\(s\) \[5, 7\]"):
+        bad_ids = [4, 5, 6, 7]
+        rec.backward(bad, datum_ids=bad_ids, step=1)
+    assert all(p.grad is None for p in model.parameters())  # the step was not applied
+    rec.backward(_losses(model), step=1)  # recording goes on
+    rec.close()
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1]
+
+
+def test_param_pattern_matching_nothing(tmp_path: Any) -> None:
+    with pytest.raises(ParamSelectionError, match=r"'blocks\.\*' matches no parameter.*0\.weight"):
+        gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", params="blocks.*")
+    assert not (tmp_path / "r.gradlog").exists()
+
+
+def test_param_pattern_matching_only_frozen(tmp_path: Any) -> None:
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ParamSelectionError, match="only frozen"):
+        gradlog.GradRecorder(model, tmp_path / "r.gradlog", params="0.weight")
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog")  # '*' skips the frozen one
+    assert "0.weight" not in rec.params and "0.bias" in rec.params
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"backend": "magic"}, r"backend='magic' is not one of \['loop', 'vmap'"),
+        ({"batch_reduction": "max"}, "batch_reduction"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"every": 0}, "every=0 must be an integer >= 1"),
+        ({"metadata": {"x": object()}}, "JSON-serialisable"),
+    ],
+)
+def test_bad_options(tmp_path: Any, option: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", **option)
+
+
+def test_vmap_needs_the_loss_function(tmp_path: Any) -> None:
+    model = mlp()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec, \
+            pytest.raises(BackendError, match=r"rec\.step\(loss_fn, batch\)"):
+        rec.backward(_losses(model))
+
+
+def test_batchnorm_in_training_is_refused(tmp_path: Any) -> None:
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    x, y = mlp_batch(4)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        with pytest.raises(UnsupportedLayerError, match=r"BatchNorm1d '1'.*eval mode"):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+        model.eval()  # frozen statistics: datums no longer interact
+        rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 1
+
+
+def test_recording_outside_the_context(tmp_path: Any) -> None:
+    model = mlp()
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog")
+    with pytest.raises(GradlogError, match="not recording"):
+        rec.backward(_losses(model))
+
+
+def test_self_check_catches_wrong_gradients(tmp_path: Any) -> None:
+    """A backend whose per-datum gradients do not sum to p.grad is caught loudly."""
+    model = mlp()
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1)
+    rec.open()
+    assert rec._backend is not None
+    original = rec._backend.backward
+
+    def broken(losses: torch.Tensor, batch_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = original(losses, batch_loss)
+        grads["2.bias"] = grads["2.bias"] * 1.01
+        return grads
+
+    rec._backend.backward = broken  # type: ignore[method-assign]
+    with pytest.raises(GradientCheckError, match=r"'2\.bias'"):
+        rec.backward(_losses(model))
+    rec.close()
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0  # nothing wrong was written
+
+
+def test_every_n_steps_and_lr_from_optimizer(tmp_path: Any) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", every=3, optimizer=opt) as rec:
+        for step in range(7):
+            rec.backward(_losses(model, seed=step))
+            opt.step()
+            opt.zero_grad()
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert run.steps.column("step").to_pylist() == [0, 3, 6]
+    assert set(run.datums.column("lr").to_pylist()) == {0.25}
+
+
+def test_gradient_accumulation_records_each_micro_batch(tmp_path: Any) -> None:
+    model = mlp()
+    x, y = mlp_batch(6)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        for half in (slice(0, 3), slice(3, 6)):
+            losses = F.cross_entropy(model(x[half]), y[half], reduction="none")
+            rec.backward(losses, step=0, datum_ids=torch.arange(6)[half])
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert run.steps.to_pylist()[0]["n_records"] == 6
+    assert run.steps.to_pylist()[0]["n_micro"] == 2
+    w = np.asarray(run.datums.column("weight"))
+    for name, p in model.named_parameters():  # p.grad accumulated both micro-batches
+        g = run.grads(name, dtype=np.float64)
+        np.testing.assert_allclose(np.tensordot(w, g, axes=1), p.grad.numpy(), rtol=1e-10)
+
+
+def test_wrapper_prefixes_are_stripped(tmp_path: Any) -> None:
+    class Wrapper(nn.Module):  # stands for DDP: parameters under "module."
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)  # type: ignore[no-any-return]
+
+    model = Wrapper(mlp())
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        rec.backward(_losses(model))
+    assert gradlog.open(tmp_path / "r.gradlog").param_names == [
+        "0.weight", "0.bias", "2.weight", "2.bias"
+    ]
+
+
+def test_masked_tokens_do_not_count(tmp_path: Any) -> None:
+    model = tiny_gpt()
+    x, y, mask = gpt_batch(4, 6)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        losses = rec.backward(per_token_ce(model(x), y), mask=mask)
+    full = per_token_ce(model(x), y).detach()
+    expected = (full * mask).sum(1) / mask.sum(1)
+    torch.testing.assert_close(losses, expected)
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert run.steps.to_pylist()[0]["tokens"] == int(mask.sum())
+    np.testing.assert_allclose(np.asarray(run.datums.column("loss")), expected.numpy())
