@@ -10,7 +10,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -371,7 +371,7 @@ class GradRecorder:
 
     def _record(
         self,
-        compute: Any,
+        compute: Callable[[], tuple[torch.Tensor, PerDatumGrads]],
         step: int,
         datum_ids: Any,
         lr: float | None,

@@ -8,7 +8,7 @@ so memory grows with the whole model; record few layers of a large model with an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ class VmapBackend(Backend):
             raise InputError(f"mask has {mask.shape[0]} rows but the batch has {size} datums.")
 
         def datum_loss(
-            params: dict[str, torch.Tensor], tensors: list[torch.Tensor], mask_b: Any
+            params: Mapping[str, torch.Tensor], tensors: list[torch.Tensor], mask_b: Any
         ) -> torch.Tensor:
             full = list(leaves)
             for i, t in zip(slots, tensors):
