@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["GradRecorder", "GradlogError", "RecorderConfig", "Run", "__version__", "open"]
 
 
-def open(path: str | os.PathLike[str]) -> Run:  # noqa: A001 - the public name is gradlog.open
+def open(path: str | os.PathLike[str]) -> Run:
     """Open a recorded run for reading.
 
     Raises:

@@ -276,7 +276,8 @@ class GradRecorder:
             assert self._backend is not None
             return reduced, self._backend.backward(reduced, self._backend.reduce_batch(reduced))
 
-        return self._record(compute, step, datum_ids, lr, mask, reduced.shape[0], losses)
+        tokens_per_datum = losses.shape[1] if losses.dim() == 2 else 1
+        return self._record(compute, step, datum_ids, lr, mask, tokens_per_datum)
 
     def step(
         self,
@@ -296,7 +297,12 @@ class GradRecorder:
         self._require_open()
         assert self._backend is not None
         step = self._resolve_step(step)
-        reduce = self._reduce
+        seen_tokens: list[int] = []
+
+        def reduce(raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            seen_tokens.append(raw.shape[1] if raw.dim() == 2 else 1)  # tokens per datum
+            return self._reduce(raw, mask)
+
         if not self._records(step):
             reduced = reduce(loss_fn(self.model, batch), mask)
             self._check_losses(reduced, datum_ids)
@@ -310,7 +316,7 @@ class GradRecorder:
                 loss_fn, batch, reduce, mask, lambda r: self._check_losses(r, datum_ids)
             )
 
-        return self._record(compute, step, datum_ids, lr, mask, None, None)
+        return self._record(compute, step, datum_ids, lr, mask, lambda: seen_tokens[-1])
 
     # -- internals --------------------------------------------------------------------------
     def _reduce(self, raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -376,8 +382,7 @@ class GradRecorder:
         datum_ids: Any,
         lr: float | None,
         mask: torch.Tensor | None,
-        batch_hint: int | None,
-        raw_losses: torch.Tensor | None,
+        tokens_per_datum: int | Callable[[], int],
     ) -> torch.Tensor:
         assert self._writer is not None
         check = self._due_for_check()
@@ -429,10 +434,9 @@ class GradRecorder:
 
         if mask is not None:
             tokens = int((mask != 0).sum())
-        elif raw_losses is not None and raw_losses.dim() == 2:
-            tokens = raw_losses.numel()
         else:
-            tokens = batch
+            per_datum = tokens_per_datum() if callable(tokens_per_datum) else tokens_per_datum
+            tokens = batch * per_datum
         if self._pending is None:
             self._pending = {
                 "step": step,

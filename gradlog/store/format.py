@@ -18,8 +18,8 @@ __all__ = [
     "STEPS_DIR",
     "array_path",
     "check_root_attrs",
-    "index_schema",
     "index_part_name",
+    "index_schema",
     "norm_column",
     "step_part_name",
     "steps_schema",
@@ -35,7 +35,7 @@ STEPS_DIR = "steps"
 NORM_PREFIX = "norm/"
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_PART = re.compile(r"^step-(\d{12})(?:-(\d{6}))?\.parquet$")
+_PART = re.compile(r"^step-(\d{12,})(?:-(\d{6,}))?\.parquet$")  # widths are minimums
 
 
 def array_path(param: str) -> str:

@@ -1,0 +1,229 @@
+"""Conformance checks of a store against the format specification (``schemas/FORMAT.md``).
+
+:func:`validate_store` validates what a reader sees (root attributes, every committed index
+row and steps row) against the JSON Schemas shipped as package data ``gradlog.schemas``, and
+then checks the rules a JSON Schema cannot express (config hash, array paths, array shapes,
+row ranges, part file names). jsonschema is a test-only dependency: it is imported by the
+functions that need it, never at import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+
+from gradlog.store import format as fmt
+
+__all__ = ["SCHEMAS", "load_schema", "validate_store"]
+
+SCHEMAS = ("root", "index", "steps")
+"""Names of the JSON Schemas in ``gradlog.schemas`` (file ``<name>.schema.json``)."""
+
+_INDEX_PART = re.compile(r"^step-\d{12,}-\d{6,}\.parquet$")
+_STEPS_PART = re.compile(r"^step-\d{12,}\.parquet$")
+
+
+def load_schema(name: str) -> dict[str, Any]:
+    """Load one of the format's JSON Schemas.
+
+    Args:
+        name: ``"root"``, ``"index"`` or ``"steps"`` (or the file name, ``"root.schema.json"``).
+
+    Returns:
+        The schema as a dict.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`SCHEMAS`.
+    """
+    stem = name.removesuffix(".json").removesuffix(".schema")
+    if stem not in SCHEMAS:
+        raise ValueError(f"unknown schema {name!r}; the format has: {', '.join(SCHEMAS)}.")
+    text = files("gradlog.schemas").joinpath(f"{stem}.schema.json").read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def validate_store(path: str | os.PathLike[str]) -> None:
+    """Validate the store at ``path`` against the format specification.
+
+    Checks the root attributes, every committed index row and every steps row against the JSON
+    Schemas, and: ``config_hash`` is the sha256 of the canonical JSON of ``config``; every
+    parameter's ``array`` is ``array_path(name)`` and its ``numel`` the product of its shape;
+    the ``norm/<param>`` columns are exactly one per parameter; numbers are finite; rows are
+    unique and each step's records fill ``first_row .. first_row + n_records - 1`` with micro
+    numbers ``0 .. n_micro - 1``; every array exists when the run has records, with the spec's
+    dtype, trailing shape, dimension names and a final ``crc32c`` codec, and is longer than
+    every committed row; every part file is named after the step (and micro) it holds.
+
+    Raises:
+        jsonschema.ValidationError: the first violation found, with where it is.
+        gradlog.errors.GradlogError: the store cannot be opened at all.
+    """
+    import gradlog
+
+    run = gradlog.open(path)
+    root = Path(path)
+    attrs = run.attrs
+    _check_schema("root", attrs, f"{root}/zarr.json attributes")
+    _check_root_rules(attrs, root)
+
+    records = run.datums.to_pylist()
+    for record in records:
+        _check_schema("index", record, f"{root} index row {record.get('row')}")
+    steps = run.steps.to_pylist()
+    for step_row in steps:
+        _check_schema("steps", step_row, f"{root} steps row of step {step_row.get('step')}")
+    _check_tables(attrs, records, steps, root)
+    _check_arrays(attrs, records, root)
+    _check_part_files(root)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _fail(message: str) -> NoReturn:
+    from jsonschema import ValidationError
+
+    raise ValidationError(message)
+
+
+def _check_schema(name: str, instance: Any, where: str) -> None:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    schema = load_schema(name)
+    Draft202012Validator.check_schema(schema)
+    validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+    error = best_match(validator.iter_errors(instance))
+    if error is not None:
+        _fail(f"{where}: breaks {name}.schema.json at {error.json_path}: {error.message}")
+
+
+def _check_root_rules(attrs: dict[str, Any], root: Path) -> None:
+    canonical = json.dumps(attrs["config"], sort_keys=True, separators=(",", ":"))
+    expected = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    if attrs["config_hash"] != expected:
+        _fail(
+            f"{root}: config_hash {attrs['config_hash']} is not the sha256 of the canonical "
+            f"JSON of config ({expected})."
+        )
+    for name, spec in attrs["params"].items():
+        if spec["array"] != fmt.array_path(name):
+            _fail(
+                f"{root}: parameter {name!r} points at array {spec['array']!r}, expected "
+                f"{fmt.array_path(name)!r}."
+            )
+        numel = math.prod(spec["shape"])
+        if spec["numel"] != numel:
+            _fail(f"{root}: parameter {name!r} has numel {spec['numel']}, its shape gives {numel}.")
+
+
+def _check_tables(
+    attrs: dict[str, Any],
+    records: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    root: Path,
+) -> None:
+    norm_columns = {fmt.norm_column(name) for name in attrs["params"]}
+    for record in records:
+        present = {k for k in record if k.startswith(fmt.NORM_PREFIX)}
+        if present != norm_columns:
+            _fail(
+                f"{root}: index row {record['row']} has norm columns {sorted(present)}, "
+                f"expected one per parameter: {sorted(norm_columns)}."
+            )
+        numbers = [record["loss"], record["weight"], record["lr"], *(record[c] for c in present)]
+        if not all(v is None or math.isfinite(v) for v in numbers):
+            _fail(f"{root}: index row {record['row']} holds a non-finite number: {record}.")
+    rows = [r["row"] for r in records]
+    if len(set(rows)) != len(rows):
+        _fail(f"{root}: the committed index rows repeat a row number.")
+
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], []).append(record)
+    for row in steps:
+        step = row["step"]
+        mine = by_step.get(step, [])
+        first, n = row["first_row"], row["n_records"]
+        if sorted(r["row"] for r in mine) != list(range(first, first + n)):
+            _fail(
+                f"{root}: step {step} claims rows {first}..{first + n - 1}, its index rows are "
+                f"{sorted(r['row'] for r in mine)}."
+            )
+        micros = sorted({r["micro"] for r in mine})
+        if micros != list(range(row["n_micro"])):
+            _fail(f"{root}: step {step} has n_micro {row['n_micro']} but micro numbers {micros}.")
+        loss_mean = float(np.mean([r["loss"] for r in mine]))
+        if not math.isclose(row["loss_mean"], loss_mean, rel_tol=1e-9, abs_tol=1e-12):
+            _fail(f"{root}: step {step} has loss_mean {row['loss_mean']}, its records {loss_mean}.")
+        numbers = [row["lr"], row["loss_mean"], row["time_compute_s"], row["time_write_s"]]
+        if not all(v is None or math.isfinite(v) for v in numbers):
+            _fail(f"{root}: the steps row of step {step} holds a non-finite number: {row}.")
+
+
+def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
+    import zarr
+
+    max_row = max((r["row"] for r in records), default=-1)
+    for name, spec in attrs["params"].items():
+        meta_file = root / spec["array"] / "zarr.json"
+        if not meta_file.is_file():
+            if records:
+                _fail(f"{root}: parameter {name!r} has records but no array at {spec['array']}.")
+            continue  # arrays are created at the first append
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        arr = zarr.open_array(str(root / spec["array"]), mode="r")
+        where = f"{root}: array {spec['array']} of {name!r}"
+        if list(arr.shape[1:]) != list(spec["shape"]):
+            _fail(f"{where} has shape {arr.shape}; expected (n_rows, *{spec['shape']}).")
+        if arr.dtype != np.dtype(spec["dtype"]):
+            _fail(f"{where} has dtype {arr.dtype}; the spec says {spec['dtype']}.")
+        if arr.shape[0] <= max_row:
+            _fail(f"{where} has {arr.shape[0]} rows; committed rows reach {max_row}.")
+        dims = ["record", *(f"dim_{i}" for i in range(len(spec["shape"])))]
+        if meta.get("dimension_names") != dims:
+            _fail(f"{where} has dimension_names {meta.get('dimension_names')}; expected {dims}.")
+        codecs = [c.get("name") for c in meta.get("codecs", [])]
+        if not codecs or codecs[-1] != "crc32c":
+            _fail(f"{where} has codecs {codecs}; the chain must end with crc32c.")
+
+
+def _check_part_files(root: Path) -> None:
+    import pyarrow.parquet as pq
+
+    parts = (
+        (fmt.INDEX_DIR, _INDEX_PART, ("step", "micro")),
+        (fmt.STEPS_DIR, _STEPS_PART, ("step",)),
+    )
+    for directory, pattern, columns in parts:
+        folder = root / directory
+        if not folder.is_dir():
+            _fail(f"{root}: the {directory}/ directory is missing.")
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("."):
+                continue  # temporaries of an interrupted write
+            if not pattern.match(name):
+                _fail(f"{folder}: {name!r} is not a part file name of the format.")
+            table = pq.read_table(folder / name, columns=list(columns))
+            keys = set(zip(*(table.column(c).to_pylist() for c in columns)))
+            names = {_part_name(key) for key in keys}
+            if names != {name}:
+                _fail(
+                    f"{folder / name} holds rows of (step, micro) {sorted(keys)}; a part is "
+                    "named after the one step (and micro) it holds."
+                )
+            if directory == fmt.STEPS_DIR and table.num_rows != 1:
+                _fail(f"{folder / name}: a steps part holds one row, not {table.num_rows}.")
+
+
+def _part_name(key: tuple[int, ...]) -> str:
+    """File name of the part of ``(step,)`` or ``(step, micro)``, written out from FORMAT.md."""
+    digits = "-".join(f"{value:0{width}d}" for value, width in zip(key, (12, 6)))
+    return f"step-{digits}.parquet"
