@@ -28,7 +28,11 @@ err_console = Console(stderr=True)
 
 
 def _fail(error: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: messages hold brackets ("pip install 'gradlog[plot]'", lists) rich would eat
+    err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False,
+                      soft_wrap=True)
     raise typer.Exit(code=1)
 
 
@@ -184,6 +188,362 @@ def info(
         params.add_row(p["name"], "x".join(map(str, p["shape"])) or "scalar", p["dtype"],
                        p["form"])
     console.print(params)
+
+
+# -- reading a run: ls, show, norms, influence, export, plot -----------------------------------
+_SELECTOR_HELP = "an int, A:B (steps A..B-1), or a comma list"
+
+
+def _selector(text: str | None, what: str) -> Any:
+    """``"5"`` -> 5, ``"2:8"`` -> slice(2, 8), ``"1,4,9"`` -> [1, 4, 9]; None stays None."""
+    from gradlog.errors import InputError
+
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            start, _, stop = text.partition(":")
+            return slice(int(start) if start.strip() else None, int(stop) if stop.strip() else None)
+        if "," in text:
+            return [int(v) for v in text.split(",") if v.strip()]
+        return int(text)
+    except ValueError:
+        raise InputError(
+            f"--{what} {text!r} is not a selection: pass {_SELECTOR_HELP} (e.g. 3, 0:10, 1,5,9)."
+        ) from None
+
+
+def _open_run(run_path: Path) -> Any:
+    import gradlog
+
+    try:
+        run = gradlog.open(run_path)
+        run.steps, run.datums  # noqa: B018 - read the tables now, so errors surface here
+    except GradlogError as e:
+        _fail(e)
+    return run
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/inf: None instead."""
+    if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _echo_json(value: Any) -> None:
+    typer.echo(json.dumps(_finite(value), indent=2))
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _progress() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="Path of a gradlog store.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+StepOpt = Annotated[str | None, typer.Option("--step", "-s", help=f"Steps: {_SELECTOR_HELP}.")]
+DatumOpt = Annotated[
+    str | None, typer.Option("--datum", "-d", help="Datum ids: an int or a comma list.")
+]
+ParamsOpt = Annotated[
+    list[str] | None, typer.Option("--param", "-p", help="Parameter (repeat for several).")
+]
+MemoryOpt = Annotated[
+    str | None, typer.Option(help="Working-memory cap of the scan, e.g. 512MiB (default 256MiB).")
+]
+
+
+@app.command("ls")
+def ls_(
+    run_path: RunArg,
+    as_json: JsonOpt = False,
+    all_steps: Annotated[bool, typer.Option("--all", help="List every step.")] = False,
+) -> None:
+    """List a run's recorded parameters and committed steps."""
+    run = _open_run(run_path)
+    steps = run.steps.select(["step", "n_records", "n_micro", "tokens", "lr", "loss_mean"])
+    try:
+        probe_ids = run.probe_ids
+    except GradlogError as e:
+        _fail(e)
+    if as_json:
+        _echo_json({"path": str(run.path), "params": run.params.to_pylist(),
+                    "steps": steps.to_pylist(), "probe_ids": probe_ids})
+        return
+    params = Table(title=f"{len(run.param_names)} recorded parameters")
+    for column in ("name", "shape", "numel", "dtype", "form"):
+        params.add_column(column, justify="right" if column == "numel" else "left")
+    for p in run.params.to_pylist():
+        params.add_row(p["name"], "x".join(map(str, p["shape"])) or "scalar", f"{p['numel']:,}",
+                       p["dtype"], p["form"])
+    console.print(params)
+    rows = steps.to_pylist()
+    table = Table(title=f"{len(rows)} committed steps, {run.datums.num_rows} records")
+    for column in ("step", "records", "micro-batches", "tokens", "lr", "mean loss"):
+        table.add_column(column, justify="right")
+    shown = rows if all_steps or len(rows) <= 20 else [*rows[:10], None, *rows[-10:]]
+    for r in shown:
+        if r is None:
+            table.add_row("...", "", "", "", "", "")
+            continue
+        table.add_row(str(r["step"]), str(r["n_records"]), str(r["n_micro"]), str(r["tokens"]),
+                      _num(r["lr"]), _num(r["loss_mean"]))
+    console.print(table)
+    if len(shown) < len(rows) + 1 and not all_steps and len(rows) > 20:
+        console.print("(--all lists every step)")
+    if probe_ids:
+        console.print(f"probes: {len(probe_ids)} recorded ({', '.join(map(str, probe_ids[:10]))}"
+                      f"{' ...' if len(probe_ids) > 10 else ''}); gradlog influence RUN --probe ID")
+
+
+@app.command()
+def show(
+    run_path: RunArg,
+    params: ParamsOpt = None,
+    step: StepOpt = None,
+    datum: DatumOpt = None,
+    max_memory: MemoryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Statistics of a slice of gradients: shape, norm, mean, std, min, max."""
+    run = _open_run(run_path)
+    try:
+        names = params or run.param_names
+        results = [run.stats(name, _selector(step, "step"), _selector(datum, "datum"),
+                             max_memory=max_memory) for name in names]
+    except GradlogError as e:
+        _fail(e)
+    if as_json:
+        _echo_json(results)
+        return
+    where = ", ".join(x for x in (f"step {step}" if step else "", f"datum {datum}" if datum
+                                  else "") if x) or "every record"
+    table = Table(title=f"gradients at {where}")
+    for column in ("param", "shape", "norm", "mean", "std", "min", "max"):
+        table.add_column(column, justify="left" if column in ("param", "shape") else "right")
+    for r in results:
+        table.add_row(r["param"], "x".join(map(str, r["shape"])), _num(r["norm"]),
+                      _num(r["mean"]), _num(r["std"]), _num(r["min"]), _num(r["max"]))
+    console.print(table)
+
+
+@app.command()
+def norms(
+    run_path: RunArg,
+    params: ParamsOpt = None,
+    step: StepOpt = None,
+    datum: DatumOpt = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write every norm to a .parquet or .csv file.")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Rows to print (largest norms).")] = 20,
+    as_json: JsonOpt = False,
+) -> None:
+    """Exact per-record gradient norms (step, datum_id, row, param, norm)."""
+    import pyarrow as pa
+
+    run = _open_run(run_path)
+    try:
+        names = params or [None]
+        tables = [run.norms(name, _selector(step, "step"), _selector(datum, "datum"))
+                  for name in names]
+    except GradlogError as e:
+        _fail(e)
+    table = pa.concat_tables(tables).sort_by([("row", "ascending"), ("param", "ascending")])
+    if out is not None:
+        suffix = out.suffix.lower()
+        if suffix not in (".parquet", ".csv"):
+            _fail(ValueError(f"--out {out} must end in .parquet or .csv."))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, out, compression="zstd")
+        else:
+            import pyarrow.csv as pcsv
+
+            pcsv.write_csv(table, out)
+        if as_json:
+            _echo_json({"path": str(out), "rows": table.num_rows})
+        else:
+            console.print(f"wrote {table.num_rows} norms to {out}")
+        return
+    if as_json:
+        _echo_json(table.to_pylist())
+        return
+    top = table.sort_by([("norm", "descending")]).slice(0, limit).to_pylist()
+    view = Table(title=f"largest of {table.num_rows} per-record gradient norms")
+    for column in ("step", "datum", "param", "norm"):
+        view.add_column(column, justify="left" if column == "param" else "right")
+    for r in top:
+        view.add_row(str(r["step"]), str(r["datum_id"]), r["param"], _num(r["norm"], 6))
+    console.print(view)
+    if table.num_rows > limit:
+        console.print(f"({table.num_rows - limit} more; --out FILE.parquet writes them all)")
+
+
+@app.command()
+def influence(
+    run_path: RunArg,
+    probe: Annotated[int | None, typer.Option(help="Id of a probe recorded with the run.")] = None,
+    self_: Annotated[
+        bool, typer.Option("--self", help="Rank data by self-influence instead.")
+    ] = False,
+    top: Annotated[int, typer.Option(min=1, help="Proponents and opponents to list.")] = 10,
+    params: ParamsOpt = None,
+    weighted: Annotated[
+        bool, typer.Option(help="Include each record's weight w_b (first-order loss change).")
+    ] = False,
+    lr: Annotated[
+        float | None, typer.Option(help="Use this learning rate instead of the recorded ones.")
+    ] = None,
+    max_memory: MemoryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """TracIn over the recorded steps: the training data that most helped (proponents) and
+    hurt (opponents) a probe; score = sum_t lr_t <g_t(datum), g_t(probe)>."""
+    from gradlog.errors import InputError
+
+    run = _open_run(run_path)
+    try:
+        if self_ == (probe is not None):
+            ids = run.probe_ids
+            known = (f"recorded probes: {', '.join(map(str, ids[:20]))}" if ids
+                     else "this run has no probes")
+            raise InputError(f"pass exactly one of --probe ID ({known}) or --self.")
+        if self_:
+            table = run.self_influence(top=top, params=params, weighted=weighted, lr=lr)
+        else:
+            assert probe is not None
+            table = run.influence(probe, top=top, params=params, weighted=weighted, lr=lr,
+                                  max_memory=max_memory, progress=_progress())
+    except GradlogError as e:
+        _fail(e)
+    rows = table.to_pylist()
+    if as_json:
+        _echo_json({"probe": probe, "self": self_, "weighted": weighted, "rows": rows})
+        return
+    if self_:
+        view = Table(title=f"self-influence sum_t lr_t{' w' if weighted else ''} ||g_t||^2")
+        for column in ("rank", "datum", "score", "steps"):
+            view.add_column(column, justify="right")
+        for i, r in enumerate(rows, 1):
+            view.add_row(str(i), str(r["datum_id"]), _num(r["score"], 6), str(r["n_steps"]))
+        console.print(view)
+        return
+    for kind, title in (("proponent", "proponents (training on them lowered the probe's "
+                                      "loss)"),
+                        ("opponent", "opponents (training on them raised the probe's loss)")):
+        view = Table(title=f"probe {probe}: {title}")
+        for column in ("rank", "datum", "score", "steps"):
+            view.add_column(column, justify="right")
+        for r in rows:
+            if r["kind"] == kind:
+                view.add_row(str(r["rank"]), str(r["datum_id"]), _num(r["score"], 6),
+                             str(r["n_steps"]))
+        console.print(view)
+
+
+@app.command()
+def export(
+    run_path: RunArg,
+    out: Annotated[Path, typer.Option(help="File to write (.parquet or .npz).")],
+    format: Annotated[
+        str | None, typer.Option(help="parquet or npz (default: from --out's extension).")
+    ] = None,
+    params: ParamsOpt = None,
+    step: StepOpt = None,
+    datum: DatumOpt = None,
+    max_memory: MemoryOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export records and their gradients to one parquet or npz file."""
+    run = _open_run(run_path)
+    try:
+        summary = run.export(out, format=format, params=params, step=_selector(step, "step"),
+                             datum=_selector(datum, "datum"), max_memory=max_memory,
+                             progress=_progress())
+    except GradlogError as e:
+        _fail(e)
+    if as_json:
+        _echo_json(summary)
+        return
+    console.print(f"wrote {summary['records']} records x {len(summary['params'])} parameters "
+                  f"to {summary['path']} ({summary['format']}, {_bytes(summary['bytes'])})")
+
+
+@app.command()
+def plot(
+    run_path: RunArg,
+    out: Annotated[Path, typer.Option(help="Image to write (.png, .svg, .pdf).")],
+    params: ParamsOpt = None,
+    datums: Annotated[int, typer.Option(min=1, help="Trajectories to draw.")] = 8,
+    width: Annotated[int, typer.Option(min=100, help="Width in pixels.")] = 1200,
+    height: Annotated[int, typer.Option(min=100, help="Height in pixels.")] = 500,
+) -> None:
+    """Plot per-datum gradient-norm trajectories and a steps x data heatmap."""
+    run = _open_run(run_path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run.plot(out, params=params, datums=datums, width=width, height=height)
+    except GradlogError as e:
+        _fail(e)
+    console.print(f"wrote {out} ({width}x{height} pixels)")
+
+
+@app.command()
+def verify(
+    run_path: Annotated[Path, typer.Argument(metavar="RUN", help="Path of a gradlog store.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Check a store end to end: commit log, index, arrays, every chunk's checksum, schemas.
+
+    Exit code 0 only when every check holds; otherwise 1, with what failed.
+    """
+    from rich.markup import escape
+
+    from gradlog.store.verify import verify as verify_store
+
+    report = verify_store(run_path)
+    if as_json:
+        _echo_json({
+            "path": str(report.path),
+            "ok": report.ok,
+            "checks": [
+                {"name": c.name, "ok": c.ok, "summary": c.summary, "skipped": c.skipped,
+                 "problems": c.problems}
+                for c in report.checks
+            ],
+            "notes": report.notes,
+        })
+    else:
+        for c in report.checks:
+            mark = "[green]ok[/]  " if c.ok else "[bold red]FAIL[/]"
+            console.print(f"{mark} {c.name}: {escape(c.skipped or c.summary)}", highlight=False)
+            for problem in c.problems:
+                console.print(f"       - {escape(problem)}", highlight=False, soft_wrap=True)
+        for note in report.notes[:20]:
+            console.print(f"     note: {escape(note)}", highlight=False)
+        if len(report.notes) > 20:
+            console.print(f"     note: ... and {len(report.notes) - 20} more", highlight=False)
+        verdict = "intact" if report.ok else "DAMAGED: see FAIL above"
+        console.print(f"{report.path}: {verdict}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(code=1)
 
 
 def main() -> None:

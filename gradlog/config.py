@@ -15,7 +15,9 @@ __all__ = ["BATCH_REDUCTIONS", "STORAGE_DTYPES", "TOKEN_REDUCTIONS", "RecorderCo
 
 BATCH_REDUCTIONS = ("mean", "sum")
 TOKEN_REDUCTIONS = ("mean", "sum")
-STORAGE_DTYPES = ("float32", "float64")
+STORAGE_DTYPES = ("float32", "float64", "float16", "bfloat16", "bitroundN")
+"""Storage dtypes (``bitroundN``: N of 23 mantissa bits kept, e.g. ``bitround9``);
+gradlog.store.dtypes and schemas/FORMAT.md section 4.2 give each one's error."""
 
 
 def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -34,7 +36,12 @@ class RecorderConfig:
         batch_reduction: ``p.grad`` is the gradient of ``losses.mean()`` or ``losses.sum()``.
         token_reduction: How ``(B, T)`` per-token losses become a datum's loss: ``mean`` over
             the datum's unmasked tokens or their ``sum``.
-        dtype: Storage dtype of gradients.
+        dtype: Storage dtype of gradients: ``float32`` (lossless, default), ``float64``, or
+            lossy ``bfloat16``, ``float16`` (underflows for small gradients: not advised) and
+            ``bitroundN`` (float32 rounded to N mantissa bits); reads return float32.
+        compression: ``none``, ``lz4`` or ``zstd`` (blosc, bitshuffle, level 1); ``auto``
+            (default) resolves to ``lz4`` for ``bitroundN`` and ``none`` otherwise, chosen by
+            measurement (FORMAT.md section 4.3).
         every: Record every N-th ``backward`` call's step; the others train without recording.
         check_every: Verify ``sum_b w_b g_b == p.grad`` on the first recorded step and every
             N-th after it; 0 disables the check.
@@ -54,6 +61,7 @@ class RecorderConfig:
     check_rtol: float = 1e-4
     vmap_randomness: str = "different"
     metadata: dict[str, Any] = field(default_factory=dict)
+    compression: str = "auto"
 
     def __post_init__(self) -> None:
         from gradlog.backends import BACKENDS
@@ -69,7 +77,12 @@ class RecorderConfig:
         _choice("backend", self.backend, list(BACKENDS))
         _choice("batch_reduction", self.batch_reduction, BATCH_REDUCTIONS)
         _choice("token_reduction", self.token_reduction, TOKEN_REDUCTIONS)
-        _choice("dtype", self.dtype, STORAGE_DTYPES)
+        from gradlog.store.dtypes import COMPRESSIONS, default_compression, storage_dtype
+
+        storage_dtype(self.dtype)  # raises ConfigError listing the storage dtypes
+        _choice("compression", self.compression, ("auto", *COMPRESSIONS))
+        if self.compression == "auto":
+            object.__setattr__(self, "compression", default_compression(self.dtype))
         _choice("vmap_randomness", self.vmap_randomness, ("different", "same", "error"))
         for name in ("every", "check_every"):
             value = getattr(self, name)

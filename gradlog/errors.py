@@ -17,9 +17,12 @@ __all__ = [
     "NotAStoreError",
     "ParamSelectionError",
     "SelectionError",
+    "StoreCorruptError",
     "StoreExistsError",
     "StoreFormatError",
+    "StoreResumeError",
     "StoreVersionError",
+    "StoreWriteError",
     "UnsupportedLayerError",
 ]
 
@@ -70,6 +73,20 @@ class StoreFormatError(GradlogError, ValueError):
 
 class StoreVersionError(StoreFormatError):
     """The store was written by a newer format version than this gradlog reads."""
+
+
+class StoreCorruptError(StoreFormatError):
+    """Stored bytes are damaged: a checksum does not match, or a committed chunk is missing or
+    truncated. Raised instead of ever returning wrong numbers; names the array and chunk."""
+
+
+class StoreResumeError(GradlogError, ValueError):
+    """``resume=True`` cannot continue this store (another configuration, another model)."""
+
+
+class StoreWriteError(GradlogError, OSError):
+    """The background writer failed (disk full, permissions, ...); steps committed before the
+    failure are intact. Raised on the recording thread at its next call or at exit."""
 
 
 class SelectionError(GradlogError, LookupError):

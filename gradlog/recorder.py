@@ -31,7 +31,8 @@ from gradlog.errors import (
 from gradlog.losses import per_datum_losses
 from gradlog.params import select_params
 from gradlog.store import format as fmt
-from gradlog.store.writer import ParamSpec, StoreWriter
+from gradlog.store.dtypes import storage_dtype, to_storage_torch
+from gradlog.store.writer import DEFAULT_QUEUE_BYTES, ParamSpec, StoreWriter
 
 __all__ = ["GradRecorder"]
 
@@ -90,7 +91,14 @@ class GradRecorder:
         batch_reduction: ``"mean"`` or ``"sum"``: what ``p.grad`` is the gradient of.
         token_reduction: For ``(B, T)`` losses: ``"mean"`` over a datum's unmasked tokens,
             or ``"sum"``.
-        dtype: Storage dtype of the gradients (``"float32"`` or ``"float64"``).
+        dtype: Storage dtype of the gradients: ``"float32"`` (lossless, default),
+            ``"float64"``, or lossy ``"bfloat16"``, ``"float16"`` (underflows for small
+            gradients: not advised) and ``"bitroundN"`` (float32 rounded to N mantissa bits,
+            e.g. ``"bitround9"``); schemas/FORMAT.md section 4.2 gives each one's error.
+            Reads return float32.
+        compression: ``"none"``, ``"lz4"`` or ``"zstd"`` (blosc with bitshuffle); ``"auto"``
+            picks ``lz4`` for ``bitroundN`` and ``none`` otherwise (measured: lossless
+            compression gains 1.17x on float32 gradients, not worth a core).
         every: Record every N-th step only (``step % every == 0``).
         check_every: Self-check ``sum_b w_b g_b == p.grad`` on the first recorded step and
             every N-th after it (0: never).
@@ -100,6 +108,28 @@ class GradRecorder:
         overwrite: Replace an existing gradlog store at ``path``.
         metadata: JSON-serialisable user metadata stored with the run.
         vmap_randomness: ``torch.func.vmap`` randomness for the vmap backend.
+        probes: ``(loss_fn, batch)`` of held-out examples whose per-datum gradients are
+            recorded at every recorded step (same parameters, same storage), for influence
+            exact in time (``run.influence``). ``loss_fn(model, batch)`` returns ``(P,)``
+            per-probe or ``(P, T)`` per-token losses (reduced like the training losses). The
+            probe gradients are taken by ``torch.autograd.grad`` on a separate forward, once
+            per recorded step at its first backward call, after the training backward and at
+            the same parameter values; ``p.grad``, the optimizer and the RNG stream that
+            training sees are untouched (the forward runs under a forked RNG, in the model's
+            current train/eval mode). Costs one forward and one backward batched over the
+            probes per recorded step (``P`` backwards where vmap cannot batch an operation).
+        probe_ids: One distinct int >= 0 per probe (default ``0 .. P-1``).
+        resume: Continue the store at ``path`` after its last committed step (e.g. after a
+            crash): its configuration must match this one; records of uncommitted steps are
+            discarded; steps continue after the last committed one. Without a store at
+            ``path``, recording starts a new one.
+        queue_bytes: Capacity, in bytes, of the queue feeding the background writer. When
+            the disk is slower than training, ``backward`` blocks until there is room
+            (nothing is dropped). A batch larger than the capacity waits for an empty queue.
+            Default: one batch's gradients, so one batch is written while the next is
+            computed (about two batches of gradients in memory at most).
+        durable: ``fsync`` each step's data before committing it, so committed steps survive
+            power loss, not only a crash of the process.
     """
 
     def __init__(
@@ -119,6 +149,12 @@ class GradRecorder:
         overwrite: bool = False,
         metadata: dict[str, Any] | None = None,
         vmap_randomness: str = "different",
+        probes: tuple[Callable[[nn.Module, Any], torch.Tensor], Any] | None = None,
+        probe_ids: Any = None,
+        compression: str = "auto",
+        resume: bool = False,
+        queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
+        durable: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -133,11 +169,16 @@ class GradRecorder:
             check_rtol=check_rtol,
             vmap_randomness=vmap_randomness,
             metadata=dict(metadata or {}),
+            compression=compression,
         )
         self.model = model
         self.path = path
         self.optimizer = optimizer
         self.overwrite = overwrite
+        self.resume = resume
+        self.queue_bytes = queue_bytes
+        self.durable = durable
+        self._committed_through: int | None = None  # last step already in a resumed store
         self.params = select_params(model, self.config.params)
         self._backend: Backend | None = None
         self._writer: StoreWriter | None = None
@@ -148,6 +189,16 @@ class GradRecorder:
         self._pending: dict[str, Any] | None = None  # the step being recorded, until committed
         self._next_datum = 0
         self._n_checked = 0
+        if probes is not None and not (
+            isinstance(probes, tuple) and len(probes) == 2 and callable(probes[0])
+        ):
+            raise InputError(
+                f"probes must be a pair (loss_fn, batch) with loss_fn(model, batch) returning "
+                f"per-probe losses, got {type(probes).__name__}."
+            )
+        self._probes = probes
+        self._probe_ids = probe_ids
+        self._probe_writer: Any = None  # gradlog.store.probes.ProbeWriter, at the first probe
         self.steps_recorded = 0
         self.records_written = 0
 
@@ -168,12 +219,11 @@ class GradRecorder:
         """Create the store and start recording (``with`` does this)."""
         if self._writer is not None:
             raise GradlogError("this GradRecorder is already recording; use one per run.")
-        storage = np.dtype(self.config.dtype)
         specs = {
             name: ParamSpec(
                 name=name,
                 shape=tuple(p.shape),
-                dtype=storage.name,
+                dtype=self.config.dtype,
                 param_dtype=str(p.dtype).removeprefix("torch."),
             )
             for name, p in self.params.items()
@@ -189,12 +239,22 @@ class GradRecorder:
         attrs["backend"] = self._backend.describe()
         try:
             self._writer = StoreWriter(
-                self.path, attrs=attrs, specs=specs, overwrite=self.overwrite
+                self.path,
+                attrs=attrs,
+                specs=specs,
+                overwrite=self.overwrite,
+                resume=self.resume,
+                queue_bytes=self.queue_bytes,
+                durable=self.durable,
+                compression=self.config.compression,
             )
         except BaseException:
             self._backend.detach()
             self._backend = None
             raise
+        if self.resume and self._writer.last_step is not None:
+            self._last_step = self._committed_through = self._writer.last_step
+            self._next_datum = self._writer.next_datum_id
         log.info(
             "gradlog: recording %d parameters (%s per datum per step) into %s",
             len(self.params),
@@ -211,6 +271,9 @@ class GradRecorder:
             if self._backend is not None:
                 self._backend.detach()
                 self._backend = None
+            if self._probe_writer is not None:
+                self._probe_writer.close()
+                self._probe_writer = None
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
@@ -231,7 +294,7 @@ class GradRecorder:
     @property
     def bytes_per_record(self) -> int:
         """Stored bytes of one datum's gradients (all recorded parameters)."""
-        itemsize = np.dtype(self.config.dtype).itemsize
+        itemsize = storage_dtype(self.config.dtype).itemsize
         return sum(p.numel() for p in self.params.values()) * itemsize
 
     # -- recording --------------------------------------------------------------------------
@@ -363,6 +426,12 @@ class GradRecorder:
         step = int(step)
         if step < 0:
             raise InputError(f"step must be >= 0, got {step}.")
+        if self._committed_through is not None and step <= self._committed_through:
+            raise InputError(
+                f"step {step} is already committed in the resumed store (its last committed "
+                f"step is {self._committed_through}); continue with step "
+                f"{self._committed_through + 1} or later."
+            )
         if self._last_step is not None and step < self._last_step:
             raise InputError(
                 f"step {step} comes after step {self._last_step}; steps must not decrease. "
@@ -402,6 +471,8 @@ class GradRecorder:
         weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
         if check:
             self._self_check(before, grads, weight)
+        if self._probes is not None and self._pending is None:  # once per step, at micro 0
+            self._record_probes(step)
         t1 = time.perf_counter()
 
         ids = (
@@ -412,8 +483,7 @@ class GradRecorder:
         self._next_datum = max(self._next_datum, int(ids.max()) + 1)
         if lr is None and self.optimizer is not None:
             lr = float(self.optimizer.param_groups[0]["lr"])
-        storage = getattr(torch, self.config.dtype)
-        host = {n: g.detach().to(storage).cpu().numpy() for n, g in grads.items()}
+        host = {n: g.detach() for n, g in grads.items()}  # rounded and written by the writer
         norms = {
             n: torch.linalg.vector_norm(g.detach().reshape(batch, -1).double(), dim=1).cpu().numpy()
             for n, g in grads.items()
@@ -460,6 +530,17 @@ class GradRecorder:
         self.records_written += batch
         return losses.detach()
 
+    def flush(self) -> None:
+        """Wait until everything recorded so far is written and every completed step is
+        committed (the step in progress commits when the next one begins, or at close).
+
+        Raises:
+            StoreWriteError: the background writer failed.
+        """
+        self._require_open()
+        assert self._writer is not None
+        self._writer.flush()
+
     def _commit(self) -> None:
         assert self._writer is not None and self._pending is not None
         p = self._pending
@@ -468,6 +549,64 @@ class GradRecorder:
         self._writer.commit(row)
         self._pending = None
         self.steps_recorded += 1
+
+    def _record_probes(self, step: int) -> None:
+        """Per-probe gradients at the step's parameters, written before the step commits."""
+        from gradlog.store.probes import ProbeWriter
+
+        assert self._probes is not None and self._writer is not None
+        loss_fn, batch = self._probes
+        names = list(self.params)
+        tensors = [self.params[n] for n in names]
+        cuda = sorted({p.device.index or 0 for p in tensors if p.device.type == "cuda"})
+        # A forked RNG: dropout in the probe forward must not shift training's random stream.
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            losses = per_datum_losses(loss_fn(self.model, batch), None, self.config.token_reduction)
+            n = losses.shape[0] if losses.dim() == 1 else 0
+            if n == 0 or not losses.requires_grad:
+                raise InputError(
+                    "the probe loss_fn must return per-probe losses (P,) or (P, T) with P >= 1 "
+                    "that depend on the model's parameters (not under torch.no_grad(), not "
+                    f"detached); got shape {tuple(losses.shape)}."
+                )
+            ids = self._probe_ids_array(n)
+            finite = torch.isfinite(losses.detach())
+            if not bool(finite.all()):
+                bad = ids[torch.nonzero(~finite).flatten().cpu().numpy()[:10]].tolist()
+                raise NonFiniteLossError(
+                    f"the loss of probe(s) {bad} is NaN or infinite at step {step}; nothing of "
+                    "this step was written. Check the probe batch and loss_fn."
+                )
+            out = _per_probe_grads(losses, names, tensors)
+        if self._probe_writer is None:
+            specs = {name: (tuple(p.shape), self.config.dtype) for name, p in self.params.items()}
+            self._probe_writer = ProbeWriter(self._writer.path, specs, ids.tolist(),
+                                             durable=self.durable)
+        storage = storage_dtype(self.config.dtype)
+        self._probe_writer.append(
+            step=step,
+            losses=losses.detach().double().cpu().numpy(),
+            grads={k: to_storage_torch(g, storage).cpu().numpy() for k, g in out.items()},
+            norms={
+                k: torch.linalg.vector_norm(g.reshape(n, -1).double(), dim=1).cpu().numpy()
+                for k, g in out.items()
+            },
+        )
+
+    def _probe_ids_array(self, n: int) -> np.ndarray:
+        if self._probe_ids is None:
+            return np.arange(n, dtype=np.int64)
+        raw = self._probe_ids
+        ids = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        integral = ids.size == 0 or np.issubdtype(ids.dtype, np.integer)
+        if ids.ndim != 1 or len(ids) != n or not integral:
+            raise InputError(
+                f"probe_ids must be {n} integers (one per probe returned by the probe loss_fn), "
+                f"got {type(raw).__name__} of shape {ids.shape} and dtype {ids.dtype}."
+            )
+        if int(ids.min()) < 0 or len(np.unique(ids)) != n:
+            raise InputError(f"probe_ids must be distinct integers >= 0, got {ids.tolist()}.")
+        return ids.astype(np.int64)
 
     def _due_for_check(self) -> bool:
         every = self.config.check_every
@@ -512,6 +651,40 @@ class GradRecorder:
                     "loss term), an in-place change of the parameter during the step, or a "
                     "backend bug; compare with backend='loop'. Nothing of this batch was written."
                 )
+
+
+def _per_probe_grads(
+    losses: torch.Tensor, names: list[str], tensors: Sequence[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``d losses[b] / d theta`` per probe, by ``torch.autograd.grad`` (never ``p.grad``).
+
+    One backward batched over the probes (``is_grads_batched``: vmap over the graph's
+    backward); where some operation has no batching rule, one backward per probe instead.
+    """
+    import warnings
+
+    n = losses.shape[0]
+    out = {name: torch.zeros((n, *p.shape), dtype=p.dtype, device=p.device)
+           for name, p in zip(names, tensors)}
+    eye = torch.eye(n, dtype=losses.dtype, device=losses.device)  # (P, P): one probe each
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # vmap's "performance drop" notes: still correct
+            grads = torch.autograd.grad(losses, tensors, grad_outputs=eye, retain_graph=True,
+                                        allow_unused=True, is_grads_batched=True)
+    except RuntimeError:
+        grads = None
+    if grads is not None:
+        for name, g in zip(names, grads):
+            if g is not None:
+                out[name].copy_(g)  # (P, *shape)
+        return out
+    for b in range(n):
+        gs = torch.autograd.grad(losses[b], tensors, retain_graph=b < n - 1, allow_unused=True)
+        for name, g in zip(names, gs):
+            if g is not None:
+                out[name][b] = g
+    return out
 
 
 def _fmt_bytes(n: float) -> str:

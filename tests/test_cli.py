@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gradlog.cli.main import app
 from typer.testing import CliRunner
 
 import gradlog
-from gradlog.cli.main import app
+from gradlog.store.format import FORMAT_VERSION
 
 runner = CliRunner()
 SMALL = ["--steps", "3", "--batch-size", "4", "--seq-len", "16"]
@@ -58,7 +59,8 @@ def test_train_params_and_every(tmp_path: Path) -> None:
 def test_info(trained: Path) -> None:
     result = runner.invoke(app, ["info", str(trained)])
     assert result.exit_code == 0, result.output
-    for text in ("gradlog v1", "CharGPT", "head.weight", "records", "bytes on disk"):
+    expected = (f"gradlog v{FORMAT_VERSION}", "CharGPT", "head.weight", "records", "bytes on disk")
+    for text in expected:
         assert text in result.output
 
 
@@ -66,7 +68,8 @@ def test_info_json(trained: Path) -> None:
     result = runner.invoke(app, ["info", str(trained), "--json"])
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert info["format_version"] == 1 and info["steps"] == 3 and info["records"] == 12
+    assert info["format_version"] == FORMAT_VERSION
+    assert info["steps"] == 3 and info["records"] == 12
     assert {p["name"] for p in info["params"]} == set(gradlog.open(trained).param_names)
 
 
@@ -89,7 +92,9 @@ def test_train_bad_params_pattern(tmp_path: Path) -> None:
     assert "matches no parameter" in result.output
 
 
-def test_train_default_path_does_not_clobber(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_default_path_does_not_clobber(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         assert runner.invoke(app, ["train", *SMALL]).exit_code == 0

@@ -152,6 +152,16 @@ def _ids(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
+def _rows_by_rule(sizes: Sequence[int]) -> list[list[int]]:
+    """Rows of each backward call, written out from FORMAT.md section 4 (version 2): shards
+    hold ``c`` = the first call's size rows, and every call starts at a shard boundary."""
+    c, start, out = sizes[0], 0, []
+    for n in sizes:
+        out.append(list(range(start, start + n)))
+        start = -(-(start + n) // c) * c
+    return out
+
+
 def _edit_root_attrs(path: Path, edit: Any) -> None:
     meta_file = path / "zarr.json"
     meta = json.loads(meta_file.read_text())
@@ -195,7 +205,8 @@ def test_round_trip_float64_equals_naive_per_datum_grads(tmp_store: Path) -> Non
     table = run.datums
     assert table.column("datum_id").to_pylist() == [r["datum_id"] for r in exp.records]
     assert table.column("step").to_pylist() == [r["step"] for r in exp.records]
-    assert table.column("row").to_pylist() == list(range(len(exp.records)))
+    rows = _rows_by_rule([len(ids) for _, ids in CALLS])
+    assert table.column("row").to_pylist() == [r for call in rows for r in call]
     np.testing.assert_allclose(table.column("loss"), [r["loss"] for r in exp.records], rtol=1e-12)
     np.testing.assert_allclose(table.column("weight"), [r["weight"] for r in exp.records])
     assert table.column("lr").to_pylist() == [0.1] * len(exp.records)
@@ -233,7 +244,7 @@ def test_variable_batch_sizes(tmp_store: Path) -> None:
     steps = run.steps.to_pylist()
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     assert [s["n_records"] for s in steps] == [5, 5, 3, 7]
-    assert [s["first_row"] for s in steps] == [0, 5, 10, 13]
+    assert [s["first_row"] for s in steps] == [0, 5, 10, 15]  # 13 rounded up to a shard
     assert [s["n_micro"] for s in steps] == [1, 1, 1, 1]
     assert [s["tokens"] for s in steps] == [5, 5, 3, 7]
     assert [s["lr"] for s in steps] == [0.1] * 4
@@ -254,8 +265,9 @@ def test_gradient_accumulation_is_one_step_with_micro_batches(tmp_store: Path) -
     steps = run.steps.to_pylist()
     assert [(s["step"], s["n_records"], s["n_micro"], s["first_row"]) for s in steps] == [
         (0, 7, 2, 0),
-        (1, 2, 1, 7),
+        (1, 2, 1, 8),  # shards of 4 rows: micro 1 took rows 4..6, step 1 starts at 8
     ]
+    assert run.datums.column("row").to_pylist() == [0, 1, 2, 3, 4, 5, 6, 8, 9]
     assert sorted(p.name for p in (tmp_store / "index").iterdir()) == [
         "step-000000000000-000000.parquet",
         "step-000000000000-000001.parquet",
@@ -365,7 +377,8 @@ def test_schemas_are_valid_and_shipped() -> None:
 def test_root_attributes(tmp_store: Path) -> None:
     _train(tmp_store, CALLS[:3], metadata={"run": "a"})
     attrs = _reopen(tmp_store).attrs
-    assert attrs["format"] == "gradlog" and attrs["format_version"] == 1
+    assert attrs["format"] == "gradlog" and attrs["format_version"] == 2
+    assert attrs["config"]["compression"] == "none"  # "auto" resolves, by dtype
     assert attrs["gradlog_version"] == gradlog.__version__
     assert attrs["config"]["metadata"] == {"run": "a"}
     assert attrs["backend"]["name"] == "loop"
@@ -380,10 +393,17 @@ def test_root_attributes(tmp_store: Path) -> None:
     }
     meta = json.loads((tmp_store / "grads/0.weight/zarr.json").read_text())
     assert meta["dimension_names"] == ["record", "dim_0", "dim_1"]
-    assert meta["shape"] == [13, 4, 3]  # grown past 13 rows, then trimmed to the rows written
-    assert [c["name"] for c in meta["codecs"]] == ["bytes", "blosc", "crc32c"]
-    assert meta["codecs"][1]["configuration"]["cname"] == "zstd"
-    assert meta["codecs"][1]["configuration"]["shuffle"] == "bitshuffle"
+    # batches 5, 5, 3: shards of 5 rows; the last call took rows 10..12: trimmed to 13
+    assert meta["shape"] == [13, 4, 3]
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [5, 4, 3]
+    assert meta["data_type"] == "float64"
+    [shard] = meta["codecs"]
+    assert shard["name"] == "sharding_indexed"
+    assert shard["configuration"]["chunk_shape"] == [1, 4, 3]  # one record per inner chunk
+    assert [c["name"] for c in shard["configuration"]["codecs"]] == ["bytes", "crc32c"]
+    assert [c["name"] for c in shard["configuration"]["index_codecs"]] == ["bytes", "crc32c"]
+    assert shard["configuration"]["index_location"] == "end"
+    assert sorted(p.name for p in (tmp_store / "grads/0.weight/c").iterdir()) == ["0", "1", "2"]
 
 
 @pytest.mark.parametrize(
@@ -477,6 +497,7 @@ def test_open_while_recording_sees_the_committed_prefix(tmp_store: Path) -> None
         assert pending.steps.num_rows == 0 and pending.datums.num_rows == 0
         assert pending.grads("0.bias").shape == (0, 4)
         rec.backward(_losses(model, x[5:9], y[5:9]), step=1)
+        rec.flush()  # step 0's commit is queued when step 1 begins; flush waits for it
         run = gradlog.open(tmp_store)
         assert run.steps.column("step").to_pylist() == [0]
         assert run.datums.column("datum_id").to_pylist() == [0, 1, 2, 3, 4]
@@ -706,9 +727,14 @@ def test_round_trip_property(plan: list[tuple[int, int]], dtype: str) -> None:
         assert run.steps.column("step").to_pylist() == distinct
         sizes = [sum(len(ids) for s, ids in calls if s == d) for d in distinct]
         assert run.steps.column("n_records").to_pylist() == sizes
-        assert run.steps.column("first_row").to_pylist() == [
-            sum(sizes[:i]) for i in range(len(sizes))
-        ]
+        rows = _rows_by_rule([len(ids) for _, ids in calls])
+        firsts, seen = [], set()
+        for (s, _), call in zip(calls, rows):
+            if s not in seen:
+                seen.add(s)
+                firsts.append(call[0])
+        assert run.steps.column("first_row").to_pylist() == firsts
+        assert run.datums.column("row").to_pylist() == [r for call in rows for r in call]
         for name in run.param_names:
             want = exp.grad(name)
             if dtype == "float64":

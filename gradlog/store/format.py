@@ -5,6 +5,7 @@ Imports no torch: ``gradlog info`` and readers stay fast.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 from urllib.parse import quote
@@ -26,8 +27,15 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gradlog"
-FORMAT_VERSION = 1
-"""The newest format this code writes and reads; readers refuse newer stores."""
+FORMAT_VERSION = 2
+"""The newest format this code writes and reads; readers refuse newer stores and read every
+older one (version 1: unsharded arrays read through zarr-python; version 2: sharded arrays,
+one shard per backward call and parameter, lossy storage dtypes; schemas/CHANGES.md)."""
+
+V1_DTYPES = ("float32", "float64")
+"""Storage dtypes of format version 1; version 2 adds the lossy ones (gradlog.store.dtypes)."""
+
+_MAX_NUMEL = 2**53
 
 GRADS_GROUP = "grads"
 INDEX_DIR = "index"
@@ -109,6 +117,26 @@ def check_root_attrs(attrs: dict[str, Any], where: str) -> None:
                 f"{where}: parameter {name!r} has shape {shape!r}; expected a list of "
                 "non-negative integers."
             )
+        if math.prod(shape) > _MAX_NUMEL:
+            raise StoreFormatError(
+                f"{where}: parameter {name!r} has the impossible shape {shape!r}."
+            )
+        dtype = spec.get("dtype")
+        if version == 1 and dtype not in V1_DTYPES:
+            raise StoreFormatError(
+                f"{where}: parameter {name!r} has dtype {dtype!r}; format version 1 stores "
+                f"hold {list(V1_DTYPES)}."
+            )
+        if version > 1:
+            from gradlog.store.dtypes import storage_dtype
+
+            try:
+                storage_dtype(str(dtype))
+            except ValueError:
+                raise StoreFormatError(
+                    f"{where}: parameter {name!r} has dtype {dtype!r}, not a storage dtype of "
+                    "format version 2 (float32, float64, float16, bfloat16, bitround1..22)."
+                ) from None
         if spec.get("array") != array_path(name):
             raise StoreFormatError(
                 f"{where}: parameter {name!r} points at array {spec.get('array')!r}; the format "

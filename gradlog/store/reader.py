@@ -12,14 +12,14 @@ import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gradlog.errors import NotAStoreError, SelectionError, StoreFormatError
 from gradlog.store import format as fmt
 
-__all__ = ["Run"]
+__all__ = ["Run", "Trajectory"]
 
 Selector = int | Sequence[int] | range | slice | None
 
@@ -48,17 +48,38 @@ def _read_root_attrs(path: Path) -> dict[str, Any]:
 
 def _read_parts(directory: Path, schema: Any) -> Any:
     import pyarrow as pa
+    import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    tables = []
+    names = []
     if directory.is_dir():
-        for entry in sorted(os.listdir(directory)):
-            if fmt.parse_part_name(entry) is None:
-                continue  # temporaries (dot files) and foreign files
-            try:
-                tables.append(pq.read_table(directory / entry, schema=schema))
-            except (OSError, pa.ArrowInvalid) as e:
-                raise StoreFormatError(f"{directory / entry} is not a valid part: {e}") from None
+        # temporaries (dot files) and foreign files are not parts
+        names = [e for e in sorted(os.listdir(directory)) if fmt.parse_part_name(e) is not None]
+    if not names:
+        return schema.empty_table()
+    try:  # one multi-threaded scan: ~1.5x faster than a read per file
+        paths = [str(directory / name) for name in names]
+        table = ds.dataset(paths, format="parquet", schema=schema).to_table()
+        # a part lacking a column reads as nulls here: let the per-file read name it
+        if not any(table.column(f.name).null_count for f in schema if not f.nullable):
+            return table
+    except (OSError, pa.ArrowInvalid):
+        pass  # find which part is bad (or which vanished) below
+    tables = []
+    for entry in names:
+        try:
+            table = pq.read_table(directory / entry, schema=schema)
+        except FileNotFoundError:
+            continue  # an uncommitted part that a resuming writer just discarded
+        except (OSError, pa.ArrowInvalid) as e:
+            raise StoreFormatError(f"{directory / entry} is not a valid part: {e}") from None
+        missing = [f.name for f in schema if not f.nullable and table.column(f.name).null_count]
+        if missing:
+            raise StoreFormatError(
+                f"{directory / entry} is not a valid part: column(s) {missing} are missing or "
+                "hold nulls. The store was damaged: run `gradlog verify` on it."
+            )
+        tables.append(table)
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)
@@ -80,6 +101,13 @@ def _as_list(sel: Selector, name: str) -> np.ndarray | None:
             f"{name}={sel!r}: expected an int, a list of ints, a range or a slice."
         )
     return values.astype(np.int64)
+
+
+class Trajectory(NamedTuple):
+    """One datum's gradients across training: ``steps[i]`` is the step of ``grads[i]``."""
+
+    steps: np.ndarray
+    grads: Any
 
 
 class Run:
@@ -153,7 +181,7 @@ class Run:
 
     def refresh(self) -> Run:
         """Forget cached tables, so that steps committed since opening become visible."""
-        for name in ("steps", "datums"):
+        for name in ("steps", "datums", "probes"):
             self.__dict__.pop(name, None)
         return self
 
@@ -229,23 +257,29 @@ class Run:
         Returns an array ``(n_records, *shape)`` whose rows follow :meth:`records` with the
         same selection (in row order: by step, then by position in the batch).
         """
-        import zarr
-
         spec = self._check_param(param)
         rows = np.asarray(self.records(step, datum).column("row"), dtype=np.int64)
         if rows.size == 0:  # arrays are created at the first append: they may not exist yet
             out = np.zeros((0, *spec["shape"]), dtype=dtype)
         else:
-            arr = zarr.open_array(str(self.path / fmt.array_path(param)), mode="r")
-            if rows[-1] - rows[0] + 1 == rows.size:  # contiguous: one slice read
-                out = np.asarray(arr[int(rows[0]) : int(rows[-1]) + 1], dtype=dtype)
-            else:
-                out = np.asarray(arr.oindex[rows], dtype=dtype)
+            out = self._grad_array(param).read(rows, dtype)
         if as_torch:
             import torch
 
             return torch.from_numpy(out)
         return out
+
+    def _grad_array(self, param: str) -> Any:
+        """``param``'s gradient array opened for verified reads (gradlog.store.arrays);
+        decodes lossy storage dtypes. Cached: the array's layout never changes."""
+        from gradlog.store.arrays import GradArray
+
+        cache: dict[str, GradArray] = self.__dict__.setdefault("_grad_arrays", {})
+        if param not in cache:
+            cache[param] = GradArray(
+                self.path, param, self._check_param(param), self.format_version
+            )
+        return cache[param]
 
     def norms(self, param: str | None = None, step: Selector = None, datum: Selector = None) -> Any:
         """Long pyarrow table (step, datum_id, row, param, norm) of exact per-record norms."""
@@ -270,6 +304,245 @@ class Run:
         ]
         return pa.concat_tables(parts).sort_by([("row", "ascending")]) if parts else None
 
+
+    def trajectory(self, param: str, datum: int, *, as_torch: bool = False) -> Trajectory:
+        """Datum ``datum``'s gradients of ``param`` at every step where it appeared.
+
+        Returns:
+            ``Trajectory(steps, grads)``: int64 steps ``(n,)`` and gradients ``(n, *shape)``
+            (float32 numpy, or torch with ``as_torch=True``), in step order.
+        """
+        if isinstance(datum, bool) or not isinstance(datum, (int, np.integer)):
+            raise SelectionError(f"datum={datum!r}: a trajectory follows one datum id (an int).")
+        steps = np.asarray(self.records(datum=int(datum)).column("step"), dtype=np.int64)
+        return Trajectory(steps, self.grads(param, datum=int(datum), as_torch=as_torch))
+
+    # -- probes -----------------------------------------------------------------------------
+    @property
+    def probe_ids(self) -> list[int]:
+        """Ids of the probes recorded with the run (``GradRecorder(..., probes=...)``)."""
+        from gradlog.store.probes import read_probe_ids
+
+        return list(read_probe_ids(self.path) or [])
+
+    @cached_property
+    def probes(self) -> Any:
+        """pyarrow table of the probe records of committed steps (step, probe_id, row, loss,
+        and ``norm/<param>`` per parameter), in row order."""
+        from gradlog.store.probes import read_probe_index
+
+        return read_probe_index(self.path, self.param_names, self.steps.column("step"))
+
+    def probe_records(self, probe: Selector = None, step: Selector = None) -> Any:
+        """pyarrow table of the probe records of ``probe`` (id or list) at ``step`` (int, list,
+        range or slice), in row order."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = self.probes
+        probes = _as_list(probe, "probe") if not isinstance(probe, slice) else None
+        if isinstance(probe, slice):
+            raise SelectionError("probe takes an id or a list of ids, not a slice.")
+        if probes is not None:
+            known = np.asarray(self.probe_ids, dtype=np.int64)
+            missing = np.setdiff1d(probes, known)
+            if missing.size:
+                hint = (
+                    "It was recorded without probes: pass GradRecorder(..., probes=(loss_fn, "
+                    "batch)) to record them."
+                    if known.size == 0
+                    else _nearby(known, int(missing[0]), "probe ids")
+                )
+                raise SelectionError(f"probe {int(missing[0])} is not recorded in {self.path}. "
+                                     f"{hint}")
+            table = table.filter(pc.is_in(table.column("probe_id"), value_set=pa.array(probes)))
+        if step is None:
+            return table
+        if isinstance(step, slice):
+            if step.step not in (None, 1):
+                raise SelectionError("step slices take no stride; pass a range or a list.")
+            mask = pc.greater_equal(table.column("step"), step.start or 0)
+            if step.stop is not None:
+                mask = pc.and_(mask, pc.less(table.column("step"), step.stop))
+            return table.filter(mask)
+        steps = _as_list(step, "step")
+        assert steps is not None
+        known = np.unique(np.asarray(table.column("step")))
+        missing = np.setdiff1d(steps, known)
+        if missing.size:
+            raise SelectionError(
+                f"step {int(missing[0])} has no probe record in {self.path}. "
+                f"{_nearby(known, int(missing[0]), 'steps with probes')}"
+            )
+        return table.filter(pc.is_in(table.column("step"), value_set=pa.array(steps)))
+
+    def probe_grads(
+        self,
+        param: str,
+        probe: Selector = None,
+        step: Selector = None,
+        *,
+        as_torch: bool = False,
+        dtype: Any = np.float32,
+    ) -> Any:
+        """Recorded probe gradients of ``param``: ``(n, *shape)``, rows following
+        :meth:`probe_records` with the same selection."""
+        spec = self._check_param(param)
+        rows = np.asarray(self.probe_records(probe, step).column("row"), dtype=np.int64)
+        if rows.size == 0:
+            out = np.zeros((0, *spec["shape"]), dtype=dtype)
+        else:
+            out = self._probe_array(param).read(rows, dtype)
+        if as_torch:
+            import torch
+
+            return torch.from_numpy(out)
+        return out
+
+    def _probe_array(self, param: str) -> Any:
+        """``param``'s probe gradient array (gradlog.store.probes.ProbeArray), cached."""
+        from gradlog.store.probes import ProbeArray
+
+        cache: dict[str, Any] = self.__dict__.setdefault("_probe_arrays", {})
+        if param not in cache:
+            cache[param] = ProbeArray(self.path, param, self._check_param(param))
+        return cache[param]
+
+    # -- analysis (gradlog.analysis) --------------------------------------------------------
+    def to_xarray(
+        self, param: str, step: Selector = None, datum: Selector = None, *, lazy: bool = False
+    ) -> Any:
+        """``param``'s gradients as an ``xarray.DataArray`` (dims ``record, dim_0, ...``;
+        coords ``step``, ``datum_id``, ``row``, ``loss``, ``weight``, ``lr``); dask-backed with
+        ``lazy=True``. Needs ``pip install 'gradlog[xarray]'``."""
+        from gradlog.analysis.frames import to_xarray
+
+        return to_xarray(self, param, step, datum, lazy=lazy)
+
+    def to_dask(self, param: str, step: Selector = None, datum: Selector = None) -> Any:
+        """``param``'s gradients as a lazy dask array ``(n, *shape)``, one chunk per store
+        chunk (a step's rows). Needs ``pip install 'gradlog[dask]'``."""
+        from gradlog.analysis.frames import to_dask
+
+        return to_dask(self, param, step, datum)
+
+    def similarity(
+        self,
+        params: str | Sequence[str] | None = None,
+        *,
+        a: Any = None,
+        b: Any = None,
+        kind: str = "dot",
+        max_memory: int | str | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """Gradient similarity (``"dot"`` or ``"cosine"``) between records ``a`` and ``b``
+        (each None, ``{"step": ..., "datum": ...}`` or a ``run.records()`` table): a float64
+        array ``(len(a), len(b))``. See :func:`gradlog.analysis.similarity`."""
+        from gradlog.analysis.similarity import similarity
+
+        return similarity(self, params, a=a, b=b, kind=kind, max_memory=max_memory,
+                          progress=progress)
+
+    def influence(
+        self,
+        probe: Any,
+        *,
+        top: int | None = 10,
+        params: str | Sequence[str] | None = None,
+        weighted: bool = False,
+        lr: float | None = None,
+        max_memory: int | str | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """TracIn over the recorded steps: rank training data by
+        ``sum_t lr_t <g_t(datum), g_t(probe)>``. A positive score means training on the datum
+        decreased the probe's loss (proponent), a negative one increased it (opponent).
+        ``probe``: a recorded probe id, or a dict ``{param: gradient}`` used at every step.
+        Returns a pyarrow table (kind, rank, datum_id, score, n_steps). See
+        :func:`gradlog.analysis.influence` for sign, scale and ``weighted``."""
+        from gradlog.analysis.influence import influence
+
+        return influence(self, probe, top=top, params=params, weighted=weighted, lr=lr,
+                         max_memory=max_memory, progress=progress)
+
+    def self_influence(
+        self,
+        *,
+        top: int | None = None,
+        params: str | Sequence[str] | None = None,
+        weighted: bool = False,
+        lr: float | None = None,
+    ) -> Any:
+        """Self-influence ``sum_t lr_t ||g_t(datum)||^2`` per datum, from the index's exact
+        norms (no gradient read): a pyarrow table (datum_id, score, n_steps), descending."""
+        from gradlog.analysis.influence import self_influence
+
+        return self_influence(self, top=top, params=params, weighted=weighted, lr=lr)
+
+    def movers(
+        self,
+        params: str | Sequence[str] | None = None,
+        *,
+        steps: Selector = None,
+        top: int | None = 10,
+        lr: float | None = None,
+        max_memory: int | str | None = None,
+        progress: bool = False,
+    ) -> Any:
+        """Which data moved ``params`` over ``steps``: each datum's contributions
+        ``-lr_t w_b g_b`` projected on the SGD-attributable change of the parameters; scores
+        sum to the change's norm. See :func:`gradlog.analysis.movers`."""
+        from gradlog.analysis.movement import movers
+
+        return movers(self, params, steps=steps, top=top, lr=lr, max_memory=max_memory,
+                      progress=progress)
+
+    def stats(
+        self,
+        param: str,
+        step: Selector = None,
+        datum: Selector = None,
+        *,
+        max_memory: int | str | None = None,
+    ) -> dict[str, Any]:
+        """Statistics of a slice (n_records, shape, norm, mean, std, min, max), streamed."""
+        from gradlog.analysis.summary import stats
+
+        return stats(self, param, step, datum, max_memory=max_memory)
+
+    def export(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        params: str | Sequence[str] | None = None,
+        step: Selector = None,
+        datum: Selector = None,
+        max_memory: int | str | None = None,
+        progress: bool = False,
+    ) -> dict[str, Any]:
+        """Write records and gradients to a parquet or npz file (by extension or ``format``).
+        See :func:`gradlog.analysis.export` for the layouts."""
+        from gradlog.analysis.export import export
+
+        return export(self, out, format=format, params=params, step=step, datum=datum,
+                      max_memory=max_memory, progress=progress)
+
+    def plot(
+        self,
+        out: str | os.PathLike[str] | None = None,
+        *,
+        params: str | Sequence[str] | None = None,
+        datums: int | Sequence[int] = 8,
+        width: int = 1200,
+        height: int = 500,
+    ) -> Any:
+        """Per-datum gradient-norm trajectories and a steps x data heatmap (a matplotlib
+        Figure; saved to ``out`` if given). Needs ``pip install 'gradlog[plot]'``."""
+        from gradlog.analysis.plot import plot_norms
+
+        return plot_norms(self, out, params=params, datums=datums, width=width, height=height)
 
 def _nearby(known: np.ndarray, value: int, what: str) -> str:
     if known.size == 0:

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from gradlog.store import format as fmt
+from gradlog.store.dtypes import storage_dtype
 
 __all__ = ["SCHEMAS", "load_schema", "validate_store"]
 
@@ -83,6 +84,8 @@ def validate_store(path: str | os.PathLike[str]) -> None:
         _check_schema("steps", step_row, f"{root} steps row of step {step_row.get('step')}")
     _check_tables(attrs, records, steps, root)
     _check_arrays(attrs, records, root)
+    if run.format_version >= 2:
+        _check_v2_rows(attrs, records, root)
     _check_part_files(root)
 
 
@@ -152,11 +155,15 @@ def _check_tables(
         step = row["step"]
         mine = by_step.get(step, [])
         first, n = row["first_row"], row["n_records"]
-        if sorted(r["row"] for r in mine) != list(range(first, first + n)):
+        rows = sorted(r["row"] for r in mine)
+        contiguous = rows == list(range(first, first + n))
+        if attrs["format_version"] == 1 and not contiguous:
             _fail(
                 f"{root}: step {step} claims rows {first}..{first + n - 1}, its index rows are "
-                f"{sorted(r['row'] for r in mine)}."
+                f"{rows}."
             )
+        if len(rows) != n or (rows and rows[0] != first):
+            _fail(f"{root}: step {step} claims {n} rows from {first}, its index rows are {rows}.")
         micros = sorted({r["micro"] for r in mine})
         if micros != list(range(row["n_micro"])):
             _fail(f"{root}: step {step} has n_micro {row['n_micro']} but micro numbers {micros}.")
@@ -183,7 +190,7 @@ def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Pa
         where = f"{root}: array {spec['array']} of {name!r}"
         if list(arr.shape[1:]) != list(spec["shape"]):
             _fail(f"{where} has shape {arr.shape}; expected (n_rows, *{spec['shape']}).")
-        if arr.dtype != np.dtype(spec["dtype"]):
+        if arr.dtype != storage_dtype(spec["dtype"]).array_dtype:
             _fail(f"{where} has dtype {arr.dtype}; the spec says {spec['dtype']}.")
         if arr.shape[0] <= max_row:
             _fail(f"{where} has {arr.shape[0]} rows; committed rows reach {max_row}.")
@@ -191,8 +198,41 @@ def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Pa
         if meta.get("dimension_names") != dims:
             _fail(f"{where} has dimension_names {meta.get('dimension_names')}; expected {dims}.")
         codecs = [c.get("name") for c in meta.get("codecs", [])]
-        if not codecs or codecs[-1] != "crc32c":
+        if attrs["format_version"] >= 2:
+            config = meta["codecs"][0].get("configuration", {}) if codecs else {}
+            inner = [c.get("name") for c in config.get("codecs", [])]
+            index = [c.get("name") for c in config.get("index_codecs", [])]
+            if codecs != ["sharding_indexed"] or inner[-1:] != ["crc32c"] or index[-1:] != [
+                "crc32c"
+            ]:
+                _fail(
+                    f"{where} has codecs {codecs} (inner {inner}, index {index}); version 2 "
+                    "arrays are sharded with crc32c on every inner chunk and on the index."
+                )
+        elif not codecs or codecs[-1] != "crc32c":
             _fail(f"{where} has codecs {codecs}; the chain must end with crc32c.")
+
+
+def _check_v2_rows(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
+    """Version 2: each backward call's rows are consecutive and start at a shard boundary."""
+    shards = set()
+    for spec in attrs["params"].values():
+        meta_file = root / spec["array"] / "zarr.json"
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text(encoding="utf-8"))
+            shards.add(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    if len(shards) > 1:
+        _fail(f"{root}: the arrays have different shard sizes {sorted(shards)}; one is required.")
+    c = shards.pop() if shards else 1
+    calls: dict[tuple[int, int], list[int]] = {}
+    for record in records:
+        calls.setdefault((record["step"], record["micro"]), []).append(record["row"])
+    for (step, micro), rows in calls.items():
+        if rows != list(range(rows[0], rows[0] + len(rows))) or rows[0] % c:
+            _fail(
+                f"{root}: the records of step {step} micro-batch {micro} have rows {rows}; a "
+                f"call's rows are consecutive and start at a multiple of the shard size {c}."
+            )
 
 
 def _check_part_files(root: Path) -> None:

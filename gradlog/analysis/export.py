@@ -1,0 +1,158 @@
+"""Export records with their gradients to one parquet or npz file, streamed in bounded memory.
+
+- **parquet**: one row per record: ``step, micro, datum_id, row, loss, weight, lr`` and one
+  column ``grad/<param>`` per parameter holding the flattened gradient
+  (``fixed_size_list<float32|float64>``); the schema metadata ``gradlog.shapes`` maps each
+  parameter to its shape (JSON). Written one row group per block of steps.
+- **npz**: arrays ``step, micro, datum_id, row, loss, weight, lr`` (``lr`` NaN where null) and
+  ``grads/<param>`` of shape ``(n_records, *shape)``, as ``numpy.load`` reads them. Each array
+  is streamed into the archive, never held whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.selection import params_of, reader
+from gradlog.errors import InputError
+
+if TYPE_CHECKING:
+    from gradlog.store.reader import Run, Selector
+
+__all__ = ["FORMATS", "export"]
+
+FORMATS = ("parquet", "npz")
+_INDEX = ("step", "micro", "datum_id", "row", "loss", "weight", "lr")
+
+
+def export(
+    run: Run,
+    out: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    params: str | Sequence[str] | None = None,
+    step: Selector = None,
+    datum: Selector = None,
+    max_memory: int | str | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write the selected records and their gradients to ``out`` (module doc for layouts).
+
+    Args:
+        run: The run.
+        out: The file to write (replaced if it exists).
+        format: ``"parquet"`` or ``"npz"``; default: from the file's extension.
+        params: Parameters to export (default: all).
+        step: Step selection, as :meth:`Run.records`.
+        datum: Datum selection, as :meth:`Run.records`.
+        max_memory: Working-memory cap (bytes or ``"512MiB"``).
+        progress: Show a progress bar.
+
+    Returns:
+        A summary: ``path``, ``format``, ``records``, ``params``, ``bytes`` (of the file).
+    """
+    path = Path(out)
+    if format is None:
+        format = path.suffix.lstrip(".").lower()
+    if format not in FORMATS:
+        raise InputError(
+            f"export format {format!r} is not one of {list(FORMATS)}; pass format= or use a "
+            "file name ending in .parquet or .npz."
+        )
+    names = params_of(run, params)
+    records = run.records(step, datum)
+    budget = memory_bytes(max_memory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = _parquet if format == "parquet" else _npz
+    tmp = path.with_name("." + path.name + ".tmp")
+    try:
+        writer(run, tmp, names, records, budget, progress)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {
+        "path": str(path),
+        "format": format,
+        "records": records.num_rows,
+        "params": names,
+        "bytes": path.stat().st_size,
+    }
+
+
+def _parquet(
+    run: Run, path: Path, names: list[str], records: Any, budget: int, progress: bool
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    readers = {n: reader(run, n) for n in names}
+    fields = [records.schema.field(c) for c in _INDEX]
+    fields += [
+        pa.field(f"grad/{n}", pa.list_(pa.from_numpy_dtype(r.dtype), r.numel))
+        for n, r in readers.items()
+    ]
+    shapes = {n: list(r.shape) for n, r in readers.items()}
+    schema = pa.schema(fields, metadata={"gradlog.shapes": json.dumps(shapes)})
+    rows = records.column("row").to_numpy()
+    keys = records.column("step").to_numpy()
+    # Row groups hold every parameter of their rows: plan them on the widest parameter, with
+    # the others' bytes as the caller's own bytes per row (they are read one after another).
+    widest = max(readers.values(), key=lambda r: r.row_bytes)
+    others = sum(r.row_bytes for r in readers.values()) - widest.row_bytes
+    total = sum(rows.size * r.row_bytes for r in readers.values())
+    with (
+        pq.ParquetWriter(path, schema, compression="zstd") as out,
+        progress_bar(progress, total, "export") as bar,
+    ):
+        for blk in blocks(
+            widest, rows, budget=budget // 2, keys=keys, per_row_bytes=2 * others, what="export"
+        ):
+            part = records.slice(blk.positions.start, blk.positions.stop - blk.positions.start)
+            columns = [part.column(c) for c in _INDEX]
+            for r in readers.values():
+                data = blk.data if r is widest else r.read(rows[blk.positions])
+                flat = pa.array(data.reshape(-1), pa.from_numpy_dtype(r.dtype))
+                columns.append(pa.FixedSizeListArray.from_arrays(flat, r.numel))
+                bar.update(data.nbytes)
+            out.write_table(pa.Table.from_arrays(columns, schema=schema))
+            del columns, data, flat  # before the next block is read
+        if rows.size == 0:
+            out.write_table(schema.empty_table())
+
+
+def _npz(run: Run, path: Path, names: list[str], records: Any, budget: int, progress: bool) -> None:
+    rows = records.column("row").to_numpy()
+    keys = records.column("step").to_numpy()
+    readers = {n: reader(run, n) for n in names}
+    total = sum(rows.size * r.row_bytes for r in readers.values())
+    with (
+        zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
+        progress_bar(progress, total, "export") as bar,
+    ):
+        for column in _INDEX:
+            values = records.column(column)
+            if column == "lr":
+                arr = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float64)
+            else:
+                arr = values.to_numpy()
+            with zf.open(f"{column}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
+        for name, r in readers.items():
+            with zf.open(f"grads/{name}.npy", "w", force_zip64=True) as f:
+                header = {
+                    "descr": np.lib.format.dtype_to_descr(r.dtype),
+                    "fortran_order": False,
+                    "shape": (int(rows.size), *r.shape),
+                }
+                np.lib.format.write_array_header_2_0(f, header)
+                for blk in blocks(r, rows, budget=budget, keys=keys, what=name):
+                    f.write(np.ascontiguousarray(blk.data).reshape(-1).view(np.uint8).data)
+                    bar.update(blk.data.nbytes)

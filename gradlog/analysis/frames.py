@@ -1,0 +1,117 @@
+"""Gradients as labelled (xarray) and out-of-core (dask) arrays.
+
+Both are optional dependencies: ``pip install 'gradlog[xarray]'`` / ``'gradlog[dask]'``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradlog.errors import GradlogError
+
+if TYPE_CHECKING:
+    from gradlog.store.reader import Run, Selector
+
+__all__ = ["MissingExtraError", "to_dask", "to_xarray"]
+
+
+class MissingExtraError(GradlogError, ImportError):
+    """An optional dependency of the feature asked for is not installed."""
+
+
+def _require(module: str, extra: str, feature: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(
+            f"{feature} needs {module.split('.')[0]}, which is not installed: "
+            f"pip install 'gradlog[{extra}]'"
+        ) from None
+
+
+class _Rows:
+    """The selected rows of a gradient array as an array-like that dask slices lazily."""
+
+    def __init__(
+        self, run: Run, param: str, rows: np.ndarray, shape: list[int], dtype: Any
+    ) -> None:
+        self.run, self.param, self.rows = run, param, rows
+        self.shape = (int(rows.size), *shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        first, rest = key[0], key[1:]
+        rows = self.rows[first]  # dask passes slices (and arrays for fancy indexing)
+        data = self.run._grad_array(self.param).read(np.atleast_1d(rows), self.dtype)
+        if np.ndim(rows) == 0:
+            data = data[0]
+        return np.asarray(data[(slice(None), *rest)] if np.ndim(rows) else data[rest])
+
+
+def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None) -> Any:
+    """``param``'s gradients of the selected records as a lazy dask array ``(n, *shape)``.
+
+    Chunks follow the store's chunk (or shard) files on the record axis (one backward call's
+    rows); nothing is read until computed, and every read is checksum-verified and decoded
+    like :meth:`Run.grads` (float32; float64 for float64 storage). Rows follow
+    :meth:`Run.records`.
+    """
+    da = _require("dask.array", "dask", "Run.to_dask")
+    from gradlog.store.dtypes import storage_dtype
+
+    spec = run._check_param(param)
+    rows = np.asarray(run.records(step, datum).column("row"), dtype=np.int64)
+    dtype = np.float64 if storage_dtype(spec["dtype"]).array_dtype == np.float64 else np.float32
+    if rows.size == 0:
+        return da.zeros((0, *spec["shape"]), dtype=dtype)
+    per_file = int(run._grad_array(param).rows_per_chunk())
+    # chunk boundaries where the rows cross into the next chunk file
+    files = rows // per_file
+    cuts = np.flatnonzero(np.diff(files)) + 1
+    sizes = np.diff(np.concatenate([[0], cuts, [rows.size]])).tolist()
+    source = _Rows(run, param, rows, list(spec["shape"]), dtype)
+    chunks = (tuple(int(v) for v in sizes), *((int(d),) for d in spec["shape"]))
+    return da.from_array(
+        source,
+        chunks=chunks,
+        asarray=False,
+        lock=False,
+        fancy=False,
+        name=f"gradlog-{run.path.name}-{param}-{hash(rows.tobytes())}",
+        meta=np.empty((0,) * (1 + len(spec["shape"])), dtype=dtype),
+    )
+
+
+def to_xarray(
+    run: Run, param: str, step: Selector = None, datum: Selector = None, *, lazy: bool = False
+) -> Any:
+    """``param``'s gradients as an ``xarray.DataArray`` with dimension ``record`` first.
+
+    Coordinates along ``record``: ``step``, ``datum_id``, ``row``, ``loss``, ``weight``,
+    ``lr`` (NaN where unknown). The other dimensions are ``dim_0 ...`` as in the store. With
+    ``lazy=True`` the data is a dask array (:func:`to_dask`), otherwise numpy.
+    """
+    xr = _require("xarray", "xarray", "Run.to_xarray")
+    records = run.records(step, datum)
+    data = to_dask(run, param, step, datum) if lazy else run.grads(param, step, datum)
+    shape = run._check_param(param)["shape"]
+    dims = ["record", *(f"dim_{i}" for i in range(len(shape)))]
+    coords = {
+        name: (
+            "record",
+            np.asarray(
+                records.column(name).to_numpy(zero_copy_only=False),
+                dtype=np.float64 if name == "lr" else None,
+            ),
+        )
+        for name in ("step", "datum_id", "row", "loss", "weight", "lr")
+    }
+    return xr.DataArray(
+        data, dims=dims, coords=coords, name=param, attrs={"run": str(run.path), "param": param}
+    )

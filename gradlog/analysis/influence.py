@@ -1,0 +1,253 @@
+"""TracIn over the recorded steps: which training data influenced a probe, and by how much.
+
+Score of a training datum ``d`` for a probe ``z``::
+
+    score(d, z) = sum over records r of d at steps t where z has a gradient:
+                  lr_t * [w_r] * < g_r , g_t(z) >
+
+summed over the selected parameters. ``g_r`` is the datum's recorded gradient at step ``t``,
+``g_t(z)`` the probe's gradient recorded at the same step (same parameter values, before the
+optimizer step), ``lr_t`` the step's learning rate and ``w_r`` the record's weight (``1/B`` with
+``batch_reduction="mean"``), included only with ``weighted=True``.
+
+Sign and scale. Plain SGD moves the parameters by ``-lr_t * sum_b w_b g_b`` at step ``t``, so
+to first order datum ``r``'s part of that step changes the probe's loss by
+``-lr_t * w_r * <g_r, g_t(z)>``. With ``weighted=True`` the score is exactly minus that change,
+summed over the recorded steps: **a positive score means training on the datum decreased the
+probe's loss (a proponent), a negative score that it increased it (an opponent)**, in units of
+the probe's loss. The default ``weighted=False`` is TracIn as published (Pruthi et al. 2020),
+``B`` times larger for a constant batch size ``B``: the same ranking, scores comparable across
+runs with different batch sizes. Steps that were not recorded (``every > 1``) contribute
+nothing; optimizers other than SGD (momentum, Adam) move the parameters differently, and the
+score remains the SGD first-order approximation.
+
+Everything is accumulated in float64, streaming one block of steps at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.selection import (
+    params_of,
+    per_datum,
+    ranked,
+    reader,
+    record_coefficients,
+)
+from gradlog.errors import InputError
+
+if TYPE_CHECKING:
+    from gradlog.store.reader import Run
+
+__all__ = ["influence", "record_influence", "self_influence"]
+
+Probe = int | Mapping[str, Any]
+
+
+def _vector(value: Any, shape: Sequence[int], name: str) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value, dtype=np.float64)
+    numel = int(np.prod(shape, dtype=np.int64))
+    if arr.size != numel or (arr.ndim > 1 and tuple(arr.shape) != tuple(shape)):
+        raise InputError(
+            f"the probe gradient for {name!r} has shape {tuple(arr.shape)}; the parameter's "
+            f"shape is {tuple(shape)}."
+        )
+    return arr.reshape(numel)
+
+
+def record_influence(
+    run: Run,
+    probe: Probe,
+    *,
+    params: str | Sequence[str] | None = None,
+    weighted: bool = False,
+    lr: float | None = None,
+    max_memory: int | str | None = None,
+    progress: bool = False,
+) -> tuple[Any, np.ndarray]:
+    """Per-record TracIn scores: ``(records, scores)``, one score per record of ``records``.
+
+    See :func:`influence` for the arguments; ``records`` are the training records that count
+    (those at steps where the probe has a gradient), in row order.
+    """
+    import pyarrow.compute as pc
+
+    budget = memory_bytes(max_memory)
+    if isinstance(probe, Mapping):
+        names = params_of(run, list(probe) if params is None else params)
+        missing = [n for n in names if n not in probe]
+        if missing:
+            raise InputError(
+                f"the probe gradient has no entry for {missing}; give one array per parameter "
+                f"(keys: {list(probe)}), or select parameters with params=."
+            )
+        vectors = {n: _vector(probe[n], run._check_param(n)["shape"], n) for n in names}
+        records = run.datums
+        probe_rows = None
+    else:
+        if isinstance(probe, bool) or not isinstance(probe, (int, np.integer)):
+            raise InputError(
+                f"probe must be a recorded probe id (int) or a dict {{param: gradient}}, got "
+                f"{type(probe).__name__}."
+            )
+        names = params_of(run, params)
+        mine = run.probe_records(probe=int(probe))
+        records = run.datums.filter(
+            pc.is_in(run.datums.column("step"), value_set=mine.column("step"))
+        )
+        probe_steps = mine.column("step").to_numpy()
+        probe_rows = mine.column("row").to_numpy()
+        vectors = {}
+    coef = record_coefficients(records, lr=lr, weighted=weighted, what="influence")
+    rows = records.column("row").to_numpy()
+    steps = records.column("step").to_numpy()
+    dots = np.zeros(rows.size, dtype=np.float64)
+    if rows.size == 0:
+        return records, dots
+    # position -> probe row at that record's step (probe rows ascend with steps)
+    at = probe_rows[np.searchsorted(probe_steps, steps)] if probe_rows is not None else None
+
+    readers = {n: reader(run, n) for n in names}
+    total = sum(rows.size * r.row_bytes for r in readers.values())
+    with progress_bar(progress, total, "influence") as bar:
+        for name in names:
+            train = readers[name]
+            if at is None:
+                q = vectors[name]
+                for blk in blocks(
+                    train, rows, budget=budget - q.nbytes, keys=steps, on_read=bar.update, what=name
+                ):
+                    dots[blk.positions] += np.einsum(
+                        "ij,j->i", blk.data, q, dtype=np.float64, casting="unsafe"
+                    )
+                continue
+            probes = reader(run, name, probes=True)
+
+            def extra_cost(i0: int, i1: int, probes: Any = probes) -> int:
+                return int(probes.read_cost(np.unique(at[i0:i1])))
+
+            def extra_read(i0: int, i1: int, probes: Any = probes) -> np.ndarray:
+                return np.asarray(probes.read(np.unique(at[i0:i1])))
+
+            for blk in blocks(
+                train,
+                rows,
+                budget=budget,
+                keys=steps,
+                extra_cost=extra_cost,
+                extra_read=extra_read,
+                on_read=bar.update,
+                what=name,
+            ):
+                assert blk.extra is not None
+                i0, i1 = blk.positions.start, blk.positions.stop
+                # runs of equal steps inside the block: the k-th uses the k-th probe row
+                cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps[i0:i1])) + 1, [i1 - i0]])
+                for k in range(cuts.size - 1):
+                    a, b = int(cuts[k]), int(cuts[k + 1])
+                    dots[i0 + a : i0 + b] += np.einsum(
+                        "ij,j->i", blk.data[a:b], blk.extra[k], dtype=np.float64, casting="unsafe"
+                    )
+    return records, coef * dots
+
+
+def influence(
+    run: Run,
+    probe: Probe,
+    *,
+    top: int | None = 10,
+    params: str | Sequence[str] | None = None,
+    weighted: bool = False,
+    lr: float | None = None,
+    max_memory: int | str | None = None,
+    progress: bool = False,
+) -> Any:
+    """Rank training data by TracIn influence on a probe (module doc: sign and scale).
+
+    Args:
+        run: The run.
+        probe: A probe id recorded in the store (``GradRecorder(..., probes=...)``): its
+            gradient at each step is the one recorded at that step, and only steps where it was
+            recorded count. Or a dict ``{param: gradient}`` you computed (numpy or torch, the
+            parameter's shape): the same vector is used at every recorded step, which is
+            TracIn with one fixed test gradient rather than one per checkpoint.
+        top: Return the ``top`` proponents (largest positive scores) and the ``top``
+            opponents (most negative scores); None: every datum.
+        params: Parameters to sum over (default: all recorded, or the dict's keys).
+        weighted: Multiply by each record's weight ``w_b`` (module doc).
+        lr: Use this learning rate for every step instead of the recorded one.
+        max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
+        progress: Show a progress bar.
+
+    Returns:
+        pyarrow table ``kind`` ("proponent" / "opponent"; "neutral" for a zero score with
+        ``top=None``), ``rank``, ``datum_id``, ``score``, ``n_steps`` (steps where the datum
+        and the probe both have a gradient).
+
+    Raises:
+        SelectionError: unknown probe id or parameter.
+        MissingLearningRateError: a step has no recorded learning rate and ``lr`` is not given.
+    """
+    records, scores = record_influence(
+        run,
+        probe,
+        params=params,
+        weighted=weighted,
+        lr=lr,
+        max_memory=max_memory,
+        progress=progress,
+    )
+    ids, sums, n_steps = per_datum(
+        records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores
+    )
+    return ranked(ids, sums, n_steps, top=top, kinds=("proponent", "opponent", "neutral"))
+
+
+def self_influence(
+    run: Run,
+    *,
+    top: int | None = None,
+    params: str | Sequence[str] | None = None,
+    weighted: bool = False,
+    lr: float | None = None,
+) -> Any:
+    """Self-influence ``sum_t lr_t [w_r] ||g_r||^2`` per datum (summed over its records).
+
+    Computed from the exact float64 norms of the index: no gradient is read, so it is
+    instant. Large values flag data the model keeps being pushed by: outliers, mislabelled
+    or memorised examples.
+
+    Returns:
+        pyarrow table ``datum_id``, ``score``, ``n_steps``, by descending score (first ``top``).
+    """
+    import pyarrow as pa
+
+    from gradlog.store import format as fmt
+
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        raise InputError(f"top={top!r} must be a positive int, or None for every datum.")
+    names = params_of(run, params)
+    records = run.datums
+    coef = record_coefficients(records, lr=lr, weighted=weighted, what="self_influence")
+    sq = np.zeros(records.num_rows, dtype=np.float64)
+    for name in names:
+        norms = records.column(fmt.norm_column(name)).to_numpy()
+        sq += norms * norms
+    ids, sums, n_steps = per_datum(
+        records.column("datum_id").to_numpy(), records.column("step").to_numpy(), coef * sq
+    )
+    order = np.lexsort((ids, -sums))[:top]
+    return pa.table(
+        {
+            "datum_id": pa.array(ids[order], pa.int64()),
+            "score": pa.array(sums[order], pa.float64()),
+            "n_steps": pa.array(n_steps[order], pa.int64()),
+        }
+    )

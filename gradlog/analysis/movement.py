@@ -1,0 +1,120 @@
+"""Which data moved a parameter: each datum's share of the parameter's change over a range.
+
+At step ``t`` plain SGD moves the parameters by ``-lr_t * sum_b w_b g_b``; record ``r``'s
+part of it is ``c_r = -lr_t * w_r * g_r``. Over a range of recorded steps the change that SGD
+attributes to the records is ``delta = sum_r c_r`` (the **SGD-attributable change**: it is the
+actual change of the parameter for plain SGD without weight decay when every step of the range
+is recorded; for momentum or Adam, or with skipped steps, it is the change SGD would have made
+from the recorded gradients). A datum's score is the length of its contributions along that
+change::
+
+    score(d) = sum over records r of d:  < c_r , delta > / ||delta||
+
+so the scores of all data sum to ``||delta||`` (in the parameter's units): a positive score
+moved the parameter along its change, a negative one pushed against it, and
+``fraction = score / ||delta||`` is the datum's share. With several parameters, ``delta`` is
+their concatenation.
+
+Two streaming passes per parameter (one for ``delta``, one for the projections), float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.selection import params_of, per_datum, ranked, reader, record_coefficients
+
+if TYPE_CHECKING:
+    from gradlog.store.reader import Run, Selector
+
+__all__ = ["movers", "record_movement"]
+
+
+def record_movement(
+    run: Run,
+    params: str | Sequence[str] | None,
+    *,
+    steps: Selector = None,
+    lr: float | None = None,
+    max_memory: int | str | None = None,
+    progress: bool = False,
+) -> tuple[Any, np.ndarray, float]:
+    """Per record ``<c_r, delta>`` and ``||delta||``: ``(records, projections, norm)``."""
+    budget = memory_bytes(max_memory)
+    names = params_of(run, params)
+    records = run.records(step=steps)
+    coef = -record_coefficients(records, lr=lr, weighted=True, what="movers")  # -lr_t w_r
+    rows = records.column("row").to_numpy()
+    keys = records.column("step").to_numpy()
+    proj = np.zeros(rows.size, dtype=np.float64)
+    norm_sq = 0.0
+    readers = {n: reader(run, n) for n in names}
+    total = 2 * sum(rows.size * r.row_bytes for r in readers.values())
+    with progress_bar(progress, total, "movers") as bar:
+        for name in names:
+            r = readers[name]
+            delta = np.zeros(r.numel, dtype=np.float64)
+            own = 2 * delta.nbytes  # delta and einsum's output
+            for blk in blocks(
+                r, rows, budget=budget - own, keys=keys, on_read=bar.update, what=name
+            ):
+                delta += np.einsum(
+                    "i,ij->j", coef[blk.positions], blk.data, dtype=np.float64, casting="unsafe"
+                )
+            norm_sq += float(delta @ delta)
+            for blk in blocks(
+                r, rows, budget=budget - own, keys=keys, on_read=bar.update, what=name
+            ):
+                proj[blk.positions] += np.einsum(
+                    "ij,j->i", blk.data, delta, dtype=np.float64, casting="unsafe"
+                )
+    return records, coef * proj, float(np.sqrt(norm_sq))
+
+
+def movers(
+    run: Run,
+    params: str | Sequence[str] | None,
+    *,
+    steps: Selector = None,
+    top: int | None = 10,
+    lr: float | None = None,
+    max_memory: int | str | None = None,
+    progress: bool = False,
+) -> Any:
+    """Rank data by how much they moved ``params`` over ``steps`` (module doc).
+
+    Args:
+        run: The run.
+        params: A parameter name, a list of them (their joint change), or None (all).
+        steps: Step selection (int, list, range, slice); None: every recorded step.
+        top: The ``top`` data that moved the parameter most along its change ("along") and
+            the ``top`` that pushed most against it ("against"); None: every datum.
+        lr: Use this learning rate for every step instead of the recorded one.
+        max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
+        progress: Show a progress bar.
+
+    Returns:
+        pyarrow table ``kind``, ``rank``, ``datum_id``, ``score``, ``n_steps``, ``fraction``;
+        its schema metadata ``change_norm`` holds ``||delta||`` (the sum of every score).
+    """
+    records, scores, norm = record_movement(
+        run, params, steps=steps, lr=lr, max_memory=max_memory, progress=progress
+    )
+    ids, sums, n_steps = per_datum(
+        records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores
+    )
+    sums = sums / norm if norm > 0 else np.zeros_like(sums)
+    fraction = sums / norm if norm > 0 else np.zeros_like(sums)
+    return ranked(
+        ids,
+        sums,
+        n_steps,
+        top=top,
+        kinds=("along", "against", "neutral"),
+        extra={"fraction": fraction},
+        metadata={"change_norm": repr(norm)},
+    )

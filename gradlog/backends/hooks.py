@@ -1,0 +1,864 @@
+"""The ``hooks`` backend: exact per-datum gradients from the user's one ordinary backward.
+
+During the user's forward, a forward hook on each module that owns recorded parameters keeps
+that call's inputs and puts a tensor hook on its outputs. During ``batch_loss.backward()``
+(called once, untouched: hooks only observe, so ``p.grad`` is bitwise what it would be without
+gradlog), each output hook receives the gradient of the batch loss with respect to the output,
+and the module's **rule** (:mod:`gradlog.rules`) turns (inputs, output gradient) into per-datum
+gradients right away, so captured tensors are freed layer by layer. Modules without a rule,
+and raw parameters used in a module's own forward, use a per-module ``torch.func``
+computation (:data:`gradlog.rules.GENERIC`); ``describe()`` lists them.
+
+The captured output gradient is that of ``sum_b w_b losses[b]`` (``w_b = 1/B`` for a mean
+batch loss), so rules multiply by ``1 / w_b``. A module called several times (reuse, tied
+weights) contributes once per call, summed. Errors inside the backward are kept and raised
+after it, so ``p.grad`` is never left half accumulated.
+
+Batch dimension. Every per-datum result must have B rows. Layers that treat leading
+dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leading dimension
+(sequence-first models); it is found by size, and refused as ambiguous when the model has
+sequence-first layers and the sequence length equals B.
+
+Shared inputs. A module whose output has no batch dimension of size B (Hugging Face style
+position ids ``[1, T]``, or nanoGPT's ``arange(T)``) is broadcast over the batch by the op that
+consumes it, and its own output gradient is already summed over datums. Before the backward,
+gradlog walks the autograd graph from the loss to that output's consumers; when they are
+additions, subtractions or expands, it takes each datum's gradient from the consumer's
+output gradient instead (per datum: the shared input with that datum's gradient). Other
+consumers are refused with an error before ``p.grad`` is touched.
+
+Chunked heads. :func:`gradlog.memory.chunked_linear_loss` calls the head on chunks of
+flattened ``(B*T, d)`` rows, during the backward; its ``current_chunk()`` says which rows, so
+the backend lays each chunk out as ``(datums, T, d)`` for row-wise rules (Linear) and adds
+the result into those datums' gradients.
+
+Checks. A parameter that received a gradient without any hooked call seeing its use is an
+error (it was used outside its module's forward, e.g. ``F.linear(x, self.emb.weight)`` in a
+parent). On every backward a spot check compares ``sum_b w_b g_b`` with the gradient autograd
+accumulated at a few random entries per parameter (partial uses, wrong rules); the recorder's
+full self-check runs every ``check_every`` steps.
+
+Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint``
+recomputes a segment during the backward. With ``use_reentrant=False`` the recomputed
+outputs never receive gradients (only the original ones do), so nothing is counted twice;
+with ``use_reentrant=True`` the original forward ran without grad (nothing captured) and the
+recomputed call is the one that counts. Either way the captured inputs keep the
+checkpointed segment's inputs alive until their layer's backward, which reduces the memory
+saved by checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
+from gradlog.rules import GENERIC, RowGrads, Rule, active_randomness, find_rule
+from gradlog.rules.base import Capture, RuleResult
+from gradlog.rules.func import flatten
+
+_current_chunk: Callable[[], Any]  # rows of chunked_linear_loss's head calls (gradlog.memory)
+try:
+    from gradlog.memory import current_chunk as _current_chunk
+except ImportError:  # pragma: no cover - the memory module is optional for this backend
+    _current_chunk = lambda: None  # noqa: E731
+
+
+__all__ = ["HooksBackend"]
+
+_TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
+_PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
+_SPOT_ENTRIES = 4  # entries per parameter compared with autograd's gradient on every backward
+_SPOT_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3}  # of sum_b w_b |g_b| + |grad|
+_SPOT_ATOL = {torch.float64: 1e-12, torch.float32: 1e-7}  # for gradients that are all noise
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. an activation-checkpoint recompute)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One hooked module, the rule computing its recorded parameters, and their names."""
+
+    module: nn.Module
+    name: str
+    rule: Rule
+    names: dict[str, str]  # attribute path -> recorded parameter name
+    params: tuple[nn.Parameter, ...]
+    fallback: bool
+
+    @functools.cached_property
+    def wanted(self) -> frozenset[str]:
+        return frozenset(self.names)
+
+    @property
+    def label(self) -> str:
+        return f"{type(self.module).__name__} {self.name or '(the model)'!r}"
+
+
+class _Call:
+    """What one forward call of a hooked module left for its backward."""
+
+    __slots__ = (
+        "__weakref__",
+        "args",
+        "bd",
+        "chunk",
+        "done",
+        "entry",
+        "grads",
+        "handles",
+        "hooked",
+        "kwargs",
+        "lead",
+        "out_shape",
+        "pending",
+        "primary",
+        "received",
+        "refusal",
+        "versions",
+        "via_consumers",
+    )
+
+    def __init__(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 n_leaves: int, primary: int, out_shape: torch.Size) -> None:
+        self.entry = entry
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs
+        self.versions = tuple(t._version if isinstance(t, torch.Tensor) else None
+                              for t in flatten((args, kwargs))[0])
+        self.grads: list[torch.Tensor | None] = [None] * n_leaves
+        self.handles: list[Any] = []
+        self.hooked = 0
+        self.received = 0
+        self.primary = primary
+        self.out_shape = out_shape
+        self.bd = entry.rule.batch_dim(entry.module)  # settled by size in _locate_batch
+        self.lead: int | None = None  # the output's size along bd
+        self.done = False
+        self.pending = False
+        self.via_consumers = False
+        self.refusal: str | None = None  # why the rule cannot compute this call
+        self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
+
+    def release(self) -> None:
+        """Drop captured tensors and make the output hooks inert."""
+        self.args = self.kwargs = None
+        self.grads = []
+        self.done = True
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class HooksBackend(Backend):
+    """Per-datum gradients from forward/tensor hooks and per-layer rules (see module doc)."""
+
+    name = "hooks"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        *,
+        batch_reduction: str,
+        randomness: str,
+    ) -> None:
+        super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
+        self._entries: list[_Entry] = []
+        self._sequence_first: list[str] = []  # modules with batch_first=False
+        self._handles: list[Any] = []
+        self._live: list[weakref.ref[_Call]] = []
+        self._armed = False  # True only inside this backend's own backward
+        self._recomputing = False  # True while a rule runs (torch.func re-runs modules)
+        self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
+        self._pool = _Pool()
+        self._reset(0)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Hook every module that owns (or whose rule covers) a recorded parameter."""
+        if self._handles:
+            return
+        self._entries = self._plan()
+        self._sequence_first = [
+            name for name, m in self.model.named_modules()
+            if getattr(m, "batch_first", True) is False
+        ]
+        for entry in self._entries:
+            hook = functools.partial(self._on_forward, entry)
+            self._handles.append(entry.module.register_forward_hook(hook, with_kwargs=True))
+        for name, p in self.params.items():
+            self._handles.append(p.register_hook(functools.partial(self._on_param_grad, name)))
+
+    def detach(self) -> None:
+        """Remove every hook gradlog installed and drop captured tensors."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for ref in self._live:
+            call = ref()
+            if call is not None:
+                call.release()
+        self._live = []
+        self._entries = []
+        self._pool = _Pool()  # let go of buffers kept for reuse
+
+    def describe(self) -> dict[str, Any]:
+        """Which module computes which recorded parameters, by which rule."""
+        return {
+            "name": self.name,
+            "modules": [
+                {"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
+                 "params": sorted(set(e.names.values()))}
+                for e in self._entries
+            ],
+            "fallback": [e.name for e in self._entries if e.fallback],
+        }
+
+    def _plan(self) -> list[_Entry]:
+        by_id = {id(p): n for n, p in self.params.items()}
+        entries: list[_Entry] = []
+        taken: set[tuple[int, str]] = set()  # (module, attr) computed by an ancestor's rule
+        for mname, module in self.model.named_modules():
+            names: dict[str, str] = {}
+            rule = find_rule(module)
+            if rule is not None:
+                for path, p in rule.covers(module).items():
+                    if id(p) not in by_id or (id(module), path) in taken:
+                        continue
+                    names[path] = by_id[id(p)]
+                    if "." in path:  # a child's parameter that this module's forward reads
+                        owner, _, attr = path.rpartition(".")
+                        taken.add((id(module.get_submodule(owner)), attr))
+                if names:
+                    entries.append(self._entry(module, mname, rule, names, fallback=False))
+            rest = {
+                attr: by_id[id(p)]
+                for attr, p in module.named_parameters(recurse=False)
+                if id(p) in by_id and (id(module), attr) not in taken and attr not in names
+            }
+            if rest:
+                entries.append(self._entry(module, mname, GENERIC, rest, fallback=True))
+        return entries
+
+    def _entry(self, module: nn.Module, name: str, rule: Rule, names: dict[str, str],
+               *, fallback: bool) -> _Entry:
+        params = tuple(self.params[n] for n in dict.fromkeys(names.values()))
+        return _Entry(module, name, rule, names, params, fallback)
+
+    # -- capture (forward) ------------------------------------------------------------------
+    def _on_forward(self, entry: _Entry, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], output: Any) -> None:
+        if self._recomputing or not torch.is_grad_enabled():
+            return
+        if not self._armed and _in_backward():
+            return  # a checkpoint recompute inside a backward that is not recorded
+        if not any(p.requires_grad for p in entry.params):
+            return
+        leaves = flatten(output)[0]
+        call: _Call | None = None
+        seen: set[int] = set()
+        for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in seen:
+                continue
+            seen.add(id(t))  # an output returned twice has one gradient: hook it once
+            if call is None:
+                call = _Call(entry, args, kwargs, len(leaves), i, t.shape)
+                if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
+                    tags = cast(dict[str, Any], t.grad_fn.metadata)
+                    tags.setdefault(_TAG, []).append((t.output_nr, call))
+            call.handles.append(t.register_hook(functools.partial(self._on_output_grad, call, i)))
+            call.hooked += 1
+        if call is None:
+            return
+        chunk = _current_chunk()
+        if chunk is not None and chunk.differentiated:
+            call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
+        rule = entry.rule
+        if rule.refuse is not None:
+            call.refusal = rule.refuse(module, args, kwargs)
+        if call.refusal is None and rule.uses_torch_func:
+            noisy = active_randomness(module)
+            if noisy:
+                call.refusal = (
+                    f"it draws dropout masks in training mode (in {noisy}) and rule "
+                    f"{rule.name!r} re-runs it per datum, which cannot reproduce the batch's "
+                    "masks. Set that dropout to 0 or put the module in eval mode (the rest of "
+                    "the model may stay in training mode), register a closed-form rule "
+                    "(gradlog.rules.register_rule), or use backend='loop'."
+                )
+        self._live.append(weakref.ref(call))
+        if len(self._live) % 256 == 0:
+            self._live = [r for r in self._live if r() is not None]
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
+        if not self._handles:
+            raise BackendError("the hooks backend is not attached; the recorder attaches it "
+                               "when recording starts (use GradRecorder as a context manager).")
+        B = int(losses.shape[0])
+        self._reset(B)
+        self._pool.reclaim()
+        try:
+            self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
+            self._armed = True
+            try:
+                batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
+            finally:
+                self._armed = False
+                for handle in self._consumer_handles:
+                    handle.remove()
+            for call in self._partial:  # calls some of whose outputs got no gradient
+                if not call.done:
+                    self._finish(call)
+            self._raise_error()
+            self._check_coverage()
+            self._spot_check()
+            return {
+                name: self._acc[name] if name in self._acc
+                else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
+                for name, p in self.params.items()
+            }
+        finally:
+            for call in self._touched:
+                call.release()
+            self._reset(0)
+            self._pool.release()
+
+    def _reset(self, batch_size: int) -> None:
+        self._batch = batch_size
+        self._scale = float(batch_size) if self.batch_reduction == "mean" else 1.0
+        self._acc: dict[str, torch.Tensor] = {}
+        self._covered: set[str] = set()
+        self._got_grad: set[str] = set()
+        self._partial: list[_Call] = []
+        self._touched: list[_Call] = []
+        self._consumer_handles: list[Any] = []
+        self._error: tuple[_Entry, BaseException] | None = None
+        self._spot_total: dict[str, torch.Tensor] = {}
+        self._spot_index: dict[str, torch.Tensor] = {}
+        if batch_size and self.params:
+            sizes = torch.tensor([p.numel() for p in self.params.values()], dtype=torch.float64)
+            draw = torch.rand((len(sizes), _SPOT_ENTRIES), generator=self._spot_rng,
+                              dtype=torch.float64)
+            index = (draw * sizes.unsqueeze(1)).long()  # (n_params, k) flat entries
+            devices = {p.device for p in self.params.values()}
+            on = {d: index.to(d, non_blocking=True) for d in devices}
+            for i, (name, p) in enumerate(self.params.items()):
+                if p.numel():
+                    self._spot_index[name] = on[p.device][i]
+
+    def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._got_grad.add(name)
+        index = self._spot_index.get(name)
+        if index is not None and not grad.is_sparse:
+            # A few entries of this backward's gradient of the parameter (summed over its
+            # uses), to check against the per-datum gradients (see _spot_check).
+            seen = grad.detach().reshape(-1).index_select(0, index)  # (k,)
+            prior = self._spot_total.get(name)
+            self._spot_total[name] = seen if prior is None else prior + seen
+
+    def _on_output_grad(self, call: _Call, i: int, grad: torch.Tensor) -> None:
+        if call.done or call.via_consumers:
+            return
+        if not self._armed:  # a backward gradlog does not record: just let go of the inputs
+            call.release()
+            return
+        self._touched.append(call)
+        if self._error is not None:
+            return
+        call.grads[i] = grad
+        call.received += 1
+        if call.received >= call.hooked:
+            self._finish(call)
+        elif not call.pending:
+            call.pending = True
+            self._partial.append(call)
+
+    def _finish(self, call: _Call) -> None:
+        self._compute(call, call.grads)
+        call.release()
+
+    def _compute(self, call: _Call, grads: list[torch.Tensor | None], *,
+                 args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+                 expanded: bool = False) -> None:
+        """Run the call's rule and add its per-datum gradients; errors are kept for later
+        (raising inside the autograd engine would leave ``p.grad`` half accumulated)."""
+        entry = call.entry
+        if self._error is not None or call.args is None or call.kwargs is None:
+            return
+        try:
+            self._check_versions(call)
+            if call.refusal is not None:
+                raise UnsupportedLayerError(call.refusal)
+            args = call.args if args is None else args
+            kwargs = call.kwargs if kwargs is None else kwargs
+            rows: slice | None = None  # the datums a chunk of rows belongs to
+            if call.chunk is not None:
+                batch, rows, args, kwargs, grads = _chunk_as_datums(
+                    call.chunk, entry, self._batch, args, kwargs, grads)
+            elif call.lead is None and not expanded:
+                self._locate_batch(call, self._batch)  # a call captured during the backward
+            if call.bd != 0 and entry.rule.feature_dims is not None:
+                args, kwargs, grads = _batch_first(call.bd, self._batch, args, kwargs, grads)
+            cap = Capture(
+                args=args,
+                kwargs=kwargs,
+                grads=tuple(grads),
+                batch_size=self._batch if rows is None else batch,
+                scale=self._scale,
+                expanded=expanded,
+                alloc=self._pool.empty,
+            )
+            self._recomputing = True
+            try:
+                with torch.no_grad(), _no_autocast(entry.params[0].device.type):
+                    result = entry.rule.compute(entry.module, cap, entry.wanted)
+            finally:
+                self._recomputing = False
+            self._add(entry, result, cap, rows)
+        except Exception as e:  # re-raised after the backward, with p.grad complete
+            self._error = (entry, e)
+
+    def _add(self, entry: _Entry, result: RuleResult, cap: Capture,
+             rows: slice | None = None) -> None:
+        """Add a rule's result into the per-datum accumulators: all B datums, or ``rows``
+        (the datums a chunk of rows covers, ``cap.batch_size`` of them)."""
+        B = self._batch
+        n = cap.batch_size
+        first = 0 if rows is None else rows.start
+        for attr, value in result.items():
+            name = entry.names.get(attr)
+            if name is None:
+                raise BackendError(f"rule {entry.rule.name!r} returned {attr!r}, which is not "
+                                   f"among the parameters it was asked for: {sorted(entry.names)}")
+            p = self.params[name]
+            acc = self._acc.get(name)
+            if isinstance(value, RowGrads):
+                index, values = value.index, value.values
+                if index.dim() != 2 or index.shape[0] != n or p.dim() == 0 or tuple(
+                        values.shape) != (*index.shape, *p.shape[1:]):
+                    raise BackendError(
+                        f"rule {entry.rule.name!r} returned rows of shape {tuple(values.shape)} "
+                        f"at indices {tuple(index.shape)} for {name!r} {tuple(p.shape)}; "
+                        f"expected indices (B={n}, N) and rows (B, N, *{tuple(p.shape[1:])})."
+                    )
+                if acc is None:
+                    acc = self._pool.empty((B, *p.shape), p.dtype, p.device).zero_()
+                    self._acc[name] = acc
+                V = p.shape[0]
+                datum = torch.arange(first, first + n, device=index.device).unsqueeze(1)  # (n, 1)
+                flat = (index + datum * V).reshape(-1)  # (n*N,) rows of acc viewed (B*V, -1)
+                acc.view(B * V, -1).index_add_(
+                    0, flat, values.reshape(flat.numel(), -1).to(p.dtype), alpha=value.alpha)
+            else:
+                if tuple(value.shape) != (n, *p.shape):
+                    raise BackendError(
+                        f"rule {entry.rule.name!r} returned per-datum gradients of shape "
+                        f"{tuple(value.shape)} for {name!r}; expected {(n, *p.shape)} (batch "
+                        f"dimension B={n} first). A shared, unbatched input was taken for a "
+                        "datum; please report this with the model."
+                    )
+                value = value.to(p.dtype)
+                if rows is not None:  # a chunk's datums only
+                    if acc is None:
+                        acc = self._pool.empty((B, *p.shape), p.dtype, p.device).zero_()
+                        self._acc[name] = acc
+                    acc[rows].add_(value)
+                elif acc is None:
+                    if not value.is_contiguous() or _shares_memory(value, cap):
+                        # never alias autograd's tensors: later calls add into this one
+                        value = value.clone(memory_format=torch.contiguous_format)
+                    self._acc[name] = value
+                else:
+                    acc.add_(value)
+        self._covered.update(entry.names.values())
+
+    def _check_versions(self, call: _Call) -> None:
+        now = flatten((call.args, call.kwargs))[0]
+        for t, version in zip(now, call.versions):
+            if isinstance(t, torch.Tensor) and version is not None and t._version != version:
+                raise BackendError(
+                    f"an input of {call.entry.label} was modified in place after the module "
+                    f"used it (tensor version {version} -> {t._version}), so its per-datum "
+                    "gradients would use the changed values. Avoid the in-place op on that "
+                    "input (e.g. an inplace activation after it), or use backend='loop'."
+                )
+
+    def _raise_error(self) -> None:
+        if self._error is None:
+            return
+        entry, e = self._error
+        where = (f"gradlog could not compute per-datum gradients of {entry.label} "
+                 f"(rule {entry.rule.name!r}): ")
+        if isinstance(e, GradlogError):
+            raise type(e)(where + str(e)) from e
+        raise BackendError(
+            where + f"{type(e).__name__}: {e}. p.grad is complete (the ordinary backward ran); "
+            "use backend='loop' for this model and please report this."
+        ) from e
+
+    def _check_coverage(self) -> None:
+        missed = [n for n in self.params if n in self._got_grad and n not in self._covered]
+        if not missed:
+            return
+        owners = {n: [e.label for e in self._entries if n in e.names.values()] for n in missed}
+        raise BackendError(
+            f"parameter(s) {missed} received a gradient, but no hooked module call used them "
+            f"(owners: {owners}): they were used outside the forward of the module that owns "
+            "them, e.g. F.linear(x, self.embed.weight) in a parent. Call the owning module "
+            "instead, register a rule covering them for the module whose forward uses them "
+            "(gradlog.rules.register_rule(..., covers=...)), or use backend='loop'."
+        )
+
+    def _spot_check(self) -> None:
+        """``sum_b w_b g_b`` against the parameter's gradient in this backward, at a few random
+        entries per parameter: catches uses the hooks did not see (a parameter also used by
+        hand in a parent's forward) on every step, for the cost of reading B x k numbers and
+        one device sync. The recorder's full self-check runs every ``check_every`` steps."""
+        weight = 1.0 / self._scale
+        names, rows, totals = [], [], []
+        for name, total in self._spot_total.items():
+            acc = self._acc.get(name)
+            if acc is not None:  # (no contribution at all: _check_coverage reported it)
+                names.append(name)
+                rows.append(acc.reshape(self._batch, -1).index_select(
+                    1, self._spot_index[name]).to(torch.float64))  # (B, k)
+                totals.append(total.to(torch.float64))  # (k,)
+        if not names:
+            return
+        dtype = max((self.params[n].dtype for n in names), key=lambda d: _SPOT_RTOL.get(d, 0))
+        rtol, atol = _SPOT_RTOL.get(dtype, 1e-2), _SPOT_ATOL.get(dtype, 1e-4)
+        ours = torch.cat(rows, 1)  # (B, n*k)
+        total = torch.cat(totals)  # (n*k,)
+        gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
+        scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
+        # Floor: a parameter whose true gradient is 0 (a key bias under softmax) holds only
+        # rounding noise, so the tolerance also scales with the largest gradient seen.
+        over = gap - rtol * (scale + scale.max()) - atol  # (n*k,) > 0: does not add up
+        over = over.reshape(len(names), -1).amax(1)  # (n,)
+        if not bool((over > 0).any()):  # the only device sync of the backward
+            return
+        bad = [n for n, g in zip(names, over.tolist()) if g > 0]
+        raise BackendError(
+            f"the per-datum gradients of {bad} do not add up to their gradient in this "
+            "backward (spot check of a few entries: sum_b w_b g_b != the gradient autograd "
+            "accumulated): part of their use was not seen by gradlog's hooks, e.g. a "
+            "parameter also used by hand in a parent's forward (F.linear(x, self.emb.weight)),"
+            " or a rule is wrong. p.grad is complete. Call the owning module for every use, "
+            "register a rule covering the parameter for the module whose forward uses it, or "
+            "use backend='loop'."
+        )
+
+    # -- shared (broadcast) outputs ---------------------------------------------------------
+    def _route_shared_outputs(self, batch_loss: torch.Tensor, B: int) -> None:
+        """Before the backward: settle each captured call's batch dimension, and for calls
+        whose output an op broadcasts over the batch, take their per-datum output gradients
+        from that op (see the module docstring). Refuses what cannot be computed."""
+        live = [c for c in (r() for r in self._live)
+                if c is not None and not c.done and c.args is not None]
+        self._live = [weakref.ref(c) for c in live]
+        if not live or batch_loss.grad_fn is None:
+            return
+        # Node._input_metadata (shapes of a node's forward outputs) tells exactly which
+        # captured outputs an op broadcast; without it (older torch) a shape heuristic picks
+        # the calls to check, and any call reaching the loss only through pass-through ops
+        # counts as shared.
+        exact = hasattr(batch_loss.grad_fn, "_input_metadata")
+        if exact:
+            candidates = live
+        else:
+            for call in live:
+                self._locate_batch(call, B)
+            widest = max((len(c.out_shape) for c in live if c.lead == B), default=0)
+            candidates = [c for c in live if c.lead != B or len(c.out_shape) < widest
+                          or c.refusal is not None]
+        if not candidates:
+            return
+        consumers = _find_consumers(batch_loss.grad_fn, {id(c) for c in candidates})
+        for call in candidates:
+            found = consumers.get(id(call))
+            if not found:
+                continue  # not part of this graph (an earlier forward)
+            entry = call.entry
+            if call.refusal is not None:
+                raise UnsupportedLayerError(
+                    f"gradlog cannot compute per-datum gradients of {entry.label} (rule "
+                    f"{entry.rule.name!r}): {call.refusal} Nothing was computed; p.grad is "
+                    "untouched."
+                )
+            passing = all(type(node).__name__ in _PASS_THROUGH for node, _ in found)
+            shape = tuple(call.out_shape)
+            if exact:
+                shared = any(type(node).__name__ in _PASS_THROUGH and _out_shape(node) != shape
+                             for node, _ in found)
+            else:
+                shared = passing
+            batch_first = entry.rule.feature_dims is not None or call.bd == 0
+            if shared and passing and batch_first and call.hooked == 1:
+                call.bd, call.lead = 0, B  # the consumer's gradient has the batch first
+                call.via_consumers = True
+                self._touched.append(call)
+                for node, slot in found:
+                    hook = functools.partial(self._on_consumer_grad, call, _factor(node, slot))
+                    self._consumer_handles.append(node.register_prehook(hook))
+                continue
+            if exact:
+                self._locate_batch(call, B)
+            if shared or call.lead != B:
+                ops = sorted({type(node).__name__ for node, _ in found})
+                raise BackendError(
+                    f"the output of {entry.label} has shape {shape}, with no batch dimension "
+                    f"of size B={B} of its own, and reaches the loss through {ops}. gradlog "
+                    "takes per-datum gradients of a shared output only when additions, "
+                    "subtractions or expands alone broadcast it over the batch (position "
+                    "embeddings). Give the layer a batched input (e.g. "
+                    "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
+                    "accepts (B, T, d); do not flatten to (B*T, d)), or use backend='loop'."
+                )
+
+    def _locate_batch(self, call: _Call, B: int) -> None:
+        """Settle the call's batch dimension: fixed by its rule, or, for layers that treat
+        leading dimensions alike, the leading dimension of size B (dim 0 if it is one)."""
+        entry, shape = call.entry, call.out_shape
+        features = entry.rule.feature_dims
+        if features is not None:
+            leading = list(shape[: max(0, len(shape) - features(entry.module))])
+            found = [k for k, n in enumerate(leading) if n == B]
+            call.bd = 0 if not found or found[0] == 0 else found[0]
+            if len(found) > 1 and found[0] == 0 and self._sequence_first and B > 1:
+                raise BackendError(
+                    f"{entry.label} has output shape {tuple(shape)}: with sequence-first "
+                    f"layers in the model ({self._sequence_first[:3]}), either of its first "
+                    f"dimensions may be the batch (B={B}), and gradlog cannot tell which. Use "
+                    "a batch size different from the sequence length, batch_first=True "
+                    "layers, or backend='loop'."
+                )
+        call.lead = shape[call.bd] if len(shape) > call.bd else None
+
+    def _on_consumer_grad(self, call: _Call, factor: float,
+                          grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        g = grad_outputs[0] if grad_outputs else None
+        if not self._armed or g is None or call.args is None or self._error is not None:
+            return
+        B, shape = self._batch, tuple(call.out_shape)
+        extra = g.dim() - len(shape)
+        if extra < 0 or g.dim() == 0 or g.shape[0] != B:
+            self._error = (call.entry, BackendError(
+                f"its output {shape} is broadcast over the batch in more than one step (the "
+                f"consumer's gradient has shape {tuple(g.shape)}, not (B={B}, ...)). Give the "
+                "layer a batched input (e.g. position_ids.expand(B, -1)) or use backend='loop'."
+            ))
+            return
+        if extra == 0:  # the output has a batch dimension of size 1 (or B)
+            per = g.sum_to_size((B, *shape[1:]))  # (B, *shape[1:])
+            expand = shape[0] != B
+
+            def batched(t: torch.Tensor) -> torch.Tensor:
+                return t.expand(B, *t.shape[1:]) if t.dim() and t.shape[0] == 1 else t
+        else:  # the output has no batch dimension: it is shared whole by every datum
+            per = g.sum_to_size((B,) + (1,) * (extra - 1) + shape).reshape(B, *shape)
+            expand = True
+
+            def batched(t: torch.Tensor) -> torch.Tensor:
+                return t.unsqueeze(0).expand(B, *t.shape)
+        if factor != 1.0:
+            per = per * factor
+        args, kwargs = call.args, call.kwargs
+        if expand:
+            leaves, rebuild = flatten((call.args, call.kwargs))
+            args, kwargs = rebuild([batched(t) if isinstance(t, torch.Tensor) else t
+                                    for t in leaves])
+        grads: list[torch.Tensor | None] = [None] * len(call.grads)
+        grads[call.primary] = per
+        self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)
+
+
+def _chunk_as_datums(
+    chunk: Any, entry: _Entry, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    grads: list[torch.Tensor | None],
+) -> tuple[int, slice, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
+    """Lay out a chunk of flattened rows (rows ``start:stop`` of ``(B, T)`` flattened, from
+    :func:`gradlog.memory.chunked_linear_loss`) as ``(datums spanned, T, ...)``, zero-padded
+    where the chunk starts or ends inside a datum (zero inputs and gradients add nothing).
+    Returns the number of datums, their slice, and the re-laid arguments and gradients."""
+    if entry.rule.feature_dims is None:
+        raise UnsupportedLayerError(
+            f"rule {entry.rule.name!r} cannot take the flattened rows of chunked_linear_loss "
+            "(only row-wise layers such as Linear can); call the layer unchunked or use "
+            "backend='loop'."
+        )
+    lead = tuple(chunk.lead_shape)
+    if not lead or lead[0] != B:
+        raise BackendError(
+            f"chunked_linear_loss ran on rows of shape {lead} for a batch of B={B} datums; "
+            "its input must keep the batch first, e.g. hidden states (B, T, d)."
+        )
+    per = 1
+    for n in lead[1:]:
+        per *= n  # rows per datum
+    start, stop = chunk.start, chunk.stop
+    first, last = start // per, (stop - 1) // per + 1
+    offset, n_rows = start - first * per, stop - start
+
+    def as_datums(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n_rows:
+            return t
+        full = t.new_zeros(((last - first) * per, *t.shape[1:]))  # (datums*T, ...)
+        full[offset : offset + n_rows] = t
+        return full.view(last - first, per, *t.shape[1:])  # (datums, T, ...)
+
+    leaves, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([as_datums(t) for t in leaves])
+    return last - first, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
+
+
+def _batch_first(
+    bd: int, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    grads: list[torch.Tensor | None],
+) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
+    """Move batch dimension ``bd`` first in the tensors that have it (sequence-first calls)."""
+
+    def first(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > bd and t.shape[bd] == B:
+            return t.movedim(bd, 0)
+        return t
+
+    leaves, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([first(t) for t in leaves])
+    return new_args, new_kwargs, [first(g) for g in grads]
+
+
+class _Pool:
+    """CPU buffers for per-datum results, reused by a later backward once gradlog holds the
+    only reference to them (the caller has let go of that step's gradients: written, copied
+    or dropped). Fresh CPU memory is page-faulted in on first touch, and glibc hands large
+    freed blocks back to the system, so without reuse every step pays the faults again
+    (measured: ~10 ms of a 55 ms step of the small GPT). A buffer that anyone still holds (the
+    returned dict, a numpy view, a slice, a writer queue) is never reused. Off CPU, torch's
+    caching allocator already reuses memory and the pool stays out of the way."""
+
+    def __init__(self) -> None:
+        self._lent: list[torch.Tensor] = []
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def reclaim(self) -> None:
+        """Make buffers handed out earlier, and now held by nobody else, available again;
+        forget the others (their holders free them as usual)."""
+        free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        lent, self._lent = self._lent, []
+        while lent:
+            t = lent.pop()
+            if _BASELINE is not None and _references(t) == _BASELINE:  # as in _calibrate
+                free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            del t
+        self._free = free
+
+    def release(self) -> None:
+        """Drop the buffers this backward did not reuse (the batch size or model changed)."""
+        self._free = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor, from the pool where possible."""
+        if device.type != "cpu" or _BASELINE is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        stack = self._free.get((tuple(shape), dtype))
+        t = stack.pop() if stack else torch.empty(shape, dtype=dtype, device=device)
+        self._lent.append(t)
+        return t
+
+
+def _references(t: torch.Tensor) -> tuple[int, int]:
+    """(Python references to ``t``, references to its storage), as seen by a caller that
+    holds ``t`` in exactly one local variable."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = count(t.untyped_storage()._cdata) if count is not None else -1
+    return sys.getrefcount(t), storage
+
+
+def _calibrate() -> tuple[int, int] | None:
+    """The counts of a tensor only the pool holds, measured on this interpreter and torch
+    exactly the way _Pool.reclaim measures them; None (no reuse) if they cannot be read."""
+    lent = [torch.empty(1)]
+    t = lent.pop()
+    refs = _references(t)
+    return None if refs[1] < 0 else refs
+
+
+_BASELINE = _calibrate()
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Rules compute in the parameters' dtype even if the caller's backward runs in autocast."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return contextlib.nullcontext()
+    except TypeError:  # torch without the device_type argument: always disable it
+        pass
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except RuntimeError:  # a device type without autocast support
+        return contextlib.nullcontext()
+
+
+def _find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
+    """Walk the autograd graph from ``root``: for each wanted call (by id), the (node, input
+    slot) pairs that consume its tagged output."""
+    found: dict[int, list[tuple[Any, int]]] = {}
+    tags: dict[int, list[tuple[int, _Call]]] = {}
+    stack, keep = [root], [root]  # keep: node wrappers alive, so their ids stay unique
+    seen = {id(root)}
+    while stack:
+        node = stack.pop()
+        for slot, (child, output_nr) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            if id(child) not in seen:
+                seen.add(id(child))
+                keep.append(child)
+                stack.append(child)
+                tags[id(child)] = child.metadata.get(_TAG, [])
+            for nr, call in tags[id(child)]:
+                if nr == output_nr and id(call) in wanted:
+                    found.setdefault(id(call), []).append((node, slot))
+    return found
+
+
+def _out_shape(node: Any) -> tuple[int, ...]:
+    """Shape of the forward output of autograd node ``node`` (its gradient's shape)."""
+    return tuple(node._input_metadata[0].shape)
+
+
+def _factor(node: Any, slot: int) -> float:
+    """d(node output)/d(input ``slot``) of a pass-through node: 1, alpha or -alpha."""
+    alpha = float(getattr(node, "_saved_alpha", 1.0))
+    kind = type(node).__name__
+    if kind == "AddBackward0" and slot == 1:
+        return alpha
+    if kind == "SubBackward0" and slot == 1:
+        return -alpha
+    return 1.0
+
+
+def _shares_memory(value: torch.Tensor, cap: Capture) -> bool:
+    """Whether ``value`` is a captured tensor or a view of one (a rule returned it as is)."""
+    base = value if value._base is None else value._base
+    tensors = [t for t in (*cap.grads, *cap.args, *cap.kwargs.values())
+               if isinstance(t, torch.Tensor)]
+    return any(base is t or base is t._base for t in tensors)

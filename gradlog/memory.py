@@ -1,0 +1,690 @@
+"""Memory-efficient language-model heads: a linear layer and a loss, chunk by chunk over rows.
+
+The projection of ``N`` rows of hidden states to a vocabulary of ``V`` materialises an
+``(N, V)`` logits tensor, and a loss on top of it keeps one or two more of that size for its
+backward (batch 4, context 4096, vocab 128K: 4 GB in bf16, 8 GB upcast to float32).
+:func:`chunked_linear_loss` never holds more than one chunk of rows' logits. It calls the
+caller's ``fn(x_chunk, linear, labels_chunk)`` on one chunk of rows at a time and lets autograd
+differentiate it (``torch.autograd.grad`` with respect to the chunk of ``x``, the weight and the
+bias); no derivative is written by hand, so cross entropy, z-loss, label smoothing,
+distillation or a clipped policy-gradient objective all give the unchunked result up to float
+rounding. Two schedules:
+
+* **recompute** (always for ``reduction="none"``): forward runs ``fn`` chunk by chunk under
+  ``no_grad`` and keeps only the per-row losses ``(N,)``; backward re-runs each chunk under
+  autograd, in the forward's autocast and random-number state, and backpropagates that chunk's
+  upstream gradient. One extra logits matmul per chunk (as activation checkpointing).
+* **gradients in forward** (the default for ``"mean"``/``"sum"``): the upstream gradient of a
+  scalar loss is one number, so forward already backpropagates each chunk with the rows'
+  weights (1, or 1/valid-count) and keeps the gradients of ``x``, weight and bias; backward
+  scales them. No recomputation: as fast as the unchunked head. It holds a weight-sized
+  gradient from forward to backward, as the unchunked head's ``weight.grad`` would.
+
+Example::
+
+    from gradlog.memory import chunked_linear_loss
+
+    def ce(x, head, y):  # (rows, d), nn.Linear, (rows,) -> (rows,)
+        return F.cross_entropy(head(x).float(), y, reduction="none")
+
+    hidden = model.body(tokens)                                    # (B, T, d)
+    loss = chunked_linear_loss(hidden, model.lm_head, targets, ce)  # mean over valid tokens
+    loss.backward()
+
+    # per-datum recording: per-token losses (B, T) go to GradRecorder.backward
+    losses = chunked_linear_loss(hidden, model.lm_head, targets, ce, reduction="none")
+    rec.backward(losses, mask=targets != -100, datum_ids=idx)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from gradlog.errors import GradlogError, InputError
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "ChunkInfo",
+    "DoubleBackwardError",
+    "RowLossFn",
+    "chunked_linear_loss",
+    "current_chunk",
+]
+
+RowLossFn = Callable[[torch.Tensor, nn.Module, Any], torch.Tensor]
+"""``fn(x_chunk, linear, labels_chunk) -> losses_chunk``: ``(rows, d)`` -> ``(rows,)``."""
+
+DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+"""Float32 logits of one chunk, when neither ``chunk_size`` nor a budget is given."""
+
+_LOGIT_BYTES = 4  # the budget counts float32 logits: the dtype losses are usually upcast to
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Which rows the ``fn`` call in progress sees, for code that runs inside it (module hooks).
+
+    A hook on the head sees ``(rows, V)`` outputs, not ``(B, T, V)``; with this it can
+    attribute row ``r`` of the chunk to datum ``(start + r) // prod(lead_shape[1:])``.
+
+    Attributes:
+        lead_shape: ``x.shape[:-1]``, e.g. ``(B, T)``; the rows are these flattened.
+        start: First row of the chunk.
+        stop: One past its last row.
+        differentiated: True when this call's graph is backpropagated (the backward re-run,
+            or a forward that computes gradients); False for a forward without a graph.
+    """
+
+    lead_shape: tuple[int, ...]
+    start: int
+    stop: int
+    differentiated: bool
+
+
+_CURRENT_CHUNK: contextvars.ContextVar[ChunkInfo | None] = contextvars.ContextVar(
+    "gradlog_current_chunk", default=None
+)
+
+
+def current_chunk() -> ChunkInfo | None:
+    """The chunk whose ``fn`` call is running, or None outside :func:`chunked_linear_loss`."""
+    return _CURRENT_CHUNK.get()
+
+
+class DoubleBackwardError(GradlogError, RuntimeError):
+    """A backward with ``create_graph=True`` went through :func:`chunked_linear_loss`."""
+
+
+def _refuse_double_backward() -> None:
+    # Autograd runs a Function's backward with grad mode on exactly when create_graph=True.
+    if torch.is_grad_enabled():
+        raise DoubleBackwardError(
+            "chunked_linear_loss does not support double backward: backward was called with "
+            "create_graph=True through it, but its gradients are computed chunk by chunk "
+            "without a graph, so their own gradients would be missing. Call backward without "
+            "create_graph, or use the unchunked head where you need higher-order gradients."
+        )
+
+
+def _reduce_mean(losses: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    # Divide by the global count of valid rows, not per chunk: unequal chunks weigh right.
+    if valid is None:
+        return losses.sum() / max(losses.numel(), 1)
+    return losses.sum() / valid.sum().clamp_min(1).to(losses.dtype)
+
+
+def _reduce_sum(losses: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return losses.sum()
+
+
+def _reduce_none(losses: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return losses
+
+
+# The closed set of reductions: an unknown name's error lists these keys.
+_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    "mean": _reduce_mean,
+    "sum": _reduce_sum,
+    "none": _reduce_none,
+}
+
+
+def chunked_linear_loss(
+    x: torch.Tensor,
+    linear: nn.Module,
+    labels: Any,
+    fn: RowLossFn,
+    *,
+    chunk_size: int | Sequence[int] | None = None,
+    reduction: str = "mean",
+    ignore_index: int | None = -100,
+    memory_budget_bytes: int | None = None,
+    preserve_rng_state: bool = True,
+    grad_in_forward: bool | None = None,
+) -> torch.Tensor:
+    """A linear layer followed by a per-row loss, without ever holding all rows' logits.
+
+    Equal, up to float rounding, to the unchunked ``fn(x.reshape(N, d), linear, labels)``
+    followed by the reduction, in value and in the gradients of ``x``, ``linear.weight`` and
+    ``linear.bias``; peak memory holds one chunk of logits instead of all ``N`` rows.
+
+    Args:
+        x: Hidden states ``(..., d)``; the leading dimensions are flattened to ``N`` rows.
+        linear: The head, usually an ``nn.Linear`` (``weight`` ``(V, d)``, ``bias`` ``(V,)``
+            or ``None``). Any module with a ``weight`` tensor and an optional ``bias`` works;
+            gradients are computed for exactly these two tensors (and ``x``).
+        labels: Per-row targets for ``fn``: a tensor whose leading dimensions are ``x``'s
+            (``(B, T)`` for ``x`` ``(B, T, d)``; trailing dimensions allowed, e.g. teacher
+            logits ``(B, T, V)``) or already flattened to ``(N, ...)``; or a tuple, list or
+            dict of such tensors (e.g. ``{"tokens": ..., "old_logp": ..., "adv": ...}``); or
+            ``None``. Every tensor is flattened like ``x`` and split along its row dimension;
+            the structure is kept and non-tensor leaves reach every chunk unchanged. Labels get
+            no gradient (a label tensor that requires grad is refused).
+        fn: ``fn(x_chunk, linear, labels_chunk)`` returns the losses of the chunk's rows,
+            shape ``(rows,)``, e.g. ``F.cross_entropy(linear(x).float(), y,
+            reduction="none")``. It must be a pure function of its arguments and the
+            random-number state: the recompute schedule calls it twice per chunk (dropout is
+            replayed, see ``preserve_rng_state``). It must return finite values on rows whose
+            label is ``ignore_index``; their loss and gradient are zeroed afterwards
+            (``cross_entropy(..., ignore_index=...)`` returns 0 there; index a one-hot target
+            with ``y.clamp_min(0)``). Put the float32 upcast inside ``fn``: it runs in the
+            caller's autocast state, also when re-run in backward.
+        chunk_size: Rows per chunk (an int; the last chunk takes the remainder), the list of
+            chunk sizes (positive ints summing to ``N``), or ``None`` to derive it from
+            ``memory_budget_bytes``.
+        reduction: ``"mean"`` over valid rows (the sum divided by the number of valid rows of
+            the whole input; 0 when none is valid, where torch's cross entropy gives NaN),
+            ``"sum"``, or ``"none"``: per-row losses shaped like ``x``'s leading dimensions,
+            e.g. ``(B, T)``, which ``GradRecorder.backward`` takes for per-datum recording.
+        ignore_index: When ``labels`` is an integer tensor with one label per row, rows whose
+            label equals it are invalid: loss 0, no gradient, not counted by ``"mean"``.
+            ``None``, or any other kind of labels, counts every row.
+        memory_budget_bytes: With ``chunk_size=None``: bytes of float32 logits one chunk may
+            hold, ``rows = budget // (V * 4)`` (default 256 MiB: 2048 rows at V = 32K). ``fn``'s
+            own peak is a small multiple of it (logits, their upcast, softmax, its gradient).
+        preserve_rng_state: Save the random-number state (CPU, and the device of ``x``) before
+            each chunk's forward and restore it for the backward re-run, as
+            ``torch.utils.checkpoint`` does, so dropout inside ``fn`` draws the same masks; the
+            global state is left as forward left it. ``False`` skips the small cost when ``fn``
+            draws no random numbers.
+        grad_in_forward: Schedule for ``"mean"``/``"sum"``: ``True`` computes the gradients in
+            forward (no recomputation), ``False`` recomputes in backward. ``None`` (default)
+            picks ``True`` unless float16 is involved (``x``, the weight or the autocast dtype):
+            a ``GradScaler`` scales the loss to keep float16 gradients from underflowing, and
+            gradients computed before that scaling would not get its protection.
+            ``reduction="none"`` always recomputes.
+
+    Returns:
+        A scalar (``"mean"``, ``"sum"``) or the per-row losses of shape ``x.shape[:-1]``
+        (``"none"``), in the dtype ``fn`` returns (float32 when ``fn`` upcasts).
+
+    Raises:
+        InputError: ``x``, ``linear``, ``labels``, ``chunk_size``, ``memory_budget_bytes``,
+            ``reduction``, ``grad_in_forward`` or the losses ``fn`` returns are malformed.
+        DoubleBackwardError: In backward, when called with ``create_graph=True`` (double
+            backward is not supported: the chunk gradients are computed without a graph).
+    """
+    if reduction not in _REDUCTIONS:
+        raise InputError(
+            f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}. Use 'none' for "
+            "per-row losses (e.g. for GradRecorder.backward)."
+        )
+    if grad_in_forward and reduction == "none":
+        raise InputError(
+            "grad_in_forward=True needs a scalar loss (reduction 'mean' or 'sum'): with "
+            "reduction='none' the upstream gradient of each row is known only in backward. "
+            "Drop grad_in_forward."
+        )
+    weight, bias = _head_tensors(linear)
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise InputError(
+            f"x must be a tensor of hidden states (..., d) with at least one row dimension, got "
+            f"{shape}. For a single row, pass x.unsqueeze(0)."
+        )
+    lead = tuple(x.shape[:-1])
+    n_rows, d = math.prod(lead), x.shape[-1]
+    if weight.dim() == 2 and weight.shape[1] != d:
+        raise InputError(
+            f"x has {d} features (last dimension) but linear.weight has shape "
+            f"{tuple(weight.shape)}, i.e. expects {weight.shape[1]}. Pass the hidden states that "
+            "feed this head."
+        )
+    rows_labels = _flatten_labels(labels, lead, n_rows, "labels")
+    sizes = _chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0])
+    needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    grad_wanted = torch.is_grad_enabled() and any(needs)
+    plan = _Plan(
+        fn=fn,
+        linear=linear,
+        labels=rows_labels,
+        lead_shape=lead,
+        bounds=_bounds(sizes),
+        needs=needs,
+        preserve_rng_state=preserve_rng_state and grad_wanted,
+        autocast=_autocast_state(x.device),
+    )
+    x_rows = x.reshape(n_rows, d)  # (N, d); a view when x is contiguous
+    valid = _valid_rows(labels, n_rows, ignore_index)  # (N,) bool, or None: every row counts
+    if grad_wanted and reduction != "none":
+        if grad_in_forward is None:
+            grad_in_forward = not _involves_float16(x, weight, plan.autocast)
+        if grad_in_forward:
+            return cast(
+                torch.Tensor,
+                _GradInForward.apply(x_rows, weight, bias, plan, reduction, valid),  # ()
+            )
+    losses = cast(torch.Tensor, _Recompute.apply(x_rows, weight, bias, plan))  # (N,)
+    if valid is not None:
+        losses = losses.masked_fill(~valid, 0)  # loss 0 and no gradient for ignored rows
+    out = _REDUCTIONS[reduction](losses, valid)
+    return out.reshape(lead) if reduction == "none" else out
+
+
+@dataclass
+class _Plan:
+    """Everything the autograd functions need besides their tensor inputs."""
+
+    fn: RowLossFn
+    linear: nn.Module
+    labels: Any  # the labels with every tensor flattened to (N, ...)
+    lead_shape: tuple[int, ...]  # x.shape[:-1]
+    bounds: list[tuple[int, int]]  # [start, stop) rows of each chunk
+    needs: tuple[bool, bool, bool]  # gradient wanted for x, weight, bias
+    preserve_rng_state: bool
+    autocast: list[tuple[str, bool, torch.dtype, bool]]  # (device type, enabled, dtype, cache)
+    rng_states: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+
+class _Recompute(torch.autograd.Function):
+    """Per-row losses ``(N,)``: forward without a graph, backward re-runs chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,  # (N, d)
+        weight: torch.Tensor,  # (V, d)
+        bias: torch.Tensor | None,  # (V,)
+        plan: _Plan,
+    ) -> torch.Tensor:
+        # Autograd runs forward under no_grad: no chunk keeps a graph.
+        rng_device = _rng_device_module(x.device)
+        out: torch.Tensor | None = None
+        for start, stop in plan.bounds:
+            if plan.preserve_rng_state:
+                plan.rng_states.append(_get_rng_state(x.device, rng_device))
+            rows = _call_fn(plan, x[start:stop], plan.linear, start, stop)  # (rows,)
+            if out is None:
+                out = rows.new_empty((x.shape[0],))  # (N,), in fn's dtype
+            out[start:stop] = rows
+        ctx.save_for_backward(x, weight, bias)  # type: ignore[arg-type]  # bias may be None
+        ctx.plan = plan  # type: ignore[attr-defined]
+        return cast(torch.Tensor, out)  # bounds hold at least one (maybe empty) chunk
+
+    @staticmethod
+    def backward(
+        ctx: Any,
+        grad_rows: torch.Tensor,  # (N,)
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        _refuse_double_backward()
+        x, weight, bias = ctx.saved_tensors  # (N, d), (V, d), (V,) or None
+        need = ctx.needs_input_grad
+        needs = (bool(need[0]), bool(need[1]), bool(need[2]))
+        grad_x, grad_w, grad_b, _ = _chunk_grads(
+            ctx.plan, needs, x, weight, bias, grad_rows, replay=True, keep_rows=False
+        )
+        return grad_x, grad_w, grad_b, None
+
+
+class _GradInForward(torch.autograd.Function):
+    """The reduced scalar loss; forward also computes its gradients, backward scales them."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,  # (N, d)
+        weight: torch.Tensor,  # (V, d)
+        bias: torch.Tensor | None,  # (V,)
+        plan: _Plan,
+        reduction: str,
+        valid: torch.Tensor | None,  # (N,) bool
+    ) -> torch.Tensor:
+        # d loss / d row: 1 for "sum", 1/count for "mean"; 0 on ignored rows.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        if valid is None:
+            row_weights = torch.ones(x.shape[0], dtype=dtype, device=x.device)  # (N,)
+            count = torch.tensor(max(x.shape[0], 1), dtype=dtype, device=x.device)
+        else:
+            row_weights = valid.to(dtype)  # (N,)
+            count = row_weights.sum().clamp_min(1)
+        if reduction == "mean":
+            row_weights = row_weights / count  # (N,)
+        grad_x, grad_w, grad_b, rows = _chunk_grads(
+            plan, plan.needs, x, weight, bias, row_weights, replay=False, keep_rows=True
+        )
+        rows = cast(torch.Tensor, rows)  # (N,)
+        if valid is not None:
+            rows = rows.masked_fill(~valid, 0)  # (N,)
+        # The gradients are handed over (not saved tensors): the first backward owns them.
+        # x, weight and bias are saved for any later backward (retain_graph), which recomputes.
+        ctx.grads = [grad_x, grad_w, grad_b]  # type: ignore[attr-defined]
+        ctx.row_weights = row_weights  # type: ignore[attr-defined]
+        ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.save_for_backward(x, weight, bias)  # type: ignore[arg-type]  # bias may be None
+        return _REDUCTIONS[reduction](rows, valid)  # ()
+
+    @staticmethod
+    def backward(
+        ctx: Any,
+        grad_loss: torch.Tensor,  # ()
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        _refuse_double_backward()
+        grads: list[torch.Tensor | None] | None = ctx.grads
+        if grads is not None:
+            # First backward: give the gradients away (AccumulateGrad can adopt them without
+            # a copy), scaled in place unless the upstream gradient is 1 (plain backward()).
+            ctx.grads = None
+            if not bool((grad_loss == 1).all()):
+                for g in grads:
+                    if g is not None:
+                        g.mul_(grad_loss.to(g.dtype))
+            return grads[0], grads[1], grads[2], None, None, None
+        # A later backward through a retained graph: recompute, exactly as _Recompute does.
+        x, weight, bias = ctx.saved_tensors  # (N, d), (V, d), (V,) or None
+        need = ctx.needs_input_grad
+        needs = (bool(need[0]), bool(need[1]), bool(need[2]))
+        grad_rows = ctx.row_weights * grad_loss.to(ctx.row_weights.dtype)  # (N,)
+        grad_x, grad_w, grad_b, _ = _chunk_grads(
+            ctx.plan, needs, x, weight, bias, grad_rows, replay=True, keep_rows=False
+        )
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _chunk_grads(
+    plan: _Plan,
+    needs: tuple[bool, bool, bool],
+    x: torch.Tensor,  # (N, d)
+    weight: torch.Tensor,  # (V, d)
+    bias: torch.Tensor | None,  # (V,)
+    grad_rows: torch.Tensor,  # (N,)
+    *,
+    replay: bool,
+    keep_rows: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Run ``fn`` chunk by chunk under autograd; backpropagate ``grad_rows`` through each.
+
+    Returns the gradients of ``x``, weight and bias (None where not wanted) and, with
+    ``keep_rows``, the per-row losses ``(N,)``. With ``replay`` (a backward that recomputes),
+    each chunk runs in the forward's autocast and random-number state; without, it runs in the
+    caller's and records the random-number state before each chunk.
+    """
+    need_x, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    # Detached leaves to differentiate against. The real module sees them through
+    # functional_call, so a fn calling linear(x) works and hooks on the module fire.
+    w = weight.detach().requires_grad_(need_w)  # (V, d)
+    b = None if bias is None else bias.detach().requires_grad_(need_b)  # (V,)
+    params = {"linear.weight": w} if b is None else {"linear.weight": w, "linear.bias": b}
+    call = _FnCall(plan)
+    grad_x = torch.empty_like(x) if need_x else None  # (N, d)
+    # Accumulate over chunks in at least float32: summing bf16 partial gradients would lose
+    # what the unchunked matmul keeps.
+    grad_w = torch.zeros_like(weight, dtype=_acc_dtype(weight)) if need_w else None  # (V, d)
+    grad_b = (
+        torch.zeros_like(bias, dtype=_acc_dtype(bias)) if need_b and bias is not None else None
+    )  # (V,)
+    rows_out: torch.Tensor | None = None  # (N,)
+    rng_device = _rng_device_module(x.device)
+    with contextlib.ExitStack() as stack:
+        if replay and plan.preserve_rng_state:
+            stack.enter_context(
+                torch.random.fork_rng(
+                    devices=[x.device] if rng_device is not None else [],
+                    device_type=x.device.type,
+                )
+            )
+        if replay:  # backward may run outside (or inside another) autocast region
+            for device_type, enabled, dtype, cache in plan.autocast:
+                stack.enter_context(
+                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+                )
+        stack.enter_context(torch.enable_grad())
+        for i, (start, stop) in enumerate(plan.bounds):
+            if replay and plan.preserve_rng_state:
+                _set_rng_state(x.device, rng_device, plan.rng_states[i])
+            elif plan.preserve_rng_state:  # forward: record, for a later replay
+                plan.rng_states.append(_get_rng_state(x.device, rng_device))
+            x_chunk = x[start:stop].detach().requires_grad_(need_x)  # (rows, d)
+            rows = torch.func.functional_call(call, params, (x_chunk, start, stop))  # (rows,)
+            if keep_rows:
+                if rows_out is None:
+                    rows_out = rows.new_empty((x.shape[0],))  # (N,)
+                rows_out[start:stop] = rows.detach()
+            inputs: list[torch.Tensor] = []
+            for tensor, need in ((x_chunk, need_x), (w, need_w), (b, need_b)):
+                if need and tensor is not None:
+                    inputs.append(tensor)
+            grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
+            if inputs and rows.requires_grad:  # fn may not depend on any input at all
+                grads = torch.autograd.grad(
+                    rows,
+                    inputs,
+                    grad_outputs=grad_rows[start:stop].to(rows.dtype),
+                    allow_unused=True,
+                )
+            it = iter(grads)
+            if grad_x is not None:
+                g = next(it)  # (rows, d)
+                if g is None:
+                    grad_x[start:stop].zero_()
+                else:
+                    grad_x[start:stop] = g
+            if grad_w is not None and (g := next(it)) is not None:
+                grad_w += g  # (V, d)
+            if grad_b is not None and (g := next(it)) is not None:
+                grad_b += g  # (V,)
+    return (
+        grad_x,
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+        rows_out,
+    )
+
+
+class _FnCall(nn.Module):
+    """Calls ``fn(x_chunk, linear, labels_chunk)``; lets functional_call swap the head's tensors."""
+
+    def __init__(self, plan: _Plan) -> None:
+        super().__init__()
+        self.linear = plan.linear
+        self._plan = [plan]  # in a list: keep fn (maybe a Module) out of the module tree
+
+    def forward(self, x_chunk: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return _call_fn(self._plan[0], x_chunk, self.linear, start, stop)
+
+
+def _call_fn(
+    plan: _Plan, x_chunk: torch.Tensor, linear: nn.Module, start: int, stop: int
+) -> torch.Tensor:
+    info = ChunkInfo(plan.lead_shape, start, stop, torch.is_grad_enabled())
+    token = _CURRENT_CHUNK.set(info)
+    try:
+        rows = plan.fn(x_chunk, linear, _take_rows(plan.labels, start, stop))
+    finally:
+        _CURRENT_CHUNK.reset(token)
+    n = stop - start
+    if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n,):
+        shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise InputError(
+            f"fn must return one loss per row of its chunk, shape ({n},), got {shape}. Compute "
+            "the loss with reduction='none' (e.g. F.cross_entropy(linear(x).float(), y, "
+            "reduction='none')) and sum any per-class terms over the last dimension."
+        )
+    if not rows.is_floating_point():
+        raise InputError(f"fn must return floating-point losses, got dtype {rows.dtype}.")
+    return rows
+
+
+def _head_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(linear, nn.Module):
+        raise InputError(
+            f"linear must be the head module (an nn.Linear), got {type(linear).__name__}. Pass "
+            "the module itself, not its weight: fn receives it and calls linear(x)."
+        )
+    weight = getattr(linear, "weight", None)
+    bias = getattr(linear, "bias", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
+        raise InputError(
+            f"linear must have a weight tensor of shape (V, d) like nn.Linear, but "
+            f"{type(linear).__name__}.weight is {type(weight).__name__}. Pass the nn.Linear head."
+        )
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise InputError(f"linear.bias must be a tensor or None, got {type(bias).__name__}.")
+    return weight, bias
+
+
+def _flatten_labels(labels: Any, lead: tuple[int, ...], n_rows: int, path: str) -> Any:
+    """Reshape every tensor in ``labels`` to ``(N, ...)``, keeping the structure."""
+    if isinstance(labels, torch.Tensor):
+        if labels.requires_grad:
+            raise InputError(
+                f"{path} requires grad, but chunked_linear_loss gives labels no gradient. Pass "
+                f"{path}.detach() (e.g. teacher logits), or compute that term outside the head."
+            )
+        k = len(lead)
+        if tuple(labels.shape[:k]) == lead:
+            return labels.reshape(n_rows, *labels.shape[k:])  # (N, ...)
+        if labels.dim() >= 1 and labels.shape[0] == n_rows:
+            return labels  # already (N, ...)
+        raise InputError(
+            f"{path} has shape {tuple(labels.shape)}, but x has {n_rows} rows in leading "
+            f"dimensions {lead}: every tensor in labels must start with {lead} (or with "
+            f"{n_rows}, already flattened), one entry per row of x."
+        )
+    if isinstance(labels, Mapping):
+        return {k: _flatten_labels(v, lead, n_rows, f"{path}[{k!r}]") for k, v in labels.items()}
+    if isinstance(labels, (tuple, list)):
+        items = [_flatten_labels(v, lead, n_rows, f"{path}[{i}]") for i, v in enumerate(labels)]
+        if hasattr(labels, "_fields"):  # a namedtuple
+            return type(labels)(*items)
+        return type(labels)(items)
+    return labels  # None, a number, a string: passed unchanged to every chunk
+
+
+def _take_rows(labels: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of every tensor in flattened ``labels``."""
+    if isinstance(labels, torch.Tensor):
+        return labels[start:stop]
+    if isinstance(labels, dict):
+        return {k: _take_rows(v, start, stop) for k, v in labels.items()}
+    if isinstance(labels, (tuple, list)):
+        items = [_take_rows(v, start, stop) for v in labels]
+        if hasattr(labels, "_fields"):
+            return type(labels)(*items)
+        return type(labels)(items)
+    return labels
+
+
+def _valid_rows(labels: Any, n_rows: int, ignore_index: int | None) -> torch.Tensor | None:
+    """``(N,)`` bool mask of rows whose label is not ``ignore_index``; None if all count."""
+    if (
+        ignore_index is None
+        or not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+        or labels.numel() != n_rows  # not one label per row (e.g. trailing dimensions)
+    ):
+        return None
+    return labels.reshape(n_rows) != ignore_index  # (N,)
+
+
+def _chunk_sizes(
+    chunk_size: int | Sequence[int] | None,
+    memory_budget_bytes: int | None,
+    n_rows: int,
+    vocab: int,
+) -> list[int]:
+    if chunk_size is not None and memory_budget_bytes is not None:
+        raise InputError(
+            f"pass chunk_size or memory_budget_bytes, not both (got chunk_size={chunk_size!r}, "
+            f"memory_budget_bytes={memory_budget_bytes!r})."
+        )
+    if chunk_size is None:
+        budget = DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise InputError(
+                f"memory_budget_bytes must be a positive int (bytes of float32 logits per chunk), "
+                f"got {budget!r}."
+            )
+        chunk_size = max(1, budget // (max(vocab, 1) * _LOGIT_BYTES))
+    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
+        if chunk_size <= 0:
+            raise InputError(f"chunk_size must be a positive number of rows, got {chunk_size}.")
+        sizes = [chunk_size] * (n_rows // chunk_size)
+        if n_rows % chunk_size:
+            sizes.append(n_rows % chunk_size)
+    elif isinstance(chunk_size, Sequence) and not isinstance(chunk_size, (str, bytes)):
+        sizes = list(chunk_size)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+            raise InputError(
+                f"chunk_size as a list must hold positive ints (rows per chunk), got {sizes!r}."
+            )
+        if sum(sizes) != n_rows:
+            raise InputError(
+                f"chunk sizes {sizes} sum to {sum(sizes)}, but x has {n_rows} rows (the product "
+                f"of its leading dimensions). Make them sum to {n_rows}, or pass an int."
+            )
+    else:
+        raise InputError(
+            f"chunk_size must be an int, a list of ints or None, got {type(chunk_size).__name__}."
+        )
+    return sizes or [0]  # no rows: one empty chunk, so fn still sets the losses' dtype
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _involves_float16(
+    x: torch.Tensor, weight: torch.Tensor, autocast: list[tuple[str, bool, torch.dtype, bool]]
+) -> bool:
+    return torch.float16 in (x.dtype, weight.dtype) or any(
+        enabled and dtype == torch.float16 for _, enabled, dtype, _ in autocast
+    )
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype, bool]]:
+    """The caller's autocast settings for ``device`` and for CPU, to re-enter in backward."""
+    state = []
+    for device_type in dict.fromkeys([device.type, "cpu"]):
+        if torch.amp.is_autocast_available(device_type):
+            state.append(
+                (
+                    device_type,
+                    torch.is_autocast_enabled(device_type),
+                    torch.get_autocast_dtype(device_type),
+                    torch.is_autocast_cache_enabled(),
+                )
+            )
+    return state
+
+
+def _rng_device_module(device: torch.device) -> Any | None:
+    """``torch.cuda`` (or the like) when ``device`` has its own generator; None for CPU."""
+    if device.type in ("cpu", "meta"):
+        return None
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return None
+    return module
+
+
+def _get_rng_state(
+    device: torch.device, module: Any | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), None if module is None else module.get_rng_state(device)
+
+
+def _set_rng_state(
+    device: torch.device, module: Any | None, state: tuple[torch.Tensor, torch.Tensor | None]
+) -> None:
+    torch.set_rng_state(state[0])
+    if module is not None and state[1] is not None:
+        module.set_rng_state(state[1], device)

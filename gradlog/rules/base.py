@@ -1,0 +1,246 @@
+"""The rule interface and the registry of rules, by module type.
+
+A **rule** turns what the hooks backend captured for one call of a module (its inputs, and
+the gradient of the batch loss with respect to its outputs) into the per-datum gradients of
+the module's parameters. Rules never run a backward of their own when a closed form exists
+(Linear: ``G_b^T A_b``); layers without one use :mod:`gradlog.rules.func` (``torch.func``).
+
+Third parties register rules for their own module types::
+
+    from gradlog.rules import Capture, register_rule
+
+    @register_rule(MyScale)
+    def my_scale(module, cap, wanted):
+        x, g = cap.input, cap.grad_output  # (B, ..., d), (B, ..., d)
+        return {"weight": (g * x).reshape(cap.batch_size, -1, x.shape[-1]).sum(1) * cap.scale}
+
+See ``gradlog/rules/README.md`` for the contract in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = [
+    "RULES",
+    "Capture",
+    "RowGrads",
+    "Rule",
+    "RuleFn",
+    "RuleResult",
+    "find_rule",
+    "one_feature_dim",
+    "own_params",
+    "register_rule",
+]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One call of a module, as its rule sees it.
+
+    Attributes:
+        args: Positional arguments of the call (tensors are the originals: never modify
+            them in place). Tensor arguments that were shared by the whole batch (position
+            ids of shape ``[1, T]`` or ``[T]``) are already expanded to the batch size.
+        kwargs: Keyword arguments of the call.
+        grads: Gradient of the batch loss with respect to each output leaf of the call, in
+            the order of the flattened output (tuples, lists and dicts flattened in order);
+            ``None`` where no gradient reached that output (or it is not a tensor).
+        batch_size: B, the number of datums.
+        scale: ``1 / w_b``: the captured gradients are of ``sum_b w_b losses[b]``, so a
+            rule multiplies its per-datum result by ``scale`` to get ``d losses[b] / d theta``
+            (``B`` for a mean batch loss, ``1`` for a sum).
+        expanded: True when shared (unbatched) tensor arguments were expanded to the batch
+            size; their rows are then identical (``args[0][0]`` is the original).
+        alloc: ``alloc(shape, dtype, device)``: where :meth:`empty` gets its memory.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grads: tuple[torch.Tensor | None, ...]
+    batch_size: int
+    scale: float
+    expanded: bool = False
+    alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = field(
+        default=None, repr=False, compare=False)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor for a large per-datum result that the rule overwrites
+        whole. Use it rather than ``torch.empty``: the backend may hand out memory of an
+        earlier step that nobody holds any more, which saves page-faulting fresh memory."""
+        if self.alloc is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.alloc(tuple(shape), dtype, torch.device(device))
+
+    @property
+    def input(self) -> torch.Tensor:
+        """The first positional argument, for layers with one input."""
+        if not self.args or not isinstance(self.args[0], torch.Tensor):
+            raise TypeError("this call has no tensor as its first positional argument")
+        return self.args[0]
+
+    @property
+    def grad_output(self) -> torch.Tensor:
+        """The gradient of the first output, for layers with one output."""
+        if not self.grads or self.grads[0] is None:
+            raise TypeError("no gradient reached the first output of this call")
+        return self.grads[0]
+
+
+@dataclass(frozen=True)
+class RowGrads:
+    """Per-datum gradients with few non-zero rows, e.g. an Embedding's (at most T per datum).
+
+    Stands for the dense ``(B, *shape)`` tensor with
+    ``dense[b, index[b, n]] += alpha * values[b, n]``; the backend adds it into its
+    accumulator with one ``index_add_`` and never materialises a second dense copy.
+
+    Attributes:
+        index: Row indices ``(B, N)``, int64, in ``[0, shape[0])``.
+        values: Rows ``(B, N, *shape[1:])``.
+        alpha: Factor applied to ``values`` while adding (the capture's ``scale``).
+    """
+
+    index: torch.Tensor
+    values: torch.Tensor
+    alpha: float = 1.0
+
+
+RuleResult = dict[str, torch.Tensor | RowGrads]
+"""Attribute path -> per-datum gradients (dense ``(B, *shape)``) or sparse rows."""
+
+
+class RuleFn(Protocol):
+    """``compute(module, cap, wanted) -> {attr: per-datum gradients}``.
+
+    ``wanted`` holds the parameter attribute paths (``"weight"``, ``"out_proj.bias"``) to
+    compute; the others are not recorded and may be skipped. Each value is a fresh tensor
+    ``(B, *param.shape)`` (not a view of a captured tensor: the backend keeps it and may add
+    into it) or a :class:`RowGrads`.
+    """
+
+    def __call__(self, module: Any, cap: Capture, wanted: frozenset[str]) -> RuleResult: ...
+
+
+def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a module holds directly (``recurse=False``), by attribute name."""
+    return dict(module.named_parameters(recurse=False))
+
+
+def _batch_first(module: nn.Module) -> int:
+    return 0
+
+
+def one_feature_dim(module: nn.Module) -> int:
+    """``feature_dims`` of layers whose output ends in one feature dimension (Linear)."""
+    return 1
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule.
+
+    Attributes:
+        name: Short name, shown in ``describe()`` and the run's attributes.
+        compute: The function, see :class:`RuleFn`.
+        covers: Which parameters the rule computes, by attribute path from the module
+            (default: the module's own). A rule may cover a child's parameters that the
+            module's forward uses directly (``MultiheadAttention`` reads
+            ``out_proj.weight`` without calling ``out_proj``).
+        batch_dim: Batch dimension of the module's first input and first output (1 for
+            sequence-first RNNs and attention).
+        uses_torch_func: True if the rule re-runs the module per datum with ``torch.func``
+            (it then cannot reproduce dropout masks drawn in the batch's forward).
+        refuse: ``refuse(module, args, kwargs)`` -> a reason the rule cannot handle this call,
+            or None. Called at capture time, so the backend refuses before ``p.grad`` is
+            touched rather than after the backward.
+        feature_dims: For layers that treat every leading dimension alike (Linear, Embedding,
+            LayerNorm): the number of trailing feature dimensions of the output. The batch
+            may then be any leading dimension (sequence-first models); the backend finds it
+            by size and moves it first (in inputs and output gradients) before calling the
+            rule. None: the batch is at ``batch_dim``.
+    """
+
+    name: str
+    compute: RuleFn
+    covers: Callable[[nn.Module], dict[str, nn.Parameter]] = own_params
+    batch_dim: Callable[[nn.Module], int] = field(default=_batch_first)
+    uses_torch_func: bool = False
+    refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None
+    feature_dims: Callable[[nn.Module], int] | None = None
+
+
+RULES: dict[type[nn.Module] | str, Rule] = {}
+"""Module type (or class name, for libraries gradlog does not import) -> rule."""
+
+
+def register_rule(
+    *keys: type[nn.Module] | str,
+    name: str | None = None,
+    covers: Callable[[nn.Module], dict[str, nn.Parameter]] = own_params,
+    batch_dim: Callable[[nn.Module], int] = _batch_first,
+    uses_torch_func: bool = False,
+    refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None,
+    feature_dims: Callable[[nn.Module], int] | None = None,
+) -> Callable[[RuleFn], RuleFn]:
+    """Decorator registering ``compute`` as the rule for module types ``keys``.
+
+    A key is a module class, or a class name (``"Conv1D"``) matched against
+    ``type(module).__name__`` for classes of libraries gradlog does not import. Registering
+    a key again replaces its rule (so third parties can override a built-in one).
+
+    Args:
+        *keys: Module classes or class names.
+        name: Rule name for ``describe()``; default: the function's name.
+        covers: See :class:`Rule`.
+        batch_dim: See :class:`Rule`.
+        uses_torch_func: See :class:`Rule`.
+        refuse: See :class:`Rule`.
+        feature_dims: See :class:`Rule`.
+    """
+    if not keys:
+        raise TypeError("register_rule needs at least one module type or class name")
+
+    def decorate(compute: RuleFn) -> RuleFn:
+        rule = Rule(
+            name=name or str(getattr(compute, "__name__", "rule")),
+            compute=compute,
+            covers=covers,
+            batch_dim=batch_dim,
+            uses_torch_func=uses_torch_func,
+            refuse=refuse,
+            feature_dims=feature_dims,
+        )
+        for key in keys:
+            if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
+                raise TypeError(f"rule keys are nn.Module subclasses or class names, got {key!r}")
+            RULES[key] = rule
+        return compute
+
+    return decorate
+
+
+def find_rule(module: nn.Module) -> Rule | None:
+    """The rule for ``module``: its exact type, then its class name, then a base class whose
+    ``forward`` it does not override (a subclass with its own forward gets no rule, so the
+    backend falls back to ``torch.func`` rather than trust a formula for another function)."""
+    cls = type(module)
+    if cls in RULES:
+        return RULES[cls]
+    if cls.__name__ in RULES:
+        return RULES[cls.__name__]
+    for base in _bases(cls):
+        if base in RULES and cls.forward is base.forward:
+            return RULES[base]
+    return None
+
+
+def _bases(cls: type) -> Iterable[type]:
+    return (b for b in cls.__mro__[1:] if b is not nn.Module and b is not object)

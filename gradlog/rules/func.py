@@ -1,0 +1,236 @@
+"""Per-datum gradients of one module by ``torch.func``, from its captured call.
+
+For layers without a closed-form rule: the module is re-run on each datum of its captured
+inputs (``vmap`` over the batch, each datum a batch of one) with its parameters passed
+functionally, and ``grad`` of ``sum_i <output_i, G_i,b>`` gives datum b's vector-Jacobian
+product, i.e. its parameter gradient. Only this module re-runs, never the whole model. If
+``vmap`` cannot batch the module (an op without a batching rule, data-dependent control
+flow), the module falls back, once and for good, to one small ``autograd.grad`` per datum.
+
+Re-running cannot reproduce dropout masks drawn during the batch's forward, so modules with
+active dropout are refused (:func:`active_randomness`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from gradlog.errors import BackendError
+from gradlog.rules.base import Capture, Rule, RuleResult
+
+__all__ = ["GENERIC", "LeafSpec", "active_randomness", "flatten", "func_grads", "generic"]
+
+log = logging.getLogger("gradlog")
+
+# Modules whose vmap failed once: they use the per-datum loop from then on.
+_LOOPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """How one tensor argument is split by datum.
+
+    Attributes:
+        dim: Its batch dimension; ``None``: shared by every datum (passed whole).
+        unsqueeze: Re-insert a batch dimension of size 1 at ``dim`` in the per-datum call
+            (False when the per-datum slice already has the layout the module expects).
+    """
+
+    dim: int | None
+    unsqueeze: bool = True
+
+
+def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Leaves of nested tuples/lists/dicts (namedtuples kept), and their rebuilder."""
+    if isinstance(tree, (tuple, list)):
+        parts = [flatten(t) for t in tree]
+        sizes = [len(leaves) for leaves, _ in parts]
+
+        def rebuild_seq(leaves: list[Any]) -> Any:
+            out, i = [], 0
+            for (_, rebuild), n in zip(parts, sizes):
+                out.append(rebuild(leaves[i : i + n]))
+                i += n
+            return type(tree)(*out) if hasattr(tree, "_fields") else type(tree)(out)
+
+        return [leaf for leaves, _ in parts for leaf in leaves], rebuild_seq
+    if isinstance(tree, dict):
+        keys = list(tree)
+        leaves, rebuild_values = flatten([tree[k] for k in keys])
+        return leaves, lambda ls: dict(zip(keys, rebuild_values(ls)))
+    return [tree], lambda ls: ls[0]
+
+
+def active_randomness(module: nn.Module) -> list[str]:
+    """Names of submodules (``""``: the module itself) that draw dropout masks in this mode."""
+    found = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            p = m.p
+        elif isinstance(m, nn.RNNBase):
+            p = m.dropout if m.num_layers > 1 else 0.0  # dropout acts between layers only
+        elif isinstance(m, nn.MultiheadAttention):
+            p = m.dropout
+        else:
+            continue
+        if p > 0:
+            found.append(name)
+    return found
+
+
+def infer_specs(leaves: Sequence[Any], batch_size: int) -> list[LeafSpec | None]:
+    """Generic split: a tensor whose first dimension is B is batched at 0; others are shared."""
+    return [
+        LeafSpec(0) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch_size
+        else None
+        for t in leaves
+    ]
+
+
+def func_grads(
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    cap: Capture,
+    *,
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    in_specs: Sequence[LeafSpec | None] | None = None,
+    out_dims: Sequence[int | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-datum gradients of ``params`` of ``module`` by re-running it per datum.
+
+    Args:
+        module: The module; its other parameters and buffers are used as constants.
+        params: Attribute path -> parameter to differentiate.
+        cap: The captured call (its ``grads`` align with the flattened output).
+        args: Arguments to call with, if not ``cap.args`` (e.g. with a default filled in).
+        kwargs: Keyword arguments to call with, if not ``cap.kwargs``.
+        in_specs: One entry per leaf of ``flatten((args, kwargs))``: how it splits by datum;
+            default: :func:`infer_specs`.
+        out_dims: Batch dimension of each output leaf; default 0.
+
+    Returns:
+        Attribute path -> ``(B, *shape)`` per-datum gradients (scaled by ``cap.scale``).
+    """
+    B = cap.batch_size
+    call_args = cap.args if args is None else args
+    call_kwargs = cap.kwargs if kwargs is None else kwargs
+    leaves, rebuild = flatten((tuple(call_args), dict(call_kwargs)))
+    leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    specs = list(in_specs) if in_specs is not None else infer_specs(leaves, B)
+    if len(specs) != len(leaves):
+        raise BackendError(f"in_specs has {len(specs)} entries for {len(leaves)} argument leaves")
+    batched = [(i, s) for i, s in enumerate(specs) if s is not None and s.dim is not None]
+    outs: list[tuple[int, int, torch.Tensor]] = []  # (output leaf, batch dim, scaled grad)
+    for j, g in enumerate(cap.grads):
+        if g is None:
+            continue
+        d = 0 if out_dims is None else out_dims[j]
+        if d is None or g.dim() <= d or g.shape[d] != B:
+            raise BackendError(
+                f"output {j} of {type(module).__name__} has shape {tuple(g.shape)} with no batch "
+                f"dimension of size B={B}: its gradient mixes datums (e.g. a batch-level "
+                "statistic or loss term), so per-datum gradients are not defined for it."
+            )
+        outs.append((j, d, g * cap.scale if cap.scale != 1 else g))
+    if not outs:
+        return {k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
+                for k, p in params.items()}
+    diff = {k: p.detach() for k, p in params.items()}
+    fixed = {k: p.detach() for k, p in module.named_parameters(remove_duplicate=False)
+             if k not in diff}
+
+    def call(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]) -> list[Any]:
+        full = list(leaves)
+        for (i, spec), x in zip(batched, xs):
+            assert spec.dim is not None
+            full[i] = x.unsqueeze(spec.dim) if spec.unsqueeze else x
+        a, kw = rebuild(full)
+        out = functional_call(module, {**fixed, **p}, tuple(a), kw)
+        return flatten(out)[0]
+
+    def dot(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
+            gs: Sequence[torch.Tensor]) -> torch.Tensor:
+        outputs = call(p, xs)
+        total = torch.zeros((), dtype=gs[0].dtype, device=gs[0].device)
+        for (j, d, _), g in zip(outs, gs):
+            total = total + (outputs[j] * g.unsqueeze(d)).sum()  # <out_j, G_j,b>
+        return total
+
+    xs = [leaves[i] for i, _ in batched]
+    gs = [g for _, _, g in outs]
+    if module not in _LOOPED:
+        try:
+            per_datum = vmap(
+                grad(dot),
+                in_dims=(None, [s.dim for _, s in batched], [d for _, d, _ in outs]),
+                randomness="error",
+            )
+            with warnings.catch_warnings():
+                # functorch warns when an op has no batching rule and it loops instead: still
+                # exact, and this module is already the slow path.
+                warnings.filterwarnings("ignore", message="There is a performance drop")
+                result: dict[str, torch.Tensor] = per_datum(diff, xs, gs)
+            return result
+        except RuntimeError as e:
+            if "random" in str(e):
+                raise BackendError(
+                    f"{type(module).__name__} draws random numbers in its forward; gradlog "
+                    "re-runs it per datum and cannot reproduce the batch's random draws. Put "
+                    "it in eval mode, register a rule for it, or use backend='loop'."
+                ) from e
+            _LOOPED.add(module)
+            log.warning(
+                "gradlog: torch.func.vmap cannot batch %s (%s); computing its per-datum "
+                "gradients with one small autograd.grad per datum instead.",
+                type(module).__name__, str(e).splitlines()[0][:200],
+            )
+    return _loop(diff, xs, gs, batched, outs, call, B)
+
+
+def _loop(
+    diff: dict[str, torch.Tensor],
+    xs: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    batched: list[tuple[int, LeafSpec]],
+    outs: list[tuple[int, int, torch.Tensor]],
+    call: Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], list[Any]],
+    B: int,
+) -> dict[str, torch.Tensor]:
+    """One ``autograd.grad`` per datum over a re-run of the module alone."""
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in diff}
+    for b in range(B):
+        xb = [x.select(s.dim, b) for x, (_, s) in zip(xs, batched) if s.dim is not None]
+        ps = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
+        with torch.enable_grad():
+            outputs = call(ps, xb)
+            terms = [(outputs[j] * g.select(d, b).unsqueeze(d)).sum()
+                     for (j, d, _), g in zip(outs, gs)]
+            total = torch.stack(terms).sum()  # <out_j, G_j,b> summed over outputs
+            found = torch.autograd.grad(total, list(ps.values()), allow_unused=True)
+        for (k, p), gk in zip(ps.items(), found):
+            rows[k].append(torch.zeros_like(p) if gk is None else gk)
+    return {k: torch.stack(v) for k, v in rows.items()}
+
+
+def generic(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """Fallback for any module without a rule: tensors whose first dimension is B are split
+    by datum, the rest shared; every output leaf with a gradient must have B rows."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out: RuleResult = dict(func_grads(module, {k: params[k] for k in wanted}, cap))
+    return out
+
+
+GENERIC = Rule(name="torch.func", compute=generic, uses_torch_func=True)
+"""The fallback rule for modules without a registered one (never in ``RULES``)."""

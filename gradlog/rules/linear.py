@@ -1,0 +1,76 @@
+"""Linear layers: ``nn.Linear`` and GPT-2 style ``Conv1D`` (transformers), any leading dims.
+
+For an input ``A`` (B, N, d_in) and output gradient ``G`` (B, N, d_out), with N the product of
+the middle dimensions (tokens, pixels, ...), datum b's weight gradient is
+``sum_n g_{b,n} a_{b,n}^T = G_b^T A_b``: one batched matmul per layer, the same FLOPs as the
+batch's own weight gradient. LoRA adapters are Linear layers and need nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from gradlog.errors import BackendError
+from gradlog.rules.base import Capture, RuleResult, one_feature_dim, register_rule
+
+__all__ = ["as_rows", "conv1d_gpt2", "linear"]
+
+
+def as_rows(t: torch.Tensor, batch_size: int, width: int, what: str) -> torch.Tensor:
+    """View ``t`` (B, ..., width) as (B, N, width), N the product of the middle dimensions."""
+    if t.dim() < 2 or t.shape[0] != batch_size or t.shape[-1] != width:
+        raise BackendError(
+            f"{what} has shape {tuple(t.shape)}; expected (B={batch_size}, ..., {width}) with "
+            "the batch first. Keep the batch dimension when calling the layer (a Linear "
+            "accepts any leading dimensions), or use backend='loop'."
+        )
+    return t.reshape(batch_size, -1, width)
+
+
+def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.Tensor:
+    """``scale * left_b^T right_b`` for each b: (B, N, p), (B, N, q) -> (B, p, q)."""
+    B, N, p = left.shape
+    q = right.shape[-1]
+    scale = cap.scale
+    out = cap.empty((B, p, q), left.dtype, left.device)  # (B, p, q)
+    if N == 1:  # one row per datum: an outer product, cheaper than a k=1 matmul
+        lhs = left[:, 0, :, None] * scale if scale != 1 else left[:, 0, :, None]  # (B, p, 1)
+        return torch.mul(lhs, right[:, 0, None, :], out=out)  # (B, p, q)
+    # beta=0 ignores out's (uninitialised) contents; alpha folds the scale into the matmul.
+    return out.baddbmm_(left.transpose(1, 2), right, beta=0.0, alpha=scale)  # (B, p, q)
+
+
+@register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim)
+def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
+    B = cap.batch_size
+    dtype = module.weight.dtype
+    g = as_rows(cap.grad_output, B, module.out_features, "Linear output gradient")  # (B,N,d_out)
+    g = g.to(dtype)
+    out: RuleResult = {}
+    if "weight" in wanted:
+        a = as_rows(cap.input, B, module.in_features, "Linear input").to(dtype)  # (B, N, d_in)
+        out["weight"] = _outer_sum(g, a, cap)  # (B, d_out, d_in)
+    if "bias" in wanted:
+        out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
+    return out
+
+
+@register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim)
+def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W (d_in, d_out): weight
+    ``A_b^T G_b``. Matched by class name, so transformers is never imported."""
+    B = cap.batch_size
+    weight = cast(torch.Tensor, module.weight)  # (d_in, d_out)
+    d_in, d_out = weight.shape
+    g = as_rows(cap.grad_output, B, d_out, "Conv1D output gradient").to(weight.dtype)  # (B,N,o)
+    out: RuleResult = {}
+    if "weight" in wanted:
+        a = as_rows(cap.input, B, d_in, "Conv1D input").to(weight.dtype)  # (B, N, d_in)
+        out["weight"] = _outer_sum(a, g, cap)  # (B, d_in, d_out)
+    if "bias" in wanted:
+        out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
+    return out

@@ -1,0 +1,335 @@
+"""Gradient arrays of format version 2, chunk by chunk: the bytes zarr would write, directly.
+
+A version 2 gradient array is a Zarr v3 array whose chunk grid holds one **shard** per
+``rows_per_shard`` records (FORMAT.md section 4): shard ``s`` of parameter ``p`` is the file
+``grads/<p>/c/<s>/0/...`` and holds the rows ``s * rows_per_shard ...`` as inner chunks of one
+row each, each encoded ``bytes`` (little endian) [+ ``blosc``] + ``crc32c``, followed by the
+shard index (``(rows_per_shard, 2)`` uint64 offset/length pairs, ``bytes`` + ``crc32c``) at the
+end: the ``sharding_indexed`` codec of the Zarr v3 specification.
+
+zarr-python 3.1 spends ~0.3-0.5 ms of asyncio overhead per inner chunk, far more than the
+disk needs (PEERS.md); this module writes the same bytes with one ``writev`` per shard and
+reads them with ``pread``. zarr-python reads what it writes bit for bit (tests). Every
+inner chunk and every index is checksummed, so damage raises :class:`StoreCorruptError`
+naming the array and chunk; a missing inner chunk of a row that the index says was written is
+damage too, never zeros.
+
+Imports no torch; numcodecs is imported only for compressed arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import crc32c
+import numpy as np
+
+from gradlog.errors import StoreCorruptError, StoreFormatError
+
+__all__ = ["INNER_ROWS", "MISSING", "ShardLayout", "crc32c_bytes"]
+
+INNER_ROWS = 1
+"""Rows per inner chunk: one datum, so that reading one datum reads only its bytes."""
+
+MISSING = np.uint64(2**64 - 1)
+"""Offset and length of an inner chunk that a shard does not hold (Zarr v3 sharding)."""
+
+_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
+_CRC = {"name": "crc32c"}
+_MAX_ELEMENTS = 2**53  # far beyond any real tensor; guards against crafted shapes
+_BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, ...
+
+
+def crc32c_bytes(data: Any) -> bytes:
+    """The 4 bytes the ``crc32c`` codec appends: CRC-32C of ``data``, little endian."""
+    return struct.pack("<I", crc32c.crc32c(data))
+
+
+def _blosc_config(cname: str, typesize: int) -> dict[str, Any]:
+    return {
+        "name": "blosc",
+        "configuration": {
+            "cname": cname,
+            "clevel": 1,
+            "shuffle": "bitshuffle",
+            "typesize": typesize,
+            "blocksize": 0,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one version 2 gradient array is cut into shard files.
+
+    Attributes:
+        row_shape: The parameter's shape: one record's gradient.
+        array_dtype: numpy dtype of the stored elements (little endian).
+        rows_per_shard: Records per shard file (``c`` in FORMAT.md).
+        compression: ``"none"``, ``"lz4"`` or ``"zstd"`` (blosc, bitshuffle, level 1).
+    """
+
+    row_shape: tuple[int, ...]
+    array_dtype: np.dtype[Any]
+    rows_per_shard: int
+    compression: str = "none"
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one record."""
+        return math.prod(self.row_shape)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one record before compression."""
+        return self.row_elements * self.array_dtype.itemsize
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the encoded shard index, checksum included."""
+        return self.rows_per_shard * 16 + 4
+
+    @property
+    def _dims(self) -> list[int]:
+        """Chunk extent of the parameter's axes: all of it (a zero-size axis gets 1)."""
+        return [max(1, d) for d in self.row_shape]
+
+    def shard_key(self, shard: int) -> str:
+        """Path of shard ``shard`` relative to the array (default encoding, ``/``)."""
+        return "c/" + "/".join([str(shard)] + ["0"] * len(self.row_shape))
+
+    def inner_codecs(self) -> list[dict[str, Any]]:
+        """The codec chain of one inner chunk."""
+        if self.compression == "none":
+            return [_BYTES, _CRC]
+        return [_BYTES, _blosc_config(self.compression, self.array_dtype.itemsize), _CRC]
+
+    def metadata(self, n_rows: int) -> dict[str, Any]:
+        """The array's ``zarr.json`` with ``n_rows`` records."""
+        return {
+            "shape": [n_rows, *self.row_shape],
+            "data_type": self.array_dtype.name,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [self.rows_per_shard, *self._dims]},
+            },
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0 if self.array_dtype.kind in "iu" else 0.0,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [INNER_ROWS, *self._dims],
+                        "codecs": self.inner_codecs(),
+                        "index_codecs": [_BYTES, _CRC],
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {},
+            "dimension_names": ["record", *(f"dim_{i}" for i in range(len(self.row_shape)))],
+            "zarr_format": 3,
+            "node_type": "array",
+            "storage_transformers": [],
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: Any, where: str) -> ShardLayout:
+        """Parse and check an array's ``zarr.json`` written by a version 2 writer.
+
+        Raises:
+            StoreFormatError: anything that is not exactly the version 2 layout (with where
+                it is); crafted shapes, codecs or dtypes never reach an allocation.
+        """
+
+        def bad(why: str) -> StoreFormatError:
+            return StoreFormatError(
+                f"{where}: {why}; format version 2 arrays are sharded as FORMAT.md section 4 "
+                "says. The store was damaged or not written by gradlog: run `gradlog verify`."
+            )
+
+        if not isinstance(meta, dict) or meta.get("node_type") != "array":
+            raise bad("zarr.json does not describe a Zarr array")
+        raw_shape = meta.get("shape")
+        if not _int_list(raw_shape) or not raw_shape:
+            raise bad(f"shape {raw_shape!r} is not a list of non-negative integers")
+        shape = raw_shape
+        row_shape = tuple(shape[1:])
+        if math.prod(row_shape) > _MAX_ELEMENTS or shape[0] > _MAX_ELEMENTS:
+            raise bad(f"shape {shape!r} is impossibly large")
+        try:
+            dtype = np.dtype(str(meta.get("data_type")))
+        except TypeError:
+            raise bad(f"data_type {meta.get('data_type')!r} is unknown") from None
+        if dtype.name not in ("float16", "float32", "float64", "uint16"):
+            raise bad(f"data_type {meta.get('data_type')!r} is not a storage type")
+        grid = meta.get("chunk_grid", {})
+        config_grid = grid.get("configuration", {}) if isinstance(grid, dict) else {}
+        raw_outer = config_grid.get("chunk_shape") if isinstance(config_grid, dict) else None
+        if not (isinstance(grid, dict) and grid.get("name") == "regular" and _int_list(raw_outer)):
+            raise bad(f"chunk_grid {grid!r} is not a regular grid")
+        outer = raw_outer
+        dims = [max(1, d) for d in row_shape]
+        if len(outer) != len(shape) or list(outer[1:]) != dims or outer[0] < 1:
+            raise bad(f"chunk shape {outer!r} is not (rows_per_shard, *{list(row_shape)})")
+        key_encoding = meta.get("chunk_key_encoding")
+        if key_encoding != {"name": "default", "configuration": {"separator": "/"}}:
+            raise bad(f"chunk_key_encoding {key_encoding!r} is not the default with '/'")
+        codecs = meta.get("codecs")
+        if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
+            raise bad(f"codecs {codecs!r} are not one sharding_indexed codec")
+        shard = codecs[0]
+        config = shard.get("configuration", {})
+        if shard.get("name") != "sharding_indexed" or not isinstance(config, dict):
+            raise bad(f"codec {shard.get('name')!r} is not sharding_indexed")
+        if config.get("chunk_shape") != [INNER_ROWS, *dims]:
+            raise bad(f"inner chunk shape {config.get('chunk_shape')!r} is not one row")
+        if config.get("index_codecs") != [_BYTES, _CRC] or config.get("index_location") != "end":
+            raise bad("the shard index is not bytes + crc32c at the end")
+        inner = config.get("codecs")
+        for compression in ("none", "lz4", "zstd"):
+            layout = cls(row_shape, dtype.newbyteorder("<"), int(outer[0]), compression)
+            if inner == layout.inner_codecs():
+                return layout
+        raise bad(f"inner codecs {inner!r} are not bytes [+ blosc] + crc32c")
+
+    # -- writing ------------------------------------------------------------------------------
+    def encode(self, rows: np.ndarray) -> list[Any]:
+        """Encode up to ``rows_per_shard`` rows as one shard: a list of buffers to write in
+        order (``os.writev``); rows past ``len(rows)`` are left out (index entries missing).
+
+        ``rows`` must have the array dtype and be C-contiguous; uncompressed rows are not
+        copied.
+        """
+        n = len(rows)
+        if not 1 <= n <= self.rows_per_shard:
+            raise ValueError(f"a shard holds 1..{self.rows_per_shard} rows, got {n}")
+        compressor = None
+        if self.compression != "none":
+            from numcodecs import Blosc
+
+            compressor = Blosc(cname=self.compression, clevel=1, shuffle=Blosc.BITSHUFFLE)
+        index = np.full((self.rows_per_shard, 2), MISSING, dtype="<u8")
+        parts: list[Any] = []
+        offset = 0
+        for i in range(n):
+            data: Any = rows[i : i + 1]  # (1, *row_shape), a view
+            data = compressor.encode(data) if compressor is not None else memoryview(data).cast("B")
+            checksum = crc32c_bytes(data)
+            length = len(data) + 4
+            parts += [data, checksum]
+            index[i] = (offset, length)
+            offset += length
+        index_bytes = index.tobytes()
+        parts += [index_bytes, crc32c_bytes(index_bytes)]
+        return parts
+
+    # -- reading ------------------------------------------------------------------------------
+    def decode_index(self, encoded: bytes, where: str) -> np.ndarray:
+        """The ``(rows_per_shard, 2)`` offset/length table of a shard, checksum verified."""
+        if len(encoded) != self.index_bytes:
+            raise StoreCorruptError(f"{where}: the shard is truncated (no complete index).")
+        body, checksum = encoded[:-4], encoded[-4:]
+        if crc32c_bytes(body) != checksum:
+            raise StoreCorruptError(f"{where}: the shard index fails its crc32c checksum.")
+        return np.frombuffer(body, dtype="<u8").reshape(self.rows_per_shard, 2)
+
+    def decode_row(self, encoded: Any, where: str, out: np.ndarray) -> None:
+        """Decode one inner chunk (checksum included) into ``out`` (one row, array dtype)."""
+        view = memoryview(encoded)
+        if len(view) < 4:
+            raise StoreCorruptError(f"{where}: the chunk is truncated.")
+        body, checksum = view[:-4], bytes(view[-4:])
+        if crc32c_bytes(body) != checksum:
+            raise StoreCorruptError(
+                f"{where}: the chunk fails its crc32c checksum: its bytes were damaged after "
+                "writing. The values are not returned."
+            )
+        if self.compression == "none":
+            if len(body) != self.row_bytes:
+                raise StoreCorruptError(
+                    f"{where}: the chunk holds {len(body)} bytes, a row has {self.row_bytes}."
+                )
+            out[...] = np.frombuffer(body, dtype=self.array_dtype).reshape(out.shape)
+            return
+        if len(body) < _BLOSC_HEADER.size:
+            raise StoreCorruptError(f"{where}: the compressed chunk has no blosc header.")
+        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack_from(body)
+        if nbytes != self.row_bytes or cbytes != len(body):
+            raise StoreCorruptError(
+                f"{where}: the compressed chunk claims {nbytes} bytes ({cbytes} compressed); "
+                f"a row has {self.row_bytes} ({len(body)} stored)."
+            )
+        from numcodecs import Blosc
+
+        Blosc().decode(body, out=out.reshape(-1).view(np.uint8))
+
+    def read_rows(
+        self, path: str, shard: int, positions: Sequence[int], out: np.ndarray, where: str
+    ) -> None:
+        """Read rows ``positions`` (within the shard) of shard file ``path`` into ``out``.
+
+        Reads the whole file when most of its rows are wanted, else the index and each row.
+
+        Raises:
+            StoreCorruptError: the file is missing, truncated or fails a checksum, or a wanted
+                row is not in it.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:
+            raise StoreCorruptError(
+                f"{where}: shard file {path} is missing, though committed records live in it."
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.index_bytes:
+                raise StoreCorruptError(f"{where}: the shard is truncated ({size} bytes).")
+            whole = 2 * len(positions) >= self.rows_per_shard
+            if whole:
+                data = _pread_all(fd, size, 0)
+                index = self.decode_index(data[size - self.index_bytes :], where)
+            else:
+                index = self.decode_index(
+                    _pread_all(fd, self.index_bytes, size - self.index_bytes), where
+                )
+            limit = size - self.index_bytes
+            for k, pos in enumerate(positions):
+                offset, length = (int(v) for v in index[pos])
+                row = shard * self.rows_per_shard + pos
+                chunk_where = f"{where}, inner chunk {pos} (record row {row})"
+                if offset == int(MISSING) and length == int(MISSING):
+                    raise StoreCorruptError(
+                        f"{chunk_where}: the shard does not hold this committed record."
+                    )
+                if offset + length > limit or length < 4:
+                    raise StoreCorruptError(
+                        f"{chunk_where}: the index points outside the shard (offset {offset}, "
+                        f"length {length}, {limit} data bytes)."
+                    )
+                encoded = (
+                    memoryview(data)[offset : offset + length]
+                    if whole
+                    else _pread_all(fd, length, offset)
+                )
+                self.decode_row(encoded, chunk_where, out[k])
+        finally:
+            os.close(fd)
+
+
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:  # a short read at the end of a truncated file
+        raise StoreCorruptError(f"read {len(data)} of {length} bytes at offset {offset}.")
+    return data
+
+
+def _int_list(value: Any) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )

@@ -1,0 +1,150 @@
+"""Storage dtypes: how gradients are rounded before they are written, and read back.
+
+Every storage dtype is stored with codecs of the Zarr v3 core specification, so any Zarr v3
+reader can decode the arrays (FORMAT.md section 4.2):
+
+=============  ==================  =====================================================
+name           array data type     value stored
+=============  ==================  =====================================================
+``float32``    ``float32``         the float32 cast (lossless for float32 models)
+``float64``    ``float64``         the float64 cast
+``float16``    ``float16``         IEEE half; gradients below 6.1e-5 lose precision and
+                                   below 6e-8 become 0 (underflow): allowed, not advised
+``bfloat16``   ``uint16``          the bit pattern of the bfloat16 rounding
+                                   (round to nearest even); read as ``bits << 16``
+``bitroundN``  ``float32``         float32 with the mantissa rounded to N bits (1..22),
+                                   round to nearest even, as numcodecs' BitRound; gains
+                                   only with a compressor (default lz4 + bitshuffle)
+=============  ==================  =====================================================
+
+The rounding happens in torch (on the gradient's device) or numpy, before the bytes reach the
+codecs; reads always return float32 (or the dtype asked for). Imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gradlog.errors import ConfigError
+
+__all__ = [
+    "COMPRESSIONS",
+    "STORAGE_DTYPE_NAMES",
+    "StorageDtype",
+    "default_compression",
+    "from_storage",
+    "storage_dtype",
+    "to_storage_numpy",
+    "to_storage_torch",
+]
+
+_BITROUND = re.compile(r"^bitround([0-9]{1,2})$")
+STORAGE_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "bitroundN")
+"""The storage dtypes, for messages (``bitroundN``: N kept mantissa bits, 1..22)."""
+
+COMPRESSIONS = ("none", "lz4", "zstd")
+"""Compressors: none, or blosc (bitshuffle, level 1) with lz4 or zstd."""
+
+
+@dataclass(frozen=True)
+class StorageDtype:
+    """One storage dtype.
+
+    Attributes:
+        name: Its name in the configuration and parameter specs (``"bitround9"``).
+        array_dtype: numpy dtype of the Zarr array holding it (``uint16`` for bfloat16).
+        keepbits: Kept mantissa bits for BitRound, else None.
+        lossy: Whether a float32 gradient may change when stored.
+    """
+
+    name: str
+    array_dtype: np.dtype[Any]
+    keepbits: int | None = None
+    lossy: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored element."""
+        return int(self.array_dtype.itemsize)
+
+
+def storage_dtype(name: str) -> StorageDtype:
+    """The storage dtype called ``name``.
+
+    Raises:
+        ConfigError: ``name`` is not a storage dtype; the message lists them.
+    """
+    if name in ("float32", "float64", "float16"):
+        return StorageDtype(name, np.dtype(name), lossy=name == "float16")
+    if name == "bfloat16":
+        return StorageDtype(name, np.dtype("uint16"), lossy=True)
+    m = _BITROUND.match(name) if isinstance(name, str) else None
+    if m is not None and 1 <= int(m.group(1)) <= 22:
+        return StorageDtype(name, np.dtype("float32"), keepbits=int(m.group(1)), lossy=True)
+    raise ConfigError(
+        f"dtype={name!r} is not a storage dtype; pass one of {list(STORAGE_DTYPE_NAMES)} "
+        "(bitroundN keeps N of float32's 23 mantissa bits, 1 <= N <= 22, e.g. 'bitround9')."
+    )
+
+
+def default_compression(name: str) -> str:
+    """The compressor chosen by measurement for a storage dtype (FORMAT.md section 4.3).
+
+    Lossless float32 gains 1.17x from lz4 and 1.17x from zstd: not worth a core on the small
+    machines measured, so ``none``. BitRound only pays with a compressor (2.3x at 9 bits), and
+    lz4 compresses bitshuffled data as well as zstd at 2.7x the speed, so ``lz4``.
+    """
+    return "lz4" if storage_dtype(name).keepbits is not None else "none"
+
+
+def _bitround_int32(bits: Any, keepbits: int) -> Any:
+    """Round float32 bit patterns held as int32 (numpy array or torch tensor, modified in
+    place) to ``keepbits`` mantissa bits, ties to even: numcodecs.BitRound's arithmetic."""
+    drop = 23 - keepbits
+    bits += ((bits >> drop) & 1) + ((1 << (drop - 1)) - 1)
+    bits &= -(1 << drop)  # int32 mask of the kept bits
+    return bits
+
+
+def to_storage_torch(tensor: Any, dtype: StorageDtype) -> Any:
+    """Round a torch tensor to the storage dtype, on its own device; returns a tensor of the
+    array dtype (bfloat16 as its int16 bit pattern)."""
+    import torch
+
+    if dtype.name in ("float32", "float64", "float16"):
+        return tensor.to(getattr(torch, dtype.name))
+    if dtype.name == "bfloat16":
+        return tensor.to(torch.bfloat16).view(torch.int16)
+    assert dtype.keepbits is not None
+    bits = tensor.to(torch.float32, copy=True).contiguous().view(torch.int32)
+    return _bitround_int32(bits, dtype.keepbits).view(torch.float32)
+
+
+def to_storage_numpy(array: np.ndarray, dtype: StorageDtype) -> np.ndarray:
+    """Round a numpy array to the storage dtype; returns an array of ``dtype.array_dtype``."""
+    if dtype.name in ("float32", "float64", "float16"):
+        return np.asarray(array, dtype=dtype.array_dtype)
+    if dtype.name == "bfloat16":
+        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+        nan = np.isnan(array)
+        out = (rounded >> np.uint32(16)).astype(np.uint16)
+        if nan.any():  # the rounding increment must not turn a NaN into an infinity
+            out[nan] = np.uint16(0x7FC0)
+        return out
+    assert dtype.keepbits is not None
+    bits = np.array(array, dtype=np.float32, order="C").view(np.int32)  # a copy
+    kept: np.ndarray = _bitround_int32(bits, dtype.keepbits)
+    return kept.view(np.float32)
+
+
+def from_storage(stored: np.ndarray, dtype: StorageDtype, out_dtype: Any = np.float32) -> Any:
+    """Values of a stored array (``dtype.array_dtype``) as ``out_dtype`` (float32 default)."""
+    if dtype.name == "bfloat16":
+        widened = np.asarray(stored, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
+        return np.asarray(widened.view(np.float32), dtype=out_dtype)
+    return np.asarray(stored, dtype=out_dtype)

@@ -1,0 +1,353 @@
+"""Probes: per-datum gradients of held-out examples, recorded beside the training records.
+
+Layout (normative text: schemas/FORMAT.md, section 11)::
+
+    RUN.gradlog/
+      probes/zarr.json                 group; attributes: probe_ids
+      probes/grads/<param>/            (probe rows, *shape) array per recorded parameter
+      probes/index/step-S.parquet      the probe rows of step S: step, probe_id, row, loss, norms
+
+A step's probe part is written before the step's commit marker (``steps/step-S.parquet``),
+and readers ignore probe parts of uncommitted steps, so probes follow the commit rule of the
+training records. The namespace is optional: stores without probes have no ``probes/`` group,
+and readers that do not know it ignore it.
+
+Imports no torch: readers and ``gradlog info`` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradlog.errors import StoreCorruptError, StoreFormatError
+from gradlog.store import format as fmt
+from gradlog.store.dtypes import StorageDtype, from_storage, storage_dtype
+
+__all__ = [
+    "PROBES_GROUP",
+    "ProbeArray",
+    "ProbeWriter",
+    "probe_array_path",
+    "probe_index_schema",
+    "probe_part_name",
+    "read_probe_ids",
+    "read_probe_index",
+]
+
+PROBES_GROUP = "probes"
+PROBE_INDEX_DIR = f"{PROBES_GROUP}/index"
+_PROBE_PART = re.compile(r"^step-(\d{12,})\.parquet$")
+_CHUNK_TARGET_BYTES = 16 << 20  # the training arrays' rule (FORMAT.md section 4)
+
+
+def probe_array_path(param: str) -> str:
+    """Path of a parameter's probe gradient array: ``probes/`` + ``array_path(param)``."""
+    return f"{PROBES_GROUP}/{fmt.array_path(param)}"
+
+
+def probe_part_name(step: int) -> str:
+    """File (in ``probes/index/``) of the probe rows of one step."""
+    return f"step-{step:012d}.parquet"
+
+
+def probe_index_schema(params: Sequence[str]) -> Any:
+    """Arrow schema of the probe index: one row per (step, probe) record."""
+    import pyarrow as pa
+
+    fields = [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("probe_id", pa.int64(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False),
+        pa.field("loss", pa.float64(), nullable=False),
+    ]
+    fields += [pa.field(fmt.norm_column(p), pa.float64(), nullable=False) for p in params]
+    return pa.schema(fields)
+
+
+def read_probe_ids(path: Path) -> list[int] | None:
+    """The probe ids of the store at ``path`` (in probe batch order), or None without probes."""
+    meta_file = path / PROBES_GROUP / "zarr.json"
+    if not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreFormatError(f"{meta_file} is not valid JSON: {e}") from None
+    ids = meta.get("attributes", {}).get("probe_ids") if isinstance(meta, dict) else None
+    if not (
+        isinstance(ids, list)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        and len(set(ids)) == len(ids)
+    ):
+        raise StoreFormatError(
+            f"{meta_file}: attribute 'probe_ids' must be a list of distinct integers >= 0, got "
+            f"{ids!r}."
+        )
+    return ids
+
+
+def read_probe_index(path: Path, params: Sequence[str], committed: Any) -> Any:
+    """Probe index rows of the committed steps (pyarrow table, in row order)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    schema = probe_index_schema(params)
+    directory = path / PROBE_INDEX_DIR
+    tables = []
+    if directory.is_dir():
+        for entry in sorted(os.listdir(directory)):
+            if not _PROBE_PART.match(entry):
+                continue  # temporaries (dot files) and foreign files
+            try:
+                tables.append(pq.read_table(directory / entry, schema=schema))
+            except (OSError, pa.ArrowInvalid) as e:
+                raise StoreFormatError(f"{directory / entry} is not a valid part: {e}") from None
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(committed)))
+    return table.sort_by("row")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_parquet_atomic(table: Any, path: Path, durable: bool) -> None:
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
+    pq.write_table(table, tmp, compression="zstd")
+    if durable:
+        _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _as_array_dtype(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """Rounded values in the array dtype: bfloat16 bits arrive as int16 (torch's view)."""
+    arr = np.asarray(values)
+    if arr.dtype == dtype:
+        return arr
+    if arr.dtype.kind in "iu" and dtype.kind in "iu" and arr.dtype.itemsize == dtype.itemsize:
+        return arr.view(dtype)
+    return arr.astype(dtype)
+
+
+class ProbeArray:
+    """One parameter's probe gradient array, opened for reading (through zarr-python).
+
+    Raises:
+        StoreFormatError: the array's metadata disagrees with the parameter's spec.
+    """
+
+    def __init__(self, root: Path, name: str, spec: Mapping[str, Any]) -> None:
+        import zarr
+
+        self.where = f"{root}: probe array {probe_array_path(name)} of {name!r}"
+        self.dtype: StorageDtype = storage_dtype(spec["dtype"])
+        self.shape = tuple(int(d) for d in spec["shape"])
+        directory = root / probe_array_path(name)
+        if not (directory / "zarr.json").is_file():
+            raise StoreCorruptError(f"{self.where} is missing, though probe records exist.")
+        self.array = zarr.open_array(str(directory), mode="r")
+        if tuple(self.array.shape[1:]) != self.shape or self.array.dtype != self.dtype.array_dtype:
+            raise StoreFormatError(
+                f"{self.where} has shape {self.array.shape} and dtype {self.array.dtype}; the "
+                f"spec says (n, *{list(self.shape)}) of {self.dtype.name}."
+            )
+
+    @property
+    def chunk_rows(self) -> int:
+        return int(self.array.chunks[0])
+
+    def read(self, rows: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+        """Rows ``rows`` (sorted) as ``(n, *shape)`` of ``dtype``.
+
+        Raises:
+            StoreCorruptError: a chunk fails its checksum.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return np.zeros((0, *self.shape), dtype=dtype)
+        if int(rows[-1]) >= self.array.shape[0]:
+            raise StoreCorruptError(
+                f"{self.where} has {self.array.shape[0]} rows; probe records reach row "
+                f"{int(rows[-1])}."
+            )
+        try:
+            if int(rows[-1]) - int(rows[0]) + 1 == rows.size:
+                stored = np.asarray(self.array[int(rows[0]) : int(rows[-1]) + 1])
+            else:
+                stored = np.asarray(self.array.oindex[rows])
+        except ValueError as e:
+            raise StoreCorruptError(f"{self.where}: a chunk fails its checksum: {e}") from None
+        return np.asarray(from_storage(stored, self.dtype, dtype))
+
+
+class ProbeWriter:
+    """Appends the probe records of each recorded step to a store's ``probes/`` namespace.
+
+    When the store already has probes (a resumed run), it continues them: the probe ids must
+    be the same, rows continue after the committed ones, and probe parts of uncommitted steps
+    are removed.
+
+    Args:
+        path: The store (already created or resumed by :class:`~gradlog.store.StoreWriter`).
+        specs: The recorded parameters (name -> (shape, storage dtype name)), in order.
+        probe_ids: One distinct id >= 0 per probe, in the order of the probe batch.
+        durable: ``fsync`` the probe chunks and part of a step before returning.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Mapping[str, tuple[tuple[int, ...], str]],
+        probe_ids: Sequence[int],
+        *,
+        durable: bool = False,
+    ) -> None:
+        import zarr
+
+        self.path = Path(path)
+        self.specs = dict(specs)
+        self.dtypes = {name: storage_dtype(dtype) for name, (_, dtype) in self.specs.items()}
+        self.probe_ids = np.asarray(probe_ids, dtype=np.int64)
+        self.durable = durable
+        self._arrays: dict[str, Any] = {}
+        self._capacity = 0
+        self.n_rows = 0
+        self._schema = probe_index_schema(list(self.specs))
+        existing = read_probe_ids(self.path)
+        if existing is not None:
+            self._resume(existing)
+            return
+        root = zarr.open_group(str(self.path), mode="r+")
+        self._group = root.create_group(
+            PROBES_GROUP, attributes={"probe_ids": [int(i) for i in self.probe_ids]}
+        )
+        self._group.create_group(fmt.GRADS_GROUP)
+        (self.path / PROBE_INDEX_DIR).mkdir(parents=True, exist_ok=True)
+
+    def _resume(self, existing: list[int]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        import zarr
+
+        if existing != self.probe_ids.tolist():
+            raise StoreFormatError(
+                f"{self.path} was recorded with probe ids {existing[:10]}, this recorder has "
+                f"{self.probe_ids.tolist()[:10]}: resume with the same probes and probe_ids."
+            )
+        self._group = zarr.open_group(str(self.path / PROBES_GROUP), mode="r+")
+        steps = pa.concat_tables(
+            [
+                pq.read_table(self.path / fmt.STEPS_DIR / e, columns=["step"])
+                for e in sorted(os.listdir(self.path / fmt.STEPS_DIR))
+                if fmt.parse_part_name(e) is not None
+            ]
+            or [pa.table({"step": pa.array([], pa.int64())})]
+        ).column("step")
+        index = read_probe_index(self.path, list(self.specs), steps)
+        self.n_rows = int(np.max(index.column("row").to_numpy())) + 1 if index.num_rows else 0
+        committed = set(steps.to_pylist())
+        directory = self.path / PROBE_INDEX_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        for entry in os.listdir(directory):
+            m = _PROBE_PART.match(entry)
+            if entry.startswith(".") or (m is not None and int(m.group(1)) not in committed):
+                (directory / entry).unlink()  # uncommitted: it will be written again
+        for name in self.specs:
+            where = self.path / probe_array_path(name)
+            if (where / "zarr.json").is_file():
+                self._arrays[name] = zarr.open_array(str(where), mode="r+")
+        if self._arrays:
+            self._capacity = min(int(a.shape[0]) for a in self._arrays.values())
+
+    def _create_arrays(self) -> None:
+        from zarr.codecs import BloscCodec, Crc32cCodec
+
+        n = len(self.probe_ids)
+        for name, (shape, _) in self.specs.items():
+            dtype = self.dtypes[name].array_dtype
+            itemsize = dtype.itemsize
+            row_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * itemsize)
+            rows = max(1, min(n, _CHUNK_TARGET_BYTES // row_bytes))
+            self._arrays[name] = self._group.create_array(
+                fmt.array_path(name),
+                shape=(0, *shape),
+                chunks=(rows, *shape),
+                dtype=dtype,
+                fill_value=0,
+                compressors=[
+                    BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle", typesize=itemsize),
+                    Crc32cCodec(),
+                ],
+                dimension_names=["record", *(f"dim_{i}" for i in range(len(shape)))],
+            )
+
+    def append(
+        self,
+        *,
+        step: int,
+        losses: np.ndarray,
+        grads: Mapping[str, np.ndarray],
+        norms: Mapping[str, np.ndarray],
+    ) -> None:
+        """Write one step's probe gradients, then its probe index part (before the commit).
+
+        ``grads`` hold the values already rounded to each storage dtype's array dtype
+        (:func:`gradlog.store.dtypes.to_storage_numpy` or ``to_storage_torch``).
+        """
+        import pyarrow as pa
+
+        n = len(self.probe_ids)
+        if not self._arrays:
+            self._create_arrays()
+        start, stop = self.n_rows, self.n_rows + n
+        if stop > self._capacity:  # grow geometrically: a resize rewrites metadata
+            self._capacity = max(stop, 2 * self._capacity)
+            for name, arr in self._arrays.items():
+                arr.resize((self._capacity, *self.specs[name][0]))
+        for name, arr in self._arrays.items():
+            arr[start:stop] = _as_array_dtype(grads[name], self.dtypes[name].array_dtype)
+        if self.durable:
+            self._fsync_rows(start, stop)
+        columns: dict[str, Any] = {
+            "step": np.full(n, step, dtype=np.int64),
+            "probe_id": self.probe_ids,
+            "row": np.arange(start, stop, dtype=np.int64),
+            "loss": losses.astype(np.float64),
+        }
+        for name in self.specs:
+            columns[fmt.norm_column(name)] = norms[name].astype(np.float64)
+        table = pa.table(columns, schema=self._schema)
+        _write_parquet_atomic(
+            table, self.path / PROBE_INDEX_DIR / probe_part_name(step), self.durable
+        )
+        self.n_rows = stop
+
+    def _fsync_rows(self, start: int, stop: int) -> None:
+        for name, arr in self._arrays.items():
+            rows = int(arr.chunks[0])
+            tail = "/".join(["0"] * len(self.specs[name][0]))
+            for chunk in range(start // rows, (stop - 1) // rows + 1):
+                key = f"c/{chunk}" + (f"/{tail}" if tail else "")
+                chunk_file = self.path / probe_array_path(name) / key
+                if chunk_file.is_file():
+                    _fsync(chunk_file)
+
+    def close(self) -> None:
+        """Trim the arrays to the rows written."""
+        for name, arr in self._arrays.items():
+            arr.resize((self.n_rows, *self.specs[name][0]))
+        self._capacity = self.n_rows

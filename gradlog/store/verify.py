@@ -1,0 +1,408 @@
+"""``gradlog verify RUN``: check a store from end to end, reading every byte of its records.
+
+:func:`verify` runs five checks and reports every problem it finds (it does not stop at the
+first):
+
+- **root**: the root ``zarr.json`` parses, names a gradlog store of a known version, its
+  ``config_hash`` is the hash of its ``config``, and every parameter's array path is the one
+  FORMAT.md section 3 gives;
+- **commit log**: every steps part (the commit markers, ``steps/``) is readable, named after
+  its one step, and holds one row;
+- **index**: every committed step has its index parts (micro-batches ``0 .. n_micro-1``), its
+  rows are where the steps part says, rows are unique, numbers finite, weights positive;
+- **arrays**: every parameter with records has an array of the right dtype, shape and layout
+  that covers every committed row;
+- **checksums**: every chunk holding a committed record is read and its crc32c verified (and,
+  in version 2, the shard index's), so damage anywhere is found;
+- **schemas**: root attributes and every committed index and steps row against the JSON
+  Schemas (with ``jsonschema`` when it is installed; otherwise the structural checks above,
+  which gradlog knows itself, stand in).
+
+Uncommitted leftovers of a crash (index parts of steps that never committed, temporaries) are
+reported as notes, not problems: readers ignore them and ``resume=True`` discards them.
+
+Nothing is written and nothing from the store is executed. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradlog.errors import GradlogError
+from gradlog.store import format as fmt
+
+__all__ = ["Check", "Report", "verify"]
+
+
+@dataclass
+class Check:
+    """One check of :func:`verify`."""
+
+    name: str
+    problems: list[str] = field(default_factory=list)
+    summary: str = ""
+    skipped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the check found nothing wrong (a skipped check is not ok)."""
+        return not self.problems and not self.skipped
+
+
+@dataclass
+class Report:
+    """What :func:`verify` found."""
+
+    path: Path
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every check holds: the store is intact."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def check(self, name: str) -> Check:
+        """The check called ``name``."""
+        return next(c for c in self.checks if c.name == name)
+
+
+def verify(path: str | os.PathLike[str], *, max_problems: int = 50) -> Report:
+    """Check the store at ``path``; see the module docstring for what is checked.
+
+    Args:
+        path: The store's directory.
+        max_problems: Problems listed per check, at most (the count is always given).
+
+    Returns:
+        The :class:`Report`; ``report.ok`` says whether the store is intact.
+    """
+    from gradlog.store.reader import Run
+
+    root = Path(path)
+    report = Report(root)
+    check = Check("root")
+    report.checks.append(check)
+    try:
+        run = Run(root)
+    except GradlogError as e:
+        check.problems.append(str(e))
+        for name in ("commit log", "index", "arrays", "checksums", "schemas"):
+            report.checks.append(Check(name, skipped="the store does not open"))
+        return report
+    attrs = run.attrs
+    _check_root(attrs, check)
+    check.summary = (
+        f"format version {run.format_version}, {len(attrs['params'])} parameters, "
+        f"config_hash {str(attrs.get('config_hash', ''))[:12]}..."
+    )
+    steps, step_rows = _check_commit_log(root, report)
+    records = _check_index(root, attrs, steps, report)
+    arrays = _check_arrays(run, records, report)
+    _check_checksums(run, arrays, records, report)
+    _check_schemas(attrs, step_rows, records, report)
+    for c in report.checks:
+        if len(c.problems) > max_problems:
+            extra = len(c.problems) - max_problems
+            c.problems[max_problems:] = [f"... and {extra} more problems"]
+    return report
+
+
+# -- root -----------------------------------------------------------------------------------
+def _check_root(attrs: dict[str, Any], check: Check) -> None:
+    config = attrs.get("config")
+    if not isinstance(config, dict):
+        check.problems.append("root attribute 'config' is missing or not an object.")
+        return
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    expected = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    if attrs.get("config_hash") != expected:
+        check.problems.append(
+            f"config_hash {attrs.get('config_hash')!r} is not the sha256 of the canonical JSON "
+            f"of config ({expected}): the configuration was edited after recording."
+        )
+    for name, spec in attrs["params"].items():
+        numel = math.prod(spec["shape"])
+        if spec.get("numel") != numel:
+            check.problems.append(f"parameter {name!r}: numel {spec.get('numel')} != {numel}.")
+
+
+# -- commit log -------------------------------------------------------------------------------
+def _check_commit_log(root: Path, report: Report) -> tuple[dict[int, dict[str, Any]], list[Any]]:
+    import pyarrow.parquet as pq
+
+    check = Check("commit log")
+    report.checks.append(check)
+    directory = root / fmt.STEPS_DIR
+    steps: dict[int, dict[str, Any]] = {}
+    rows: list[Any] = []
+    if not directory.is_dir():
+        check.problems.append(f"{directory} is missing: the store has no commit log.")
+        return steps, rows
+    schema = fmt.steps_schema()
+    for entry in sorted(os.listdir(directory)):
+        if entry.startswith("."):
+            report.notes.append(f"temporary {fmt.STEPS_DIR}/{entry} (an interrupted commit)")
+            continue
+        parsed = fmt.parse_part_name(entry)
+        if parsed is None or parsed[1] is not None:
+            check.problems.append(f"{fmt.STEPS_DIR}/{entry} is not a steps part name.")
+            continue
+        try:
+            table = pq.read_table(directory / entry, schema=schema)
+        except Exception as e:
+            check.problems.append(f"{fmt.STEPS_DIR}/{entry} does not read: {e}")
+            continue
+        if table.num_rows != 1:
+            check.problems.append(f"{fmt.STEPS_DIR}/{entry} holds {table.num_rows} rows, not 1.")
+            continue
+        if _nulls(table):
+            check.problems.append(f"{fmt.STEPS_DIR}/{entry} lacks column(s) {_nulls(table)}.")
+            continue
+        row = table.to_pylist()[0]
+        if row["step"] != parsed[0]:
+            check.problems.append(
+                f"{fmt.STEPS_DIR}/{entry} holds step {row['step']}, its name says {parsed[0]}."
+            )
+            continue
+        steps[row["step"]] = row
+        rows.append(row)
+    check.summary = f"{len(steps)} committed steps" + (
+        f" ({min(steps)}..{max(steps)})" if steps else ""
+    )
+    return steps, rows
+
+
+# -- index ------------------------------------------------------------------------------------
+def _check_index(
+    root: Path, attrs: dict[str, Any], steps: dict[int, dict[str, Any]], report: Report
+) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    check = Check("index")
+    report.checks.append(check)
+    directory = root / fmt.INDEX_DIR
+    schema = fmt.index_schema(list(attrs["params"]))
+    parts: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    if not directory.is_dir():
+        check.problems.append(f"{directory} is missing.")
+        return []
+    for entry in sorted(os.listdir(directory)):
+        if entry.startswith("."):
+            report.notes.append(f"temporary {fmt.INDEX_DIR}/{entry} (an interrupted write)")
+            continue
+        parsed = fmt.parse_part_name(entry)
+        if parsed is None or parsed[1] is None:
+            check.problems.append(f"{fmt.INDEX_DIR}/{entry} is not an index part name.")
+            continue
+        step, micro = parsed[0], int(parsed[1])
+        if step not in steps:
+            report.notes.append(f"uncommitted {fmt.INDEX_DIR}/{entry} (ignored by readers)")
+            continue
+        try:
+            table = pq.read_table(directory / entry, schema=schema)
+        except Exception as e:
+            check.problems.append(f"{fmt.INDEX_DIR}/{entry} does not read: {e}")
+            continue
+        if _nulls(table):
+            check.problems.append(f"{fmt.INDEX_DIR}/{entry} lacks column(s) {_nulls(table)}.")
+            continue
+        rows = table.to_pylist()
+        keys = {(r["step"], r["micro"]) for r in rows}
+        if keys != {(step, micro)}:
+            check.problems.append(
+                f"{fmt.INDEX_DIR}/{entry} holds (step, micro) {sorted(keys)}, its name says "
+                f"{(step, micro)}."
+            )
+            continue
+        parts[(step, micro)] = rows
+    records: list[dict[str, Any]] = []
+    version = attrs["format_version"]
+    for step, row in sorted(steps.items()):
+        mine: list[dict[str, Any]] = []
+        for micro in range(row["n_micro"]):
+            if (step, micro) not in parts:
+                check.problems.append(
+                    f"committed step {step} misses its index part for micro-batch {micro}."
+                )
+                continue
+            call = parts[(step, micro)]
+            got = [r["row"] for r in call]
+            if got != list(range(got[0], got[0] + len(got))):
+                check.problems.append(
+                    f"step {step} micro-batch {micro}: rows {got[:6]}... are not consecutive."
+                )
+            mine += call
+        extra = sorted(m for s, m in parts if s == step and m >= row["n_micro"])
+        if extra:
+            check.problems.append(
+                f"step {step} has index parts of micro-batches {extra} beyond its n_micro "
+                f"{row['n_micro']}."
+            )
+        rows_of_step = sorted(r["row"] for r in mine)
+        if len(mine) != row["n_records"] or (rows_of_step and rows_of_step[0] != row["first_row"]):
+            check.problems.append(
+                f"step {step}: the steps part says {row['n_records']} records from row "
+                f"{row['first_row']}, its index parts hold {len(mine)} from "
+                f"{rows_of_step[0] if rows_of_step else None}."
+            )
+        if version == 1 and rows_of_step != list(
+            range(row["first_row"], row["first_row"] + len(rows_of_step))
+        ):
+            check.problems.append(f"step {step}: rows are not consecutive (format version 1).")
+        if mine:
+            mean = float(np.mean([r["loss"] for r in mine]))
+            if not math.isclose(row["loss_mean"], mean, rel_tol=1e-9, abs_tol=1e-12):
+                check.problems.append(
+                    f"step {step}: loss_mean {row['loss_mean']} != the mean of its records' "
+                    f"losses {mean}."
+                )
+        records += mine
+    seen: set[int] = set()
+    norm_columns = [fmt.norm_column(n) for n in attrs["params"]]
+    for r in records:
+        where = f"record (step {r['step']}, datum {r['datum_id']}, row {r['row']})"
+        if r["row"] in seen:
+            check.problems.append(f"{where}: row {r['row']} is used twice.")
+        seen.add(r["row"])
+        if r["row"] < 0 or r["datum_id"] < 0 or r["micro"] < 0:
+            check.problems.append(f"{where}: a negative row, datum id or micro-batch.")
+        if not (math.isfinite(r["weight"]) and r["weight"] > 0):
+            check.problems.append(f"{where}: weight {r['weight']} is not a positive number.")
+        values = [r["loss"], *(r[c] for c in norm_columns)]
+        if r["lr"] is not None:
+            values.append(r["lr"])
+        if not all(math.isfinite(v) for v in values):
+            check.problems.append(f"{where}: a non-finite loss, lr or norm.")
+        if any(r[c] < 0 for c in norm_columns):
+            check.problems.append(f"{where}: a negative norm.")
+    check.summary = f"{len(records)} committed records in {len(parts)} index parts"
+    return sorted(records, key=lambda r: r["row"])
+
+
+def _nulls(table: Any) -> list[str]:
+    """Non-nullable columns holding nulls: columns a part lacks read as nulls."""
+    return [f.name for f in table.schema if not f.nullable and table.column(f.name).null_count]
+
+
+# -- arrays and checksums -------------------------------------------------------------------
+def _check_arrays(run: Any, records: list[dict[str, Any]], report: Report) -> dict[str, Any]:
+    from gradlog.store.arrays import GradArray
+
+    check = Check("arrays")
+    report.checks.append(check)
+    arrays: dict[str, Any] = {}
+    max_row = max((r["row"] for r in records), default=-1)
+    for name, spec in run.attrs["params"].items():
+        if not (run.path / spec["array"] / "zarr.json").is_file() and not records:
+            continue  # arrays come with the first records
+        try:
+            array = GradArray(run.path, name, spec, run.format_version)
+        except GradlogError as e:
+            check.problems.append(str(e))
+            continue
+        if array.n_rows <= max_row:
+            check.problems.append(
+                f"array {spec['array']} declares {array.n_rows} rows; committed rows reach "
+                f"{max_row}."
+            )
+        arrays[name] = array
+    check.summary = f"{len(arrays)} arrays" + (
+        f", {max_row + 1} rows" if records else ", no records yet"
+    )
+    return arrays
+
+
+def _check_checksums(
+    run: Any, arrays: dict[str, Any], records: list[dict[str, Any]], report: Report
+) -> None:
+    check = Check("checksums")
+    report.checks.append(check)
+    rows = np.asarray([r["row"] for r in records], dtype=np.int64)
+    n_files = 0
+    n_bytes = 0
+    for array in arrays.values():
+        if rows.size == 0:
+            break
+        per_file = array.rows_per_chunk()
+        for chunk in np.unique(rows // per_file):
+            mine = rows[rows // per_file == chunk]
+            try:
+                array.read(mine)  # every committed row of this file, checksums verified
+            except GradlogError as e:
+                check.problems.append(str(e))
+            key = array.chunk_key(int(chunk))
+            file = array.directory / key
+            n_files += 1
+            n_bytes += file.stat().st_size if file.is_file() else 0
+    check.summary = f"{n_files} chunk files read ({n_bytes / 2**20:.1f} MiB), crc32c verified"
+
+
+# -- schemas ----------------------------------------------------------------------------------
+def _check_schemas(
+    attrs: dict[str, Any],
+    step_rows: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    report: Report,
+) -> None:
+    check = Check("schemas")
+    report.checks.append(check)
+    try:
+        import jsonschema
+        from jsonschema import Draft202012Validator
+    except ImportError:
+        _structural_root_checks(attrs, check)
+        check.summary = (
+            "structural checks only (pip install jsonschema for validation against "
+            "schemas/*.schema.json)"
+        )
+        return
+    from gradlog.testing.schemas import load_schema
+
+    items = [("root", attrs, "root attributes")]
+    items += [("steps", r, f"steps row of step {r['step']}") for r in step_rows]
+    items += [("index", r, f"index row {r['row']}") for r in records]
+    validators = {
+        name: Draft202012Validator(
+            load_schema(name), format_checker=Draft202012Validator.FORMAT_CHECKER
+        )
+        for name in ("root", "steps", "index")
+    }
+    for name, instance, where in items:
+        error = jsonschema.exceptions.best_match(validators[name].iter_errors(instance))
+        if error is not None:
+            check.problems.append(
+                f"{where} breaks {name}.schema.json at {error.json_path}: {error.message}"
+            )
+    check.summary = f"{len(items)} objects valid against schemas/*.schema.json"
+
+
+_ROOT_KEYS = {
+    "format": str,
+    "format_version": int,
+    "gradlog_version": str,
+    "torch_version": str,
+    "created": str,
+    "model": dict,
+    "config": dict,
+    "config_hash": str,
+    "backend": dict,
+    "params": dict,
+}
+
+
+def _structural_root_checks(attrs: dict[str, Any], check: Check) -> None:
+    for key, kind in _ROOT_KEYS.items():
+        if not isinstance(attrs.get(key), kind):
+            check.problems.append(f"root attribute {key!r} is missing or not a {kind.__name__}.")
+    unknown = sorted(set(attrs) - set(_ROOT_KEYS))
+    if unknown:
+        check.problems.append(f"unknown root attributes {unknown}.")

@@ -1,0 +1,299 @@
+"""Compute cost of per-datum gradients: a recorded step as a ratio to a plain training step.
+
+Models: the small and medium GPT of ``../shared/PEERS.md`` (token + learned position
+Embedding with Hugging Face style ``[1, T]`` position ids, pre-LN blocks with Linear q/k/v/o
+and a GELU MLP, final LayerNorm, untied head; small: vocab 512, d 128, 2 layers, T 64, B 16;
+medium: d 256, 4 layers, T 128, B 32), float32, per-token cross entropy averaged per datum,
+mean over the batch.
+
+What is timed. Each repetition runs a plain step (zero_grad, forward, ``losses.mean()
+.backward()``, no gradlog hook installed) and right after it one step of the method (zero_grad,
+forward, per-datum gradients of every parameter computed and left in memory, ``p.grad``
+where the method gives it). Nothing is written to disk: this is compute only. The table shows
+the median over repetitions of the paired ratio method / plain, and the median times.
+
+What "extra memory" is. CPU tensors are allocated through malloc, which tracemalloc does not
+see, and torch exposes no CPU allocator statistics; so each method also runs alone in a fresh
+subprocess (same model and batch, 1 warm-up + ``--mem-reps`` steps), and its extra memory is the
+process's peak RSS (``VmHWM``) minus its RSS just before the first step (Linux only). The
+ratio column divides that by the same quantity for the plain step. The per-datum payload
+(B x recorded parameters x 4 bytes) is printed for reference: every method that returns
+per-datum gradients holds it at the end of the step.
+
+Methods: gradlog ``hooks`` (default backend), ``vmap`` (``torch.func``; computes ``p.grad``
+from the per-datum gradients), ``loop`` (one backward per datum, the test oracle), torch's
+private ExpandedWeights (``call_for_per_sample_grads``; it refuses the broadcast ``[1, T]``
+position ids, so it gets them expanded to ``(B, T)``), and Opacus hooks if installed.
+
+Usage (on a shared or small machine, keep OpenMP threads from spinning between ops, and
+prefer ``--clock cpu`` when other processes compete for the cores)::
+
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_compute.py --reps 15 --sizes small
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_compute.py --clock cpu --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"vocab": 512, "d": 128, "layers": 2, "T": 64, "B": 16},
+    "medium": {"vocab": 512, "d": 256, "layers": 4, "T": 128, "B": 32},
+}
+Step = Callable[[], Any]
+
+
+def build(size: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The GPT of PEERS.md at ``size`` and one batch (x, y) of token ids (B, T)."""
+    from gradlog.demo.model import CharGPT, GPTConfig
+
+    s = SIZES[size]
+    torch.manual_seed(0)
+    model = CharGPT(GPTConfig(vocab_size=s["vocab"], block_size=s["T"], n_layer=s["layers"],
+                              n_head=4, n_embd=s["d"]))
+    x = torch.randint(0, s["vocab"], (s["B"], s["T"]))  # (B, T)
+    y = torch.randint(0, s["vocab"], (s["B"], s["T"]))  # (B, T)
+    return model, x, y
+
+
+def token_losses(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per-token cross entropy (B, T); ``batch[2]``, if present, are position ids."""
+    x, y = batch[0], batch[1]
+    logits = model(x) if len(batch) == 2 else model(x, batch[2])  # (B, T, V)
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
+
+
+def methods(model: nn.Module, x: torch.Tensor, y: torch.Tensor
+            ) -> dict[str, tuple[Callable[[], None], Step, Callable[[], None]] | str]:
+    """name -> (setup, step, teardown), or a string saying why the method is unavailable."""
+    from gradlog.backends import BACKENDS
+    from gradlog.losses import per_datum_losses
+    from gradlog.params import select_params
+
+    params = select_params(model, ["*"])
+    out: dict[str, tuple[Callable[[], None], Step, Callable[[], None]] | str] = {}
+
+    def none() -> None:
+        return None
+
+    def plain() -> Any:
+        model.zero_grad(set_to_none=True)
+        token_losses(model, (x, y)).mean(1).mean().backward()
+
+    out["plain fwd+bwd"] = (none, plain, none)
+
+    def reduce(raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return per_datum_losses(raw, mask, "mean")
+
+    for name in ("hooks", "vmap", "loop"):
+        backend = BACKENDS[name](model, params, batch_reduction="mean", randomness="different")
+        if backend.needs_loss_fn:
+            def step(be: Any = backend) -> Any:
+                model.zero_grad(set_to_none=True)
+                return be.step(token_losses, (x, y), reduce, None, lambda losses: None)[1]
+        else:
+            def step(be: Any = backend) -> Any:
+                model.zero_grad(set_to_none=True)
+                losses = reduce(token_losses(model, (x, y)), None)  # (B,)
+                return be.backward(losses, losses.mean())
+        out[f"gradlog {name}"] = (backend.attach, step, backend.detach)
+
+    try:
+        from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+    except ImportError as e:  # pragma: no cover - private API
+        out["torch ExpandedWeights"] = f"not importable ({e})"
+    else:
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # (B, T): no broadcast
+
+        def expanded() -> Any:
+            model.zero_grad(set_to_none=True)
+            for p in model.parameters():
+                p.grad_sample = None  # type: ignore[attr-defined]
+            wrapped = call_for_per_sample_grads(model, batch_size=x.shape[0],
+                                                loss_reduction="mean")
+            logits = wrapped(x, positions)  # (B, T, V)
+            F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).mean().backward()
+            return [p.grad_sample for p in model.parameters()]  # type: ignore[attr-defined]
+
+        out["torch ExpandedWeights"] = (none, expanded, none)
+
+    try:
+        from opacus import GradSampleModule
+    except ImportError:
+        out["Opacus hooks"] = "not installed"
+    else:  # pragma: no cover - optional
+        holder: dict[str, Any] = {}
+
+        def opacus_setup() -> None:
+            holder["gsm"] = GradSampleModule(model, loss_reduction="mean")
+
+        def opacus_step() -> Any:
+            gsm = holder["gsm"]
+            gsm.zero_grad(set_to_none=True)
+            token_losses(gsm, (x, y)).mean(1).mean().backward()
+            return [p.grad_sample for p in model.parameters()]
+
+        def opacus_teardown() -> None:
+            holder.pop("gsm")._close()
+
+        out["Opacus hooks"] = (opacus_setup, opacus_step, opacus_teardown)
+    return out
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
+def _timed(step: Step) -> float:
+    t = _clock()
+    result = step()
+    elapsed = _clock() - t
+    del result
+    return elapsed
+
+
+def time_method(size: str, name: str, reps: int) -> dict[str, float] | str:
+    """Median paired ratio and median times (s) of method ``name`` against the plain step."""
+    model, x, y = build(size)
+    table = methods(model, x, y)
+    _, plain, _ = table["plain fwd+bwd"]  # type: ignore[misc]
+    entry = table[name]
+    if isinstance(entry, str):
+        return entry
+    setup, step, teardown = entry
+    ratios, base, times = [], [], []
+    for rep in range(reps + 2):  # two warm-up pairs
+        t0 = _timed(plain)
+        setup()
+        try:
+            t1 = _timed(step)
+        finally:
+            teardown()
+        if rep >= 2:
+            ratios.append(t1 / t0)
+            base.append(t0)
+            times.append(t1)
+    return {"ratio": statistics.median(ratios), "plain_s": statistics.median(base),
+            "method_s": statistics.median(times), "min_ratio": min(ratios),
+            "max_ratio": max(ratios)}
+
+
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (Linux), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"{field} not in /proc/self/status (this benchmark needs Linux)")
+
+
+def memory_child(size: str, name: str, reps: int) -> None:
+    """In a fresh process: peak RSS minus RSS before the first step, printed as JSON."""
+    model, x, y = build(size)
+    entry = methods(model, x, y)[name]
+    if isinstance(entry, str):
+        print(json.dumps({"error": entry}))
+        return
+    setup, step, teardown = entry
+    setup()
+    before = _status_bytes("VmRSS")
+    for _ in range(reps + 1):
+        result = step()
+        del result
+    teardown()
+    # VmHWM: this address space's peak RSS. (ru_maxrss would not do: Linux carries the
+    # parent's high-water mark across fork and exec.)
+    peak = _status_bytes("VmHWM")
+    print(json.dumps({"extra": max(0, peak - before)}))
+
+
+def memory(size: str, name: str, reps: int, threads: int | None) -> int | None:
+    cmd = [sys.executable, __file__, "--memory-child", name, "--sizes", size,
+           "--mem-reps", str(reps)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:
+        value = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        print(done.stderr[-2000:], file=sys.stderr)
+        return None
+    return value.get("extra")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15, help="timed pairs per method")
+    parser.add_argument("--sizes", default="small", help="comma-separated: small,medium")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of methods")
+    parser.add_argument("--loop-reps", type=int, default=3,
+                        help="timed pairs for the loop oracle (B backwards per step: slow)")
+    parser.add_argument("--mem-reps", type=int, default=2, help="steps per memory subprocess")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall time, or this process's CPU time (all its threads): steadier "
+                        "when other processes compete for the cores")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    global _clock
+    _clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [s for s in args.sizes.split(",") if s]
+    for s in sizes:
+        if s not in SIZES:
+            parser.error(f"unknown size {s!r}; choose from {list(SIZES)}")
+    if args.memory_child:
+        memory_child(sizes[0], args.memory_child, args.mem_reps)
+        return
+
+    print(f"# {datetime.date.today()} torch {torch.__version__} python "
+          f"{platform.python_version()} threads {torch.get_num_threads()} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} reps {args.reps} "
+          f"clock {args.clock} load average {os.getloadavg()[0]:.1f}")
+    for size in sizes:
+        model, x, y = build(size)
+        names = list(methods(model, x, y))
+        if args.methods:
+            wanted = args.methods.split(",")
+            names = [n for n in names if n == "plain fwd+bwd" or any(w in n for w in wanted)]
+        n_params = sum(p.numel() for p in model.parameters())
+        payload = n_params * x.shape[0] * 4
+        print(f"\n## {size}: {SIZES[size]}, {n_params / 1e6:.2f}M parameters, per-datum payload "
+              f"{payload / 2**20:.1f} MiB/step")
+        base_mem = None if args.no_memory else memory(size, "plain fwd+bwd", args.mem_reps,
+                                                        args.threads)
+        print("| method | step / plain (median) | min-max | plain ms | method ms "
+              "| extra memory MiB | vs plain |")
+        print("|---|---|---|---|---|---|---|")
+        for name in names:
+            reps = min(args.reps, args.loop_reps) if name == "gradlog loop" else args.reps
+            timing = time_method(size, name, reps)
+            if isinstance(timing, str):
+                print(f"| {name} | - | - | - | - | - | {timing} |")
+                continue
+            mem = None if args.no_memory else memory(size, name, args.mem_reps, args.threads)
+            mem_s = "-" if mem is None else f"{mem / 2**20:.0f}"
+            rel = "-" if mem is None or not base_mem else f"{mem / base_mem:.2f}"
+            print(f"| {name} | {timing['ratio']:.2f} | {timing['min_ratio']:.2f}-"
+                  f"{timing['max_ratio']:.2f} | {timing['plain_s'] * 1e3:.1f} | "
+                  f"{timing['method_s'] * 1e3:.1f} | {mem_s} | {rel} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

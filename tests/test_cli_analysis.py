@@ -1,0 +1,238 @@
+"""The analysis commands through typer's CliRunner: ls, show, norms, influence, export, plot.
+
+Each command's numbers are compared with the library call it wraps (itself tested against
+brute force in test_analysis.py); errors must be one line, exit code 1, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from gradlog.cli.main import app
+from torch import nn
+from typer.testing import CliRunner
+
+import gradlog
+
+runner = CliRunner()
+
+
+def _record(path: Path, *, probes: bool = True, lr: bool = True) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 4, generator=gen), torch.randint(0, 3, (24,), generator=gen)
+    px, py = torch.randn(2, 4, generator=gen), torch.randint(0, 3, (2,), generator=gen)
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1], reduction="none")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradlog.GradRecorder(
+        model,
+        path,
+        optimizer=opt if lr else None,
+        probes=(loss_fn, (px, py)) if probes else None,
+        probe_ids=[5, 8] if probes else None,
+    ) as rec:
+        for _ in range(2):
+            for idx in torch.arange(24).split(6):
+                rec.backward(loss_fn(model, (x[idx], y[idx])), datum_ids=idx)
+                opt.step()
+                opt.zero_grad()
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _record(tmp_path_factory.mktemp("cli") / "run.gradlog")
+
+
+def _ok(*args: str) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _text(*args: str) -> str:
+    return " ".join(_ok(*args).split())  # rich wraps long lines and titles
+
+
+def _error(*args: str) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and "error:" in result.output
+    return " ".join(result.output.split())  # rich wraps long lines
+
+
+def test_ls(store: Path) -> None:
+    text = _ok("ls", str(store))
+    for word in ("0.weight", "2.bias", "5x4", "8 committed steps", "48 records", "probes: 2"):
+        assert word in " ".join(text.split())
+    data = json.loads(_ok("ls", str(store), "--json"))
+    assert [p["name"] for p in data["params"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [s["step"] for s in data["steps"]] == list(range(8))
+    assert data["probe_ids"] == [5, 8] and data["steps"][0]["lr"] == 0.1
+
+
+def test_ls_long_runs_are_elided(tmp_path: Path) -> None:
+    path = tmp_path / "long.gradlog"
+    model = nn.Linear(2, 1)
+    with gradlog.GradRecorder(model, path) as rec:
+        for _ in range(25):
+            rec.backward(model(torch.randn(2, 2)).sum(1))
+    assert "--all" in _ok("ls", str(path))
+    assert "   24 " in _ok("ls", str(path), "--all") and "probes" not in _ok("ls", str(path))
+
+
+def test_show(store: Path) -> None:
+    run = gradlog.open(store)
+    text = _ok("show", str(store), "-p", "0.weight", "--step", "3")
+    assert "6x5x4" in text and "gradients at step 3" in text
+    stats = json.loads(_ok("show", str(store), "-p", "0.weight", "-s", "3", "--json"))[0]
+    g = run.grads("0.weight", step=3).astype(np.float64)
+    assert stats["norm"] == pytest.approx(np.linalg.norm(g), rel=1e-9)
+    assert stats["std"] == pytest.approx(g.std(), rel=1e-9) and stats["max"] == g.max()
+    every = json.loads(_ok("show", str(store), "--datum", "3,4", "--step", "0:6", "--json"))
+    assert [s["param"] for s in every] == run.param_names
+    assert every[0]["n_records"] == run.records(slice(0, 6), [3, 4]).num_rows
+
+
+def test_show_errors_list_what_exists(store: Path) -> None:
+    assert "parameter '0.wieght' is not recorded" in _error("show", str(store), "-p", "0.wieght")
+    assert "Did you mean: 0.weight" in _error("show", str(store), "-p", "0.wieght")
+    text = _error("show", str(store), "--step", "12")
+    assert "step 12 is not a committed step" in text and "Nearest steps: 3, 4, 5, 6, 7" in text
+    text = _error("show", str(store), "--datum", "99")
+    assert "datum 99 has no record" in text and "Nearest datum ids:" in text
+    assert "is not a selection" in _error("show", str(store), "--step", "two")
+
+
+def test_norms(store: Path, tmp_path: Path) -> None:
+    run = gradlog.open(store)
+    text = _text("norms", str(store), "--limit", "3")
+    assert "largest of 192 per-record gradient norms" in text and "(189 more" in text
+    rows = json.loads(_ok("norms", str(store), "-p", "2.bias", "--step", "1", "--json"))
+    want = run.norms("2.bias", step=1).to_pylist()
+    assert rows == want
+    _ok("norms", str(store), "--out", str(tmp_path / "n.parquet"))
+    assert pq.read_table(tmp_path / "n.parquet").num_rows == 4 * run.datums.num_rows
+    out = json.loads(
+        _ok("norms", str(store), "-p", "0.bias", "--out", str(tmp_path / "n.csv"), "--json")
+    )
+    table = pcsv.read_csv(tmp_path / "n.csv")
+    assert out["rows"] == table.num_rows == run.datums.num_rows
+    assert table.column_names == ["step", "datum_id", "row", "param", "norm"]
+    assert "must end in .parquet or .csv" in _error("norms", str(store), "--out", "n.txt")
+    assert "is not recorded" in _error("norms", str(store), "-p", "nope")
+
+
+def test_influence(store: Path) -> None:
+    run = gradlog.open(store)
+    text = _ok("influence", str(store), "--probe", "8", "--top", "3")
+    assert "proponents" in text and "opponents" in text
+    data = json.loads(_ok("influence", str(store), "--probe", "8", "--top", "3", "--json"))
+    assert data["rows"] == run.influence(8, top=3).to_pylist()
+    weighted = json.loads(
+        _ok("influence", str(store), "--probe", "5", "--weighted", "-p", "2.weight", "--json")
+    )
+    assert weighted["rows"] == run.influence(5, weighted=True, params="2.weight").to_pylist()
+    selfish = json.loads(_ok("influence", str(store), "--self", "--top", "4", "--json"))
+    assert selfish["rows"] == run.self_influence(top=4).to_pylist()
+    assert "self-influence" in _ok("influence", str(store), "--self")
+
+
+def test_influence_errors(store: Path, tmp_path: Path) -> None:
+    text = _error("influence", str(store), "--probe", "6")
+    assert "probe 6 is not recorded" in text and "Nearest probe ids: 5, 8" in text
+    assert "recorded probes: 5, 8" in _error("influence", str(store))
+    assert "exactly one of" in _error("influence", str(store), "--probe", "5", "--self")
+    bare = _record(tmp_path / "bare.gradlog", probes=False, lr=False)
+    assert "recorded without probes" in _error("influence", str(bare), "--probe", "0")
+    text = _error("influence", str(bare), "--self")
+    assert "recorded without one (lr is null)" in text and "optimizer=" in text
+    assert "datum_id" in _ok("influence", str(bare), "--self", "--lr", "0.1", "--json")
+    assert "too small" in _error("influence", str(store), "--probe", "5", "--max-memory", "1kB")
+
+
+def test_export(store: Path, tmp_path: Path) -> None:
+    run = gradlog.open(store)
+    summary = json.loads(
+        _ok("export", str(store), "--out", str(tmp_path / "e.npz"), "-s", "2:5", "--json")
+    )
+    assert summary["records"] == 18 and summary["format"] == "npz"
+    with np.load(tmp_path / "e.npz") as z:
+        assert np.array_equal(z["grads/0.weight"], run.grads("0.weight", step=slice(2, 5)))
+    text = _ok(
+        "export",
+        str(store),
+        "--out",
+        str(tmp_path / "e.data"),
+        "--format",
+        "parquet",
+        "-p",
+        "2.bias",
+    )
+    assert "wrote 48 records x 1 parameters" in text
+    table = pq.read_table(tmp_path / "e.data")
+    assert table.column_names[-1] == "grad/2.bias" and table.num_rows == 48
+    assert "is not one of ['parquet', 'npz']" in _error("export", str(store), "--out", "e.h5")
+    assert "datum 77 has no record" in _error(
+        "export", str(store), "--out", str(tmp_path / "x.npz"), "-d", "77"
+    )
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", head[16:24])
+    return width, height
+
+
+def test_plot_writes_a_png_of_the_size_asked(store: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "figs" / "norms.png"
+    text = _ok(
+        "plot", str(store), "--out", str(out), "--width", "900", "--height", "400", "--datums", "3"
+    )
+    assert "wrote" in text and _png_size(out) == (900, 400)
+    from matplotlib.image import imread
+
+    image = imread(out)  # opens as an image
+    assert image.shape[:2] == (400, 900) and image.std() > 0
+    _ok("plot", str(store), "--out", str(tmp_path / "one.png"), "-p", "0.bias")
+    assert _png_size(tmp_path / "one.png") == (1200, 500)
+
+
+def test_plot_without_matplotlib(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    text = _error("plot", str(store), "--out", str(tmp_path / "f.png"))
+    assert "pip install 'gradlog[plot]'" in text
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls"],
+        ["show"],
+        ["norms"],
+        ["influence", "--self"],
+        ["export", "--out", "x.npz"],
+        ["plot", "--out", "x.png"],
+    ],
+)
+def test_commands_on_a_path_that_is_not_a_store(command: list[str], tmp_path: Path) -> None:
+    args: list[Any] = [command[0], str(tmp_path / "missing.gradlog"), *command[1:]]
+    assert "does not exist" in _error(*args)

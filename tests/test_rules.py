@@ -1,0 +1,440 @@
+"""Every rule of the hooks backend against the loop oracle: float64, both batch reductions,
+hypothesis over shapes and layer options (few examples each, derandomised for CI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from gradlog.backends import BACKENDS
+from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.params import select_params
+from gradlog.rules import RULES, Capture, RowGrads, find_rule, register_rule
+
+D64 = torch.float64
+RULE_SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
+                         suppress_health_check=[HealthCheck.too_slow])
+SLOW_RULE_SETTINGS = settings(RULE_SETTINGS, max_examples=8)
+
+
+def per_datum(model: nn.Module, forward: Callable[[], torch.Tensor], backend: str,
+              reduction: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Per-datum gradients of every trainable parameter, and the backend's description."""
+    be = BACKENDS[backend](model, select_params(model, ["*"]), batch_reduction=reduction,
+                           randomness="different")
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = forward()  # (B,)
+        grads = be.backward(losses, be.reduce_batch(losses))
+        return grads, be.describe()
+    finally:
+        be.detach()
+
+
+def assert_like_loop(model: nn.Module, forward: Callable[[], torch.Tensor],
+                     rule: str | None = None) -> None:
+    """hooks == loop for both batch reductions; ``rule``: the rule expected on the module."""
+    for reduction in ("mean", "sum"):
+        got, described = per_datum(model, forward, "hooks", reduction)
+        want, _ = per_datum(model, forward, "loop", reduction)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-12,
+                                       msg=lambda m, n=name, r=reduction: f"{n} ({r}): {m}")
+        if rule is not None:
+            assert {m["rule"] for m in described["modules"]} == {rule}, described
+            assert (described["fallback"] != []) == (rule == "torch.func")
+
+
+def datum_loss(y: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """A non-linear loss per datum of any (B, ...) output: (B,)."""
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    return (torch.tanh(y) * w).reshape(y.shape[0], -1).sum(1)  # (B,)
+
+
+def built(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory().to(D64)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D64)
+
+
+lead_dims = st.lists(st.integers(1, 3), min_size=0, max_size=2)
+
+
+# -- Linear family ---------------------------------------------------------------------------
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), lead=lead_dims, d_in=st.integers(1, 5), d_out=st.integers(1, 5),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear(B: int, lead: list[int], d_in: int, d_out: int, bias: bool, seed: int) -> None:
+    layer = built(lambda: nn.Linear(d_in, d_out, bias=bias), seed)
+    x = randn(B, *lead, d_in, seed=seed)  # (B, ..., d_in)
+    assert_like_loop(layer, lambda: datum_loss(layer(x)), rule="linear")
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D``: a Linear with weight (d_in, d_out), by class name."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), lead=lead_dims, d_in=st.integers(1, 5), d_out=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_gpt2_conv1d(B: int, lead: list[int], d_in: int, d_out: int, seed: int) -> None:
+    layer = built(lambda: Conv1D(d_out, d_in), seed)
+    x = randn(B, *lead, d_in, seed=seed)
+    assert_like_loop(layer, lambda: datum_loss(layer(x)), rule="conv1d_gpt2")
+
+
+# -- Embedding -------------------------------------------------------------------------------
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), T=st.integers(1, 5), V=st.integers(2, 9), D=st.integers(1, 4),
+       padding=st.booleans(), by_freq=st.booleans(),
+       layout=st.sampled_from(["batched", "per-datum scalar", "shared [1, T]", "shared [T]"]),
+       seed=st.integers(0, 2**16))
+def test_embedding(B: int, T: int, V: int, D: int, padding: bool, by_freq: bool, layout: str,
+                   seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pad = int(torch.randint(0, V, (), generator=gen)) if padding else None
+    emb = built(lambda: nn.Embedding(V, D, padding_idx=pad, scale_grad_by_freq=by_freq), seed)
+    other = randn(B, T, D, seed=seed)  # a batched stream the shared embedding is added to
+    if layout == "batched":
+        idx = torch.randint(0, V, (B, T), generator=gen)  # (B, T), some hitting padding_idx
+        assert_like_loop(emb, lambda: datum_loss(emb(idx)), rule="embedding")
+    elif layout == "per-datum scalar":
+        idx = torch.randint(0, V, (B,), generator=gen)  # (B,)
+        assert_like_loop(emb, lambda: datum_loss(emb(idx)), rule="embedding")
+    else:  # position-id style: one index row shared by every datum, broadcast by an add
+        ids = torch.randint(0, V, (T,), generator=gen)  # (T,)
+        ids = ids.unsqueeze(0) if layout == "shared [1, T]" else ids  # (1, T) or (T,)
+        assert_like_loop(emb, lambda: datum_loss(other + emb(ids)), rule="embedding")
+
+
+def test_embedding_shared_ids_through_subtraction_and_expand() -> None:
+    emb = built(lambda: nn.Embedding(7, 3), 0)
+    other = randn(4, 5, 3, seed=1)
+    ids = torch.tensor([[0, 3, 3, 6, 1]])  # (1, T): a repeated index, HF-style broadcast
+    assert_like_loop(emb, lambda: datum_loss(other - emb(ids)), rule="embedding")
+    assert_like_loop(emb, lambda: datum_loss(torch.sub(other, emb(ids), alpha=0.5)))
+    assert_like_loop(emb, lambda: datum_loss(torch.add(emb(ids), other, alpha=-3.0)))
+    assert_like_loop(emb, lambda: datum_loss(emb(ids).expand(4, -1, -1) * other))
+
+
+def test_shared_output_broadcast_by_another_op_is_refused_before_the_backward() -> None:
+    emb = built(lambda: nn.Embedding(7, 3), 0)
+    other = randn(4, 5, 3, seed=1)
+    ids = torch.tensor([[0, 3, 3, 6, 1]])  # (1, T)
+    be = BACKENDS["hooks"](emb, select_params(emb, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        losses = datum_loss(other * emb(ids))  # a product broadcasts it: not supported
+        with pytest.raises(BackendError, match=r"MulBackward0.*expand\(B, -1\)"):
+            be.backward(losses, losses.mean())
+    finally:
+        be.detach()
+    assert emb.weight.grad is None  # refused before the backward: p.grad untouched
+
+
+# -- normalisation ---------------------------------------------------------------------------
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), lead=lead_dims, shape=st.lists(st.integers(1, 4), min_size=1,
+       max_size=2), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_layer_norm(B: int, lead: list[int], shape: list[int], bias: bool, seed: int) -> None:
+    norm = built(lambda: nn.LayerNorm(shape, bias=bias), seed)
+    with torch.no_grad():  # off the default (1, 0) so the affine gradients are generic
+        for p in norm.parameters():
+            p.add_(randn(*p.shape, seed=seed + 1))
+    x = randn(B, *lead, *shape, seed=seed)
+    assert_like_loop(norm, lambda: datum_loss(norm(x)), rule="layer_norm")
+
+
+@pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm needs torch >= 2.4")
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), lead=lead_dims, D=st.integers(1, 6),
+       eps=st.sampled_from([None, 1e-3]), seed=st.integers(0, 2**16))
+def test_rms_norm(B: int, lead: list[int], D: int, eps: float | None, seed: int) -> None:
+    norm = built(lambda: nn.RMSNorm(D, eps=eps), seed)
+    x = randn(B, *lead, D, seed=seed)
+    assert_like_loop(norm, lambda: datum_loss(norm(x)), rule="rms_norm")
+
+
+@RULE_SETTINGS
+@given(B=st.integers(1, 4), groups=st.integers(1, 3), per_group=st.integers(1, 3),
+       spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2), seed=st.integers(0, 2**16))
+def test_group_norm(B: int, groups: int, per_group: int, spatial: list[int], seed: int) -> None:
+    C = groups * per_group
+    if not spatial and per_group == 1:
+        per_group, C = 2, 2 * groups  # one value per group normalises to 0: keep it generic
+    norm = built(lambda: nn.GroupNorm(groups, C), seed)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.add_(randn(*p.shape, seed=seed + 1))
+    x = randn(B, C, *spatial, seed=seed)
+    assert_like_loop(norm, lambda: datum_loss(norm(x)), rule="group_norm")
+
+
+# -- convolutions ----------------------------------------------------------------------------
+@st.composite
+def conv_options(draw: st.DrawFn) -> dict[str, Any]:
+    nd = draw(st.sampled_from([1, 2]))
+    groups = draw(st.integers(1, 2))
+    kernel = draw(st.integers(1, 3))
+    dilation = draw(st.integers(1, 2))
+    stride = draw(st.integers(1, 2))
+    mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    padding: int | str = draw(st.sampled_from([0, 1, 2, "same", "valid"]))
+    if padding == "same" and stride != 1:
+        padding = 1  # torch refuses padding="same" with strides
+    size = dilation * (kernel - 1) + 1 + draw(st.integers(0, 3))
+    if mode in ("reflect", "circular") and isinstance(padding, int):
+        padding = min(padding, size - 1)
+    if mode != "zeros" and padding == "same":
+        padding = "valid" if dilation * (kernel - 1) >= size else "same"
+    return {
+        "nd": nd, "groups": groups, "in_ch": groups * draw(st.integers(1, 2)),
+        "out_ch": groups * draw(st.integers(1, 2)), "kernel": kernel, "dilation": dilation,
+        "stride": stride, "padding": padding, "mode": mode, "bias": draw(st.booleans()),
+        "size": size, "B": draw(st.integers(1, 3)),
+    }
+
+
+@RULE_SETTINGS
+@given(o=conv_options(), seed=st.integers(0, 2**16))
+def test_conv(o: dict[str, Any], seed: int) -> None:
+    cls = nn.Conv1d if o["nd"] == 1 else nn.Conv2d
+    conv = built(lambda: cls(o["in_ch"], o["out_ch"], o["kernel"], stride=o["stride"],
+                             padding=o["padding"], dilation=o["dilation"], groups=o["groups"],
+                             bias=o["bias"], padding_mode=o["mode"]), seed)
+    x = randn(o["B"], o["in_ch"], *[o["size"]] * o["nd"], seed=seed)
+    assert_like_loop(conv, lambda: datum_loss(conv(x)), rule="conv")
+
+
+# -- attention and recurrent layers (torch.func rules) ---------------------------------------
+@st.composite
+def mha_options(draw: st.DrawFn) -> dict[str, Any]:
+    heads = draw(st.integers(1, 2))
+    return {
+        "heads": heads, "E": heads * draw(st.integers(1, 3)), "batch_first": draw(st.booleans()),
+        "kdim": draw(st.sampled_from([None, 2])), "bias": draw(st.booleans()),
+        "add_bias_kv": draw(st.booleans()), "padding_mask": draw(st.booleans()),
+        "attn_mask": draw(st.sampled_from([None, "2d", "3d"])),
+        "need_weights": draw(st.booleans()), "B": draw(st.integers(1, 3)),
+        "L": draw(st.integers(1, 4)), "S": draw(st.integers(2, 4)),
+    }
+
+
+@SLOW_RULE_SETTINGS
+@given(o=mha_options(), seed=st.integers(0, 2**16))
+def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
+    B, L, S, E, heads = o["B"], o["L"], o["S"], o["E"], o["heads"]
+    attn = built(lambda: nn.MultiheadAttention(
+        E, heads, bias=o["bias"], add_bias_kv=o["add_bias_kv"], kdim=o["kdim"], vdim=o["kdim"],
+        batch_first=o["batch_first"]), seed)
+    q = randn(B, L, E, seed=seed)  # (B, L, E)
+    kv = randn(B, S, o["kdim"] or E, seed=seed + 1)  # (B, S, kdim)
+    if not o["batch_first"]:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)  # sequence first
+    kpm = None
+    if o["padding_mask"]:  # datum 0 ignores its last key; the same dtype as the attn_mask
+        kpm = torch.zeros(B, S, dtype=D64 if o["attn_mask"] == "3d" else torch.bool)
+        kpm[0, -1] = -1e4 if o["attn_mask"] == "3d" else True
+    S_total = S  # with add_bias_kv the module pads the mask itself
+    mask = None
+    if o["attn_mask"] == "2d":
+        mask = torch.zeros(L, S_total, dtype=torch.bool)
+        mask[:, 0] = L > 1  # some queries may not see key 0
+        mask[0, 0] = False
+    elif o["attn_mask"] == "3d":
+        mask = randn(B * heads, L, S_total, seed=seed + 2)  # additive float mask per datum/head
+
+    def forward() -> torch.Tensor:
+        out, weights = attn(q, kv, kv, key_padding_mask=kpm, attn_mask=mask,
+                            need_weights=o["need_weights"])
+        out = out if o["batch_first"] else out.transpose(0, 1)  # (B, L, E)
+        loss = datum_loss(out)
+        if weights is not None:
+            loss = loss + datum_loss(weights, seed=2)  # weights are (B, L, S) either way
+        return loss
+
+    assert_like_loop(attn, forward, rule="multihead_attention")
+
+
+@st.composite
+def rnn_options(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["RNN", "LSTM", "GRU"]))
+    return {
+        "kind": kind, "layers": draw(st.integers(1, 2)), "bidirectional": draw(st.booleans()),
+        "batch_first": draw(st.booleans()), "bias": draw(st.booleans()),
+        "proj": draw(st.sampled_from([0, 2])) if kind == "LSTM" else 0,
+        "initial_state": draw(st.booleans()), "use_final": draw(st.booleans()),
+        "B": draw(st.integers(1, 3)), "T": draw(st.integers(1, 4)),
+    }
+
+
+@SLOW_RULE_SETTINGS
+@given(o=rnn_options(), seed=st.integers(0, 2**16))
+def test_recurrent(o: dict[str, Any], seed: int) -> None:
+    B, T, H, n_in = o["B"], o["T"], 3, 2
+    kwargs: dict[str, Any] = {"proj_size": o["proj"]} if o["kind"] == "LSTM" else {}
+    rnn = built(lambda: getattr(nn, o["kind"])(
+        n_in, H, num_layers=o["layers"], bias=o["bias"], batch_first=o["batch_first"],
+        bidirectional=o["bidirectional"], **kwargs), seed)
+    x = randn(B, T, n_in, seed=seed)
+    if not o["batch_first"]:
+        x = x.transpose(0, 1)  # (T, B, n_in)
+    n_states = o["layers"] * (2 if o["bidirectional"] else 1)
+    h0 = randn(n_states, B, o["proj"] or H, seed=seed + 1)  # (layers*dirs, B, H_out)
+    state: Any = (h0, randn(n_states, B, H, seed=seed + 2)) if o["kind"] == "LSTM" else h0
+
+    def forward() -> torch.Tensor:
+        out, final = rnn(x, state) if o["initial_state"] else rnn(x)
+        out = out if o["batch_first"] else out.transpose(0, 1)  # (B, T, dirs*H_out)
+        loss = datum_loss(out)
+        if o["use_final"]:  # gradients reaching h_n (and c_n) count too
+            for h in final if isinstance(final, tuple) else (final,):
+                loss = loss + datum_loss(h.transpose(0, 1), seed=3)
+        return loss
+
+    assert_like_loop(rnn, forward, rule="rnn")
+
+
+def test_rnn_refuses_packed_sequences_before_the_backward() -> None:
+    rnn = built(lambda: nn.GRU(2, 3, batch_first=True), 0)
+    x = randn(3, 4, 2, seed=0)
+    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 2, 1]), batch_first=True)
+    be = BACKENDS["hooks"](rnn, select_params(rnn, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        out, _ = rnn(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        losses = datum_loss(padded)
+        with pytest.raises(UnsupportedLayerError, match=r"PackedSequence.*backend='loop'"):
+            be.backward(losses, losses.mean())
+    finally:
+        be.detach()
+    assert all(p.grad is None for p in rnn.parameters())  # refused before the backward
+
+
+# -- the registry ----------------------------------------------------------------------------
+class Scale(nn.Module):
+    """y = x * weight, elementwise over the last dimension."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_third_party_rule_is_used_and_exact() -> None:
+    calls: list[int] = []
+
+    def scale_rule(module: Scale, cap: Capture, wanted: frozenset[str]) -> dict[str, Any]:
+        calls.append(cap.batch_size)
+        x, g = cap.input, cap.grad_output  # (B, ..., d)
+        return {"weight": (g * x).reshape(cap.batch_size, -1, x.shape[-1]).sum(1) * cap.scale}
+
+    register_rule(Scale, name="scale")(scale_rule)
+    try:
+        layer = built(lambda: Scale(3), 0)
+        x = randn(4, 5, 3, seed=0)
+        assert_like_loop(layer, lambda: datum_loss(layer(x)), rule="scale")
+        assert calls and set(calls) == {4}
+    finally:
+        RULES.pop(Scale)
+    assert find_rule(Scale(2)) is None  # unregistered again: the torch.func fallback applies
+
+
+class Offset(nn.Module):
+    """y = x + bias on (B, d): datum b's bias gradient is its output gradient itself."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+def test_a_rule_returning_a_captured_tensor_cannot_corrupt_the_backward() -> None:
+    def lazy(module: Offset, cap: Capture, wanted: frozenset[str]) -> dict[str, Any]:
+        g = cap.grad_output  # (B, d)
+        return {"bias": g if cap.scale == 1 else g * cap.scale}  # the captured tensor itself
+
+    register_rule(Offset, name="offset")(lazy)
+    try:
+        layer = built(lambda: Offset(3), 0)
+        x = randn(4, 3, seed=0)
+        # called twice: the backend adds the second call's result into the first one's
+        assert_like_loop(layer, lambda: datum_loss(torch.tanh(layer(layer(x)))), rule="offset")
+        plain = built(lambda: Offset(3), 0)
+        datum_loss(torch.tanh(plain(plain(x)))).sum().backward()
+        per_datum(layer, lambda: datum_loss(torch.tanh(layer(layer(x)))), "hooks", "sum")
+        assert torch.equal(layer.bias.grad, plain.bias.grad)  # autograd's tensors untouched
+    finally:
+        RULES.pop(Offset)
+
+
+def test_subclasses_keep_a_rule_only_without_their_own_forward() -> None:
+    class Plain(nn.Linear):
+        pass
+
+    class Custom(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2.0
+
+    assert find_rule(Plain(2, 2)) is RULES[nn.Linear]
+    assert find_rule(Custom(2, 2)) is None
+    layer = built(lambda: Custom(3, 2), 0)
+    x = randn(4, 3, seed=0)
+    assert_like_loop(layer, lambda: datum_loss(layer(x)), rule="torch.func")
+
+
+def test_register_rule_validates_keys() -> None:
+    with pytest.raises(TypeError):
+        register_rule()
+    with pytest.raises(TypeError):
+        register_rule(int)(lambda module, cap, wanted: {})  # type: ignore[arg-type]
+
+
+def test_row_grads_are_summed_into_a_tied_dense_gradient() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(6, 3)
+            self.head = nn.Linear(3, 6, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.emb(idx)))  # (B, T, V)
+
+    model = built(Tied, 0)
+    idx = torch.randint(0, 6, (3, 4))
+    assert_like_loop(model, lambda: F.cross_entropy(model(idx).transpose(1, 2), idx,
+                                                    reduction="none").mean(1))
+    assert isinstance(RowGrads(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 3)),
+                      RowGrads)

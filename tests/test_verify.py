@@ -1,0 +1,207 @@
+"""``gradlog verify`` and reads of damaged stores: every damage is found, named, never returned.
+
+Each test records a small run, damages one thing the way a disk, a crash or a person would,
+and checks that ``verify`` fails the right check with a message naming the place, that reads
+raise :class:`StoreCorruptError` (never wrong numbers), and that the CLI exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from gradlog.cli.main import app
+from torch import nn
+from typer.testing import CliRunner
+
+import gradlog
+from gradlog import errors
+from gradlog.store.verify import verify
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+runner = CliRunner()
+
+
+def _record(path: Path, *, dtype: str = "float32", steps: int = 3, batch: int = 4) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(steps * batch, 3), torch.randn(steps * batch, 2)
+    with gradlog.GradRecorder(model, path, backend="loop", dtype=dtype) as rec:
+        for s in range(steps):
+            xb, yb = x[s * batch : (s + 1) * batch], y[s * batch : (s + 1) * batch]
+            rec.backward(((model(xb) - yb) ** 2).sum(1), step=s)
+
+
+def _shard(path: Path, param: str = "0.weight", shard: int = 1) -> Path:
+    ndim = 2 if param.endswith("weight") else 1
+    return path / "grads" / param / "c" / str(shard) / "/".join(["0"] * ndim)
+
+
+def _flip(file: Path, where: float = 0.5) -> None:
+    data = bytearray(file.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def _cli(path: Path) -> Any:
+    return runner.invoke(app, ["verify", str(path)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bitround9"])
+def test_an_intact_store_verifies(tmp_store: Path, dtype: str) -> None:
+    _record(tmp_store, dtype=dtype)
+    report = verify(tmp_store)
+    assert report.ok, [c.problems for c in report.checks]
+    assert [c.name for c in report.checks] == [
+        "root", "commit log", "index", "arrays", "checksums", "schemas",
+    ]
+    assert report.check("commit log").summary == "3 committed steps (0..2)"
+    assert report.check("checksums").summary.startswith("12 chunk files read")  # 4 params x 3
+    result = _cli(tmp_store)
+    assert result.exit_code == 0, result.output
+    assert "intact" in result.output and "FAIL" not in result.output
+
+
+@pytest.mark.parametrize("golden", sorted(GOLDEN.glob("v*.store")), ids=lambda p: p.name)
+def test_golden_stores_verify_with_their_crash_debris_as_notes(
+    golden: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / golden.name
+    shutil.copytree(golden, copy)
+    report = verify(copy)
+    assert report.ok, [c.problems for c in report.checks]
+    assert any("uncommitted index/step-000000000009-000000.parquet" in n for n in report.notes)
+    assert any("temporary steps/.step-000000000009.parquet.tmp" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.99])  # first chunk, middle, the shard index
+def test_a_flipped_byte_in_a_chunk_is_detected_by_read_and_verify(
+    tmp_store: Path, where: float
+) -> None:
+    _record(tmp_store)
+    before = gradlog.open(tmp_store).grads("0.weight", step=0)
+    _flip(_shard(tmp_store), where)
+    run = gradlog.open(tmp_store)
+    with pytest.raises(errors.StoreCorruptError, match=r"0\.weight.*c/1/0/0") as info:
+        run.grads("0.weight", step=1)
+    assert "checksum" in str(info.value)
+    assert isinstance(info.value, ValueError)  # what zarr's own checksum error was
+    with pytest.raises(errors.StoreCorruptError):
+        run.grads("0.weight")  # a read spanning the damaged shard
+    np.testing.assert_array_equal(run.grads("0.weight", step=0), before)  # others still read
+    report = verify(tmp_store)
+    assert not report.ok
+    [problem] = report.check("checksums").problems
+    assert "grads/0.weight" in problem and "c/1/0/0" in problem
+    assert report.check("index").ok and report.check("commit log").ok
+    result = _cli(tmp_store)
+    assert result.exit_code == 1
+    assert "FAIL checksums" in result.output and "c/1/0/0" in result.output
+
+
+def test_a_flipped_byte_in_a_version_1_chunk_is_detected(tmp_path: Path) -> None:
+    copy = tmp_path / "v1.store"
+    shutil.copytree(GOLDEN / "v1.store", copy)
+    _flip(copy / "grads/lin.weight/c/1/0/0")
+    with pytest.raises(errors.StoreCorruptError, match=r"lin\.weight.*chunk c/1/0/0.*checksum"):
+        gradlog.open(copy).grads("lin.weight")
+    report = verify(copy)
+    assert not report.ok and "c/1/0/0" in report.check("checksums").problems[0]
+    (copy / "grads/lin.weight/c/1/0/0").unlink()  # zarr would read zeros: gradlog refuses
+    with pytest.raises(errors.StoreCorruptError, match="missing"):
+        gradlog.open(copy).grads("lin.weight", step=2)
+
+
+def test_a_missing_or_truncated_shard_is_detected(tmp_store: Path) -> None:
+    _record(tmp_store)
+    shard = _shard(tmp_store, "2.bias", 2)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(errors.StoreCorruptError, match=r"2\.bias"):
+        gradlog.open(tmp_store).grads("2.bias", step=2)
+    shard.unlink()
+    with pytest.raises(errors.StoreCorruptError, match="missing"):
+        gradlog.open(tmp_store).grads("2.bias", step=2)
+    assert "missing" in verify(tmp_store).check("checksums").problems[0]
+
+
+def test_a_missing_array_is_a_clear_error(tmp_store: Path) -> None:
+    _record(tmp_store)
+    shutil.rmtree(tmp_store / "grads/0.bias")
+    with pytest.raises(errors.StoreCorruptError, match=r"grads/0\.bias of parameter '0\.bias'"):
+        gradlog.open(tmp_store).grads("0.bias")
+    np.asarray(gradlog.open(tmp_store).grads("0.weight"))  # the other arrays read
+    report = verify(tmp_store)
+    assert not report.check("arrays").ok and not report.ok
+
+
+def test_a_lost_index_part_of_a_committed_step_is_detected(tmp_store: Path) -> None:
+    _record(tmp_store)
+    (tmp_store / "index/step-000000000001-000000.parquet").unlink()
+    problems = verify(tmp_store).check("index").problems
+    assert any("step 1 misses its index part for micro-batch 0" in p for p in problems)
+
+
+def test_edited_index_values_are_detected(tmp_store: Path) -> None:
+    _record(tmp_store)
+    part = tmp_store / "index/step-000000000002-000000.parquet"
+    table = pq.read_table(part)
+    i = table.schema.get_field_index("weight")
+    pq.write_table(table.set_column(i, "weight", pa.array([-1.0] * table.num_rows)), part)
+    report = verify(tmp_store)
+    assert any("weight -1.0" in p for p in report.check("index").problems)
+    assert any("weight" in p for p in report.check("schemas").problems)
+
+
+def test_damaged_commit_marker_and_root_are_detected(tmp_store: Path) -> None:
+    _record(tmp_store)
+    (tmp_store / "steps/step-000000000001.parquet").write_bytes(b"PAR1 garbage")
+    assert "does not read" in verify(tmp_store).check("commit log").problems[0]
+    meta = json.loads((tmp_store / "zarr.json").read_text())
+    meta["attributes"]["config"]["every"] = 5
+    (tmp_store / "zarr.json").write_text(json.dumps(meta))
+    assert "config_hash" in verify(tmp_store).check("root").problems[0]
+    (tmp_store / "zarr.json").write_text("{not json")
+    report = verify(tmp_store)
+    assert "not valid JSON" in report.check("root").problems[0]
+    assert report.check("checksums").skipped and not report.ok
+    result = _cli(tmp_store)
+    assert result.exit_code == 1 and "not valid JSON" in result.output
+
+
+def test_verify_without_jsonschema_does_structural_checks(
+    tmp_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _record(tmp_store)
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
+    report = verify(tmp_store)
+    assert report.ok and "structural checks only" in report.check("schemas").summary
+    meta = json.loads((tmp_store / "zarr.json").read_text())
+    meta["attributes"]["surprise"] = 1
+    (tmp_store / "zarr.json").write_text(json.dumps(meta))
+    assert verify(tmp_store).check("schemas").problems == ["unknown root attributes ['surprise']."]
+
+
+def test_verify_json_output_and_a_path_that_is_no_store(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["verify", str(tmp_path / "nope"), "--json"])
+    assert result.exit_code == 1
+    out = json.loads(result.output)
+    assert out["ok"] is False and "does not exist" in out["checks"][0]["problems"][0]
+
+
+def test_an_index_part_lacking_a_column_is_refused_by_read_and_verify(tmp_store: Path) -> None:
+    _record(tmp_store)
+    part = tmp_store / "index/step-000000000001-000000.parquet"
+    pq.write_table(pq.read_table(part).drop_columns(["weight"]), part)
+    with pytest.raises(errors.StoreFormatError, match=r"\['weight'\] are missing"):
+        _ = gradlog.open(tmp_store).datums
+    problems = verify(tmp_store).check("index").problems
+    assert "index/step-000000000001-000000.parquet lacks column(s) ['weight']." in problems
