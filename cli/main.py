@@ -62,7 +62,9 @@ def train(
     params: Annotated[
         list[str] | None, typer.Option("--params", "-p", help="Glob of parameters to record.")
     ] = None,
-    backend: Annotated[str, typer.Option(help="Per-datum gradient backend.")] = "vmap",
+    backend: Annotated[
+        str, typer.Option(help="Per-datum gradient backend: auto (hooks), hooks, vmap, loop.")
+    ] = "auto",
     dtype: Annotated[str, typer.Option(help="Storage dtype: float32 or float64.")] = "float32",
     every: Annotated[int, typer.Option(min=1, help="Record every N-th step.")] = 1,
     out: Annotated[
@@ -169,7 +171,8 @@ def info(
     backend = summary["backend"]
     head.add_row("backend", str(backend.get("name", "?")))
     if backend.get("fallback"):
-        head.add_row("fell back to torch.func", ", ".join(map(str, backend["fallback"])))
+        fallback = ", ".join(str(n) or "(the model)" for n in backend["fallback"])
+        head.add_row("fell back to torch.func", fallback)
     cfg = summary["config"]
     head.add_row("config", f"params={cfg.get('params')} batch_reduction="
                            f"{cfg.get('batch_reduction')} token_reduction="

@@ -52,7 +52,7 @@ class RecorderConfig:
     """
 
     params: tuple[str, ...] = ("*",)
-    backend: str = "loop"
+    backend: str = "auto"
     batch_reduction: str = "mean"
     token_reduction: str = "mean"
     dtype: str = "float32"

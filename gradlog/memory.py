@@ -20,6 +20,10 @@ rounding. Two schedules:
   scales them. No recomputation: as fast as the unchunked head. It holds a weight-sized
   gradient from forward to backward, as the unchunked head's ``weight.grad`` would.
 
+The head module itself runs every chunk (the backward through ``torch.func.functional_call``
+with detached copies of its weight and bias), so module hooks see ``(rows, V)`` outputs chunk
+by chunk; :func:`current_chunk` tells them which rows of ``x.shape[:-1]`` a call covers.
+
 Example::
 
     from gradlog.memory import chunked_linear_loss

@@ -86,8 +86,10 @@ class GradRecorder:
         model: The model being trained. It is never wrapped, renamed or modified.
         path: Directory of the new store, conventionally ``NAME.gradlog``.
         params: Glob pattern(s) over parameter names; only ``requires_grad`` ones are recorded.
-        backend: ``"loop"`` (one backward per datum, the reference) or ``"vmap"``
-            (``torch.func``; needs :meth:`step`).
+        backend: A key of ``gradlog.backends.BACKENDS``: ``"auto"`` (default: the hooks
+            backend), ``"hooks"`` (per-datum gradients from the one ordinary backward),
+            ``"loop"`` (one backward per datum, the reference) or ``"vmap"`` (``torch.func``;
+            needs :meth:`step`).
         batch_reduction: ``"mean"`` or ``"sum"``: what ``p.grad`` is the gradient of.
         token_reduction: For ``(B, T)`` losses: ``"mean"`` over a datum's unmasked tokens,
             or ``"sum"``.
@@ -138,7 +140,7 @@ class GradRecorder:
         path: str | os.PathLike[str],
         *,
         params: str | Sequence[str] = "*",
-        backend: str = "loop",
+        backend: str = "auto",
         batch_reduction: str = "mean",
         token_reduction: str = "mean",
         dtype: str = "float32",

@@ -15,7 +15,7 @@ from gradlog.losses import per_datum_losses
 from gradlog.testing.oracle import naive_per_datum_grads
 from gradlog.testing.zoo import gpt_batch, mlp, mlp_batch, per_token_ce, tiny_gpt
 
-BACKENDS = ["loop", "vmap"]
+BACKENDS = ["loop", "vmap", "hooks"]
 
 
 class Case:
@@ -98,7 +98,7 @@ def _train(model: torch.nn.Module, case: Case, steps: int, record: str | None, p
         for step in range(steps):
             if record == "vmap":
                 rec.step(case.loss_fn, case.batch, mask=case.mask, step=step)
-            elif record == "loop":
+            elif record in ("loop", "hooks"):
                 rec.backward(case.loss_fn(model, case.batch), mask=case.mask, step=step)
             else:  # what the user's loop does without gradlog
                 losses = per_datum_losses(case.loss_fn(model, case.batch), case.mask, "mean")
@@ -117,7 +117,7 @@ def test_recording_does_not_change_training(tmp_path: Any, backend: str) -> None
     _train(plain, case, 3, None, tmp_path / "a.gradlog")
     _train(recorded, case, 3, backend, tmp_path / "b.gradlog")
     for (name, a), b in zip(plain.named_parameters(), recorded.parameters()):
-        if backend == "loop":  # the ordinary backward itself: bitwise
+        if backend in ("loop", "hooks"):  # the ordinary backward itself: bitwise
             assert torch.equal(a, b), name
         else:  # vmap sums per-datum gradients: equal to float tolerance
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

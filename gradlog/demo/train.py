@@ -65,7 +65,7 @@ def train_demo(
     n_layer: int = 2,
     n_embd: int = 48,
     params: str | Sequence[str] = "*",
-    backend: str = "vmap",
+    backend: str = "auto",
     dtype: str = "float32",
     every: int = 1,
     lr: float = 3e-3,
