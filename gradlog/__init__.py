@@ -23,8 +23,17 @@ from gradlog.store.reader import Run
 if TYPE_CHECKING:
     from gradlog.config import RecorderConfig
     from gradlog.recorder import GradRecorder
+    from gradlog.sparse import sparse_backprop
 
-__all__ = ["GradRecorder", "GradlogError", "RecorderConfig", "Run", "__version__", "open"]
+__all__ = [
+    "GradRecorder",
+    "GradlogError",
+    "RecorderConfig",
+    "Run",
+    "__version__",
+    "open",
+    "sparse_backprop",
+]
 
 
 def open(path: str | os.PathLike[str]) -> Run:
@@ -47,4 +56,8 @@ def __getattr__(name: str) -> Any:
         from gradlog.config import RecorderConfig
 
         return RecorderConfig
+    if name == "sparse_backprop":
+        from gradlog.sparse import sparse_backprop
+
+        return sparse_backprop
     raise AttributeError(f"module 'gradlog' has no attribute {name!r}")
