@@ -30,6 +30,7 @@ from gradlog.errors import (
 )
 from gradlog.losses import per_datum_losses
 from gradlog.params import select_params
+from gradlog.sparse import active_settings, check_settings
 from gradlog.store import format as fmt
 from gradlog.store.dtypes import storage_dtype, to_storage_torch
 from gradlog.store.writer import DEFAULT_QUEUE_BYTES, ParamSpec, StoreWriter
@@ -239,6 +240,11 @@ class GradRecorder:
         self._backend.attach()
         attrs = self._root_attrs()
         attrs["backend"] = self._backend.describe()
+        # How the backward is sparsified (gradlog.sparse), kept in the backend object: no format
+        # change; steps recorded under other settings are refused (check_settings in _record).
+        self._sparse: list[dict[str, Any]] = active_settings(self.model)
+        if self._sparse:
+            attrs["backend"]["sparse_backprop"] = self._sparse
         try:
             self._writer = StoreWriter(
                 self.path,
@@ -456,6 +462,7 @@ class GradRecorder:
         tokens_per_datum: int | Callable[[], int],
     ) -> torch.Tensor:
         assert self._writer is not None
+        check_settings(self.model, self._sparse)
         check = self._due_for_check()
         before = self._snapshot_grads() if check else {}
 
