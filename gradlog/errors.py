@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "ConfigError",
+    "FrozenParamError",
     "GradientCheckError",
     "GradlogError",
     "InputError",
@@ -45,6 +46,11 @@ class NonFiniteLossError(InputError):
 
 class ParamSelectionError(GradlogError, ValueError):
     """A ``params=`` pattern selects nothing, or selects something that cannot be recorded."""
+
+
+class FrozenParamError(ParamSelectionError):
+    """A recorded parameter has ``requires_grad=False`` when its gradient is due (frozen after
+    the recorder selected it), so autograd computes no gradient for it."""
 
 
 class BackendError(GradlogError, RuntimeError):

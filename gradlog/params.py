@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 
-from gradlog.errors import ParamSelectionError
+from gradlog.errors import FrozenParamError, InputError, ParamSelectionError
 
-__all__ = ["clean_name", "select_params"]
+__all__ = ["check_differentiable", "clean_name", "select_params"]
 
 # Prefixes added by wrappers, never by the user: DDP/DataParallel and torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -55,3 +56,48 @@ def select_params(model: nn.Module, patterns: Sequence[str]) -> dict[str, nn.Par
         for n, p in trainable:
             selected.setdefault(n, p)
     return selected
+
+
+def _names(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_differentiable(
+    params: Mapping[str, nn.Parameter], losses: torch.Tensor | None = None
+) -> None:
+    """Refuse, before any backward, a batch whose recorded gradients autograd cannot give.
+
+    Turns autograd's "One of the differentiated Tensors does not require grad" and "element 0
+    of tensors does not require grad and does not have a grad_fn" into errors that name the
+    parameters and the fix. ``params`` are the recorded parameters, by recorded name;
+    ``losses`` the per-datum losses (not checked if None).
+
+    Raises:
+        FrozenParamError: a recorded parameter has ``requires_grad=False`` (frozen after the
+            recorder selected it).
+        InputError: ``losses`` do not require grad (computed without grad, detached, or
+            depending on no trainable parameter, e.g. through a reentrant checkpoint whose
+            inputs do not require grad).
+    """
+    frozen = [n for n, p in params.items() if not p.requires_grad]
+    if frozen:
+        raise FrozenParamError(
+            f"recorded parameter(s) {_names(frozen)} have requires_grad=False (frozen after "
+            "the GradRecorder selected them), so autograd computes no gradient for them. "
+            "Freeze before creating the GradRecorder (params='*' selects only parameters that "
+            "require grad), pass params= patterns that leave them out, or unfreeze them with "
+            "p.requires_grad_(True)."
+        )
+    if losses is not None and not losses.requires_grad:
+        raise InputError(
+            "the losses do not require grad, so none of the recorded parameters "
+            f"({_names(list(params))}) can get a gradient. Causes and fixes: the losses were "
+            "computed under torch.no_grad() or .detach()-ed: compute them from the model's "
+            "output inside the training step; every parameter they depend on is frozen "
+            "(requires_grad=False): unfreeze those you train and record; "
+            "torch.utils.checkpoint(..., use_reentrant=True) wraps a segment none of whose "
+            "inputs require grad (e.g. after a frozen embedding), so its output carries no "
+            "gradient: pass use_reentrant=False, or make the segment's input require grad "
+            "(hidden.requires_grad_(True); in transformers, model.enable_input_require_grads())."
+        )

@@ -20,6 +20,7 @@ from torch import nn
 
 from gradlog._version import __version__
 from gradlog.backends import BACKENDS, Backend, LossFn, PerDatumGrads
+from gradlog.backends.base import LOW_PRECISION_RTOL
 from gradlog.config import RecorderConfig
 from gradlog.errors import (
     GradientCheckError,
@@ -29,7 +30,7 @@ from gradlog.errors import (
     UnsupportedLayerError,
 )
 from gradlog.losses import per_datum_losses
-from gradlog.params import select_params
+from gradlog.params import check_differentiable, select_params
 from gradlog.sparse import active_settings, check_settings
 from gradlog.store import format as fmt
 from gradlog.store.dtypes import storage_dtype, to_storage_torch
@@ -332,11 +333,7 @@ class GradRecorder:
         assert self._backend is not None  # for mypy: _require_open checked it
         reduced = per_datum_losses(losses, mask, self.config.token_reduction)
         self._check_losses(reduced, datum_ids)
-        if not reduced.requires_grad:
-            raise InputError(
-                "losses do not require grad: compute them from the model's output inside the "
-                "training step (not under torch.no_grad()) and do not .detach() them."
-            )
+        check_differentiable(self.params, reduced)  # frozen parameters, losses without grad
         step = self._resolve_step(step)
         if not self._records(step):
             self._backend.reduce_batch(reduced).backward()
@@ -377,6 +374,7 @@ class GradRecorder:
         if not self._records(step):
             reduced = reduce(loss_fn(self.model, batch), mask)
             self._check_losses(reduced, datum_ids)
+            check_differentiable(self.params, reduced)
             self._backend.reduce_batch(reduced).backward()
             self._last_step = step
             return reduced.detach()
@@ -649,13 +647,17 @@ class GradRecorder:
         # gradient that is analytically zero (attention key biases) is pure rounding noise of
         # the model's other gradients. So the floor scales with the largest gradient.
         largest = max((scale for _, _, scale, _ in results), default=0.0)
+        narrow = self._backend.low_precision if self._backend is not None else {}
         for name, err, scale, dtype in results:
             floor = 1e3 * torch.finfo(dtype).eps * largest
-            if err > self.config.check_rtol * scale + floor:
+            rtol = self.config.check_rtol
+            if name in narrow:  # autocast: autograd rounded p.grad to bfloat16/float16
+                rtol = max(rtol, LOW_PRECISION_RTOL * torch.finfo(narrow[name]).eps)
+            if err > rtol * scale + floor:
                 raise GradientCheckError(
                     f"self-check failed for {name!r}: the weighted sum of per-datum gradients "
                     f"differs from p.grad by {err:.3g} (|p.grad| {scale:.3g}, rtol "
-                    f"{self.config.check_rtol}). Per-datum gradients of this parameter are wrong. "
+                    f"{rtol:.3g}). Per-datum gradients of this parameter are wrong. "
                     "Likely causes: a layer that mixes datums (batch statistics, a batch-level "
                     "loss term), an in-place change of the parameter during the step, or a "
                     "backend bug; compare with backend='loop'. Nothing of this batch was written."

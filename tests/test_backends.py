@@ -81,11 +81,15 @@ def test_per_datum_grads_match_oracle(
     weight = 1.0 / case.B if batch_reduction == "mean" else 1.0
     for name, p in case.model.named_parameters():
         got = run.grads(name, dtype=np.float64)
-        np.testing.assert_allclose(got, expected[name].numpy(), rtol=1e-6, atol=1e-12,
-                                   err_msg=name)
+        np.testing.assert_allclose(got, expected[name].numpy(), rtol=1e-6, atol=1e-12, err_msg=name)
         # p.grad is the weighted sum of the per-datum gradients
-        np.testing.assert_allclose(p.grad.numpy(), weight * expected[name].sum(0).numpy(),
-                                   rtol=1e-6, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(
+            p.grad.numpy(),
+            weight * expected[name].sum(0).numpy(),
+            rtol=1e-6,
+            atol=1e-12,
+            err_msg=name,
+        )
     np.testing.assert_allclose(np.asarray(run.datums.column("weight")), weight)
 
 
@@ -128,14 +132,18 @@ def test_recording_does_not_change_training(tmp_path: Any, backend: str) -> None
 def test_step_entry_point_on_every_backend(tmp_path: Any, backend: str) -> None:
     case = Case("mlp", B=4)
     expected = case.oracle("mean")
-    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog", backend=backend,
-                              dtype="float64") as rec:
+    with gradlog.GradRecorder(
+        case.model, tmp_path / "r.gradlog", backend=backend, dtype="float64"
+    ) as rec:
         losses = rec.step(case.loss_fn, case.batch, datum_ids=[7, 3, 9, 1])
     assert losses.shape == (4,) and not losses.requires_grad
     run = gradlog.open(tmp_path / "r.gradlog")
     assert run.datums.column("datum_id").to_pylist() == [7, 3, 9, 1]
-    np.testing.assert_allclose(run.grads("0.weight", datum=9, dtype=np.float64)[0],
-                               expected["0.weight"][2].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        run.grads("0.weight", datum=9, dtype=np.float64)[0],
+        expected["0.weight"][2].numpy(),
+        rtol=1e-6,
+    )
 
 
 def test_vmap_handles_dict_batches(tmp_path: Any) -> None:
@@ -146,8 +154,9 @@ def test_vmap_handles_dict_batches(tmp_path: Any) -> None:
         return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
 
     x, y = case.batch
-    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog", backend="vmap",
-                              dtype="float64") as rec:
+    with gradlog.GradRecorder(
+        case.model, tmp_path / "r.gradlog", backend="vmap", dtype="float64"
+    ) as rec:
         rec.step(loss_fn, {"x": x, "y": y})
     got = gradlog.open(tmp_path / "r.gradlog").grads("2.weight", dtype=np.float64)
     np.testing.assert_allclose(got, expected["2.weight"].numpy(), rtol=1e-6)
@@ -155,10 +164,12 @@ def test_vmap_handles_dict_batches(tmp_path: Any) -> None:
 
 def test_selected_params_only(tmp_path: Any) -> None:
     case = Case("gpt")
-    with gradlog.GradRecorder(case.model, tmp_path / "r.gradlog",
-                              params=["blocks.*.mlp.*", "head.weight"]) as rec:
+    with gradlog.GradRecorder(
+        case.model, tmp_path / "r.gradlog", params=["blocks.*.mlp.*", "head.weight"]
+    ) as rec:
         case.record(rec, "loop")
     names = gradlog.open(tmp_path / "r.gradlog").param_names
-    assert names and all((n.startswith("blocks.") and ".mlp." in n) or n == "head.weight"
-                         for n in names)
+    assert names and all(
+        (n.startswith("blocks.") and ".mlp." in n) or n == "head.weight" for n in names
+    )
     assert "head.weight" in names

@@ -99,5 +99,6 @@ def test_train_default_path_does_not_clobber(
     for _ in range(2):
         assert runner.invoke(app, ["train", *SMALL]).exit_code == 0
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
-        "demo-2.gradlog", "demo.gradlog"
+        "demo-2.gradlog",
+        "demo.gradlog",
     ]

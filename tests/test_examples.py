@@ -19,8 +19,9 @@ def _run(*args: str, cwd: Path) -> str:
 
 def test_record_then_read(tmp_path: Path) -> None:
     out = tmp_path / "example.gradlog"
-    text = _run(str(EXAMPLES / "record_own_loop.py"), "--out", str(out), "--epochs", "1",
-                cwd=tmp_path)
+    text = _run(
+        str(EXAMPLES / "record_own_loop.py"), "--out", str(out), "--epochs", "1", cwd=tmp_path
+    )
     assert "recorded 8 steps, 256 records" in text
     text = _run(str(EXAMPLES / "read_run.py"), str(out), cwd=tmp_path)
     assert "appears at steps" in text and "largest gradients" in text

@@ -28,24 +28,28 @@ D64 = torch.float64
 
 
 def backend(model: nn.Module, reduction: str = "mean", params: str = "*") -> HooksBackend:
-    be = BACKENDS["hooks"](model, select_params(model, [params]), batch_reduction=reduction,
-                           randomness="different")
+    be = BACKENDS["hooks"](
+        model, select_params(model, [params]), batch_reduction=reduction, randomness="different"
+    )
     assert isinstance(be, HooksBackend)
     be.attach()
     return be
 
 
-def loop_grads(model: nn.Module, losses_of: Callable[[], torch.Tensor],
-               reduction: str = "mean") -> dict[str, torch.Tensor]:
-    be = BACKENDS["loop"](model, select_params(model, ["*"]), batch_reduction=reduction,
-                          randomness="different")
+def loop_grads(
+    model: nn.Module, losses_of: Callable[[], torch.Tensor], reduction: str = "mean"
+) -> dict[str, torch.Tensor]:
+    be = BACKENDS["loop"](
+        model, select_params(model, ["*"]), batch_reduction=reduction, randomness="different"
+    )
     model.zero_grad(set_to_none=True)
     losses = losses_of()
     return be.backward(losses, be.reduce_batch(losses))
 
 
-def hooks_grads(model: nn.Module, losses_of: Callable[[], torch.Tensor],
-                reduction: str = "mean") -> dict[str, torch.Tensor]:
+def hooks_grads(
+    model: nn.Module, losses_of: Callable[[], torch.Tensor], reduction: str = "mean"
+) -> dict[str, torch.Tensor]:
     be = backend(model, reduction)
     try:
         model.zero_grad(set_to_none=True)
@@ -58,8 +62,9 @@ def hooks_grads(model: nn.Module, losses_of: Callable[[], torch.Tensor],
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert set(got) == set(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-12,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-6, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def no_hooks_left(model: nn.Module) -> bool:
@@ -107,8 +112,7 @@ def lstm_case() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor], None]:
 
 @pytest.mark.parametrize("case", [gpt_case, lstm_case])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_training_is_bitwise_identical(tmp_path: Path, case: Callable[[], Any],
-                                       dtype: str) -> None:
+def test_training_is_bitwise_identical(tmp_path: Path, case: Callable[[], Any], dtype: str) -> None:
     model, loss_fn, mask = case()
     model = model.to(getattr(torch, dtype))
     plain, recorded = copy.deepcopy(model), copy.deepcopy(model)
@@ -125,8 +129,9 @@ def test_training_is_bitwise_identical(tmp_path: Path, case: Callable[[], Any],
             opt.zero_grad()
 
     train(plain, None)
-    with gradlog.GradRecorder(recorded, tmp_path / "r.gradlog", backend="hooks",
-                              check_every=1) as rec:
+    with gradlog.GradRecorder(
+        recorded, tmp_path / "r.gradlog", backend="hooks", check_every=1
+    ) as rec:
         train(recorded, rec)
     for (name, a), b in zip(plain.named_parameters(), recorded.parameters()):
         assert torch.equal(a, b), name  # hooks only observe: bitwise the same training
@@ -134,11 +139,18 @@ def test_training_is_bitwise_identical(tmp_path: Path, case: Callable[[], Any],
 
 
 # -- steps, micro-batches, skipped steps -----------------------------------------------------
-def record_steps(model: nn.Module, path: Path, backend_name: str, batches: list[Any],
-                 steps: list[int], every: int = 1) -> Any:
+def record_steps(
+    model: nn.Module,
+    path: Path,
+    backend_name: str,
+    batches: list[Any],
+    steps: list[int],
+    every: int = 1,
+) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradlog.GradRecorder(model, path, backend=backend_name, dtype="float64", every=every,
-                              check_every=1) as rec:
+    with gradlog.GradRecorder(
+        model, path, backend=backend_name, dtype="float64", every=every, check_every=1
+    ) as rec:
         for (x, y, mask), step in zip(batches, steps):
             rec.backward(per_token_ce(model(x), y), mask=mask, step=step)
             if step != steps[-1] and steps[steps.index(step) + 1] == step:
@@ -152,15 +164,21 @@ def test_gradient_accumulation_across_micro_batches(tmp_path: Path) -> None:
     batches = [gpt_batch(4, 6, seed=1), gpt_batch(3, 6, seed=2), gpt_batch(4, 6, seed=3)]
     steps = [0, 0, 1]  # two micro-batches of different sizes, then one step
     model = tiny_gpt(tie_weights=True)
-    runs = {name: record_steps(copy.deepcopy(model), tmp_path / f"{name}.gradlog", name,
-                               batches, steps) for name in ("hooks", "loop")}
+    runs = {
+        name: record_steps(copy.deepcopy(model), tmp_path / f"{name}.gradlog", name, batches, steps)
+        for name in ("hooks", "loop")
+    }
     hooks, loop = runs["hooks"], runs["loop"]
     assert hooks.datums.column("step").to_pylist() == [0] * 7 + [1] * 4
     np.testing.assert_array_equal(hooks.datums.column("weight"), loop.datums.column("weight"))
     for name in loop.param_names:
-        np.testing.assert_allclose(hooks.grads(name, dtype=np.float64),
-                                   loop.grads(name, dtype=np.float64), rtol=1e-6, atol=1e-12,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            hooks.grads(name, dtype=np.float64),
+            loop.grads(name, dtype=np.float64),
+            rtol=1e-6,
+            atol=1e-12,
+            err_msg=name,
+        )
 
 
 def test_skipped_steps_train_normally_and_hold_nothing(tmp_path: Path) -> None:
@@ -171,8 +189,12 @@ def test_skipped_steps_train_normally_and_hold_nothing(tmp_path: Path) -> None:
     loop = record_steps(model, tmp_path / "l.gradlog", "loop", batches, list(range(5)), every=2)
     assert run.steps.column("step").to_pylist() == [0, 2, 4]
     for name in loop.param_names:
-        np.testing.assert_allclose(run.grads(name, dtype=np.float64),
-                                   loop.grads(name, dtype=np.float64), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(
+            run.grads(name, dtype=np.float64),
+            loop.grads(name, dtype=np.float64),
+            rtol=1e-6,
+            atol=1e-12,
+        )
     for a, b in zip(model.parameters(), hooked.parameters()):
         assert torch.equal(a, b)
 
@@ -221,8 +243,10 @@ def test_results_held_by_the_caller_are_never_overwritten() -> None:
             assert torch.equal(g, copies[name]), name
         np.testing.assert_array_equal(view, view_copy)
         assert torch.equal(rows, rows_copy)
-        assert all(g.untyped_storage().data_ptr() != first[n].untyped_storage().data_ptr()
-                   for n, g in reused.items())
+        assert all(
+            g.untyped_storage().data_ptr() != first[n].untyped_storage().data_ptr()
+            for n, g in reused.items()
+        )
     finally:
         be.detach()
 
@@ -247,13 +271,15 @@ def test_step_entry_point(tmp_path: Path) -> None:
     model = tiny_gpt()
     x, y, mask = gpt_batch(4, 6)
     want = loop_grads(model, lambda: per_datum_losses(per_token_ce(model(x), y), mask, "mean"))
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="hooks",
-                              dtype="float64", check_every=1) as rec:
+    with gradlog.GradRecorder(
+        model, tmp_path / "r.gradlog", backend="hooks", dtype="float64", check_every=1
+    ) as rec:
         rec.step(lambda m, b: per_token_ce(m(b[0]), b[1]), (x, y), mask=mask)
     run = gradlog.open(tmp_path / "r.gradlog")
     for name in want:
-        np.testing.assert_allclose(run.grads(name, dtype=np.float64), want[name].numpy(),
-                                   rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(
+            run.grads(name, dtype=np.float64), want[name].numpy(), rtol=1e-6, atol=1e-12
+        )
 
 
 def test_an_unrelated_forward_between_forward_and_backward_is_ignored() -> None:
@@ -286,15 +312,21 @@ def test_describe_lists_rules_and_fallbacks_in_the_run(tmp_path: Path) -> None:
         torch.manual_seed(0)
         model = Mixed().to(D64)
     x = torch.randn(3, 5, 4, dtype=D64)
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="hooks",
-                              check_every=1) as rec:
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="hooks", check_every=1) as rec:
         rec.backward(model(x).pow(2).sum((1, 2)))
     described = gradlog.open(tmp_path / "r.gradlog").attrs["backend"]
     rules = {m["module"]: (m["rule"], m["params"]) for m in described["modules"]}
     assert rules == {
         "": ("torch.func", ["gate"]),
-        "attn": ("multihead_attention", ["attn.in_proj_bias", "attn.in_proj_weight",
-                                         "attn.out_proj.bias", "attn.out_proj.weight"]),
+        "attn": (
+            "multihead_attention",
+            [
+                "attn.in_proj_bias",
+                "attn.in_proj_weight",
+                "attn.out_proj.bias",
+                "attn.out_proj.weight",
+            ],
+        ),
         "out": ("linear", ["out.bias", "out.weight"]),
     }
     assert described["fallback"] == [""]  # the model itself, for its raw parameter
@@ -397,8 +429,10 @@ def test_dropout_in_a_recomputed_module_is_refused_before_the_backward() -> None
     finally:
         be.detach()
     model.drop.eval()  # without active dropout the torch.func fallback is exact
-    assert_same(hooks_grads(model, lambda: model(x).pow(2).sum(1)),
-                loop_grads(model, lambda: model(x).pow(2).sum(1)))
+    assert_same(
+        hooks_grads(model, lambda: model(x).pow(2).sum(1)),
+        loop_grads(model, lambda: model(x).pow(2).sum(1)),
+    )
 
 
 class DynamicShapes(nn.Module):
@@ -415,7 +449,8 @@ class DynamicShapes(nn.Module):
 
 
 def test_fallback_switches_to_a_per_datum_loop_where_vmap_cannot_batch(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     model = DynamicShapes()
     x = torch.randn(5, 3, dtype=D64)
     with caplog.at_level("WARNING", logger="gradlog"):
@@ -455,8 +490,10 @@ def test_sequence_first_layers_with_batch_equal_to_length_are_refused() -> None:
     finally:
         be.detach()
     x = torch.randint(0, 5, (6, 4))  # T != B: unambiguous
-    assert_same(hooks_grads(model, lambda: model(x).pow(2).sum((0, 2))),
-                loop_grads(model, lambda: model(x).pow(2).sum((0, 2))))
+    assert_same(
+        hooks_grads(model, lambda: model(x).pow(2).sum((0, 2))),
+        loop_grads(model, lambda: model(x).pow(2).sum((0, 2))),
+    )
 
 
 # -- activation checkpointing ----------------------------------------------------------------

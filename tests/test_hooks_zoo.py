@@ -22,11 +22,25 @@ D64 = torch.float64
 Forward = Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def record(model: nn.Module, forward: Forward, backend: str, path: Path, reduction: str,
-           params: str = "*", dtype: str = "float64") -> tuple[dict[str, np.ndarray], Any]:
+def record(
+    model: nn.Module,
+    forward: Forward,
+    backend: str,
+    path: Path,
+    reduction: str,
+    params: str = "*",
+    dtype: str = "float64",
+) -> tuple[dict[str, np.ndarray], Any]:
     """Record one step; return the stored per-datum gradients and the run."""
-    with gradlog.GradRecorder(model, path, backend=backend, batch_reduction=reduction,
-                              dtype=dtype, check_every=1, params=params) as rec:
+    with gradlog.GradRecorder(
+        model,
+        path,
+        backend=backend,
+        batch_reduction=reduction,
+        dtype=dtype,
+        check_every=1,
+        params=params,
+    ) as rec:
         model.zero_grad(set_to_none=True)
         losses, mask = forward(model)
         rec.backward(losses, mask=mask)
@@ -34,18 +48,28 @@ def record(model: nn.Module, forward: Forward, backend: str, path: Path, reducti
     return {n: run.grads(n, dtype=np.float64) for n in run.param_names}, run
 
 
-def assert_zoo_model(model: nn.Module, forward: Forward, tmp_path: Path, *, params: str = "*",
-                     fallback: list[str] | None = None, rtol: float = 1e-6,
-                     dtype: str = "float64") -> None:
+def assert_zoo_model(
+    model: nn.Module,
+    forward: Forward,
+    tmp_path: Path,
+    *,
+    params: str = "*",
+    fallback: list[str] | None = None,
+    rtol: float = 1e-6,
+    dtype: str = "float64",
+) -> None:
     for reduction in ("mean", "sum"):
-        got, run = record(model, forward, "hooks", tmp_path / f"h-{reduction}.gradlog",
-                          reduction, params, dtype)
-        want, _ = record(model, forward, "loop", tmp_path / f"l-{reduction}.gradlog",
-                         reduction, params, dtype)
+        got, run = record(
+            model, forward, "hooks", tmp_path / f"h-{reduction}.gradlog", reduction, params, dtype
+        )
+        want, _ = record(
+            model, forward, "loop", tmp_path / f"l-{reduction}.gradlog", reduction, params, dtype
+        )
         assert set(got) == set(want)
         for name in want:  # atol: k biases have exactly zero gradient (softmax shift), ~1e-20
-            np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=rtol * 1e-6,
-                                       err_msg=f"{name} ({reduction})")
+            np.testing.assert_allclose(
+                got[name], want[name], rtol=rtol, atol=rtol * 1e-6, err_msg=f"{name} ({reduction})"
+            )
         described = run.attrs["backend"]
         assert described["name"] == "hooks"
         if fallback is not None:
@@ -124,23 +148,30 @@ def test_multihead_attention_model(tmp_path: Path, batch_first: bool) -> None:
     x, _ = tokens(4, 6, 11)
     x[0, -2:] = 0  # padding
     y = torch.tensor([0, 1, 2, 1])
-    assert_zoo_model(model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None),
-                     tmp_path, fallback=[])
+    assert_zoo_model(
+        model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None), tmp_path, fallback=[]
+    )
 
 
 def test_transformer_encoder_layer(tmp_path: Path) -> None:
     model = seeded(lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True))
     x = torch.randn(3, 5, 8, dtype=D64, generator=torch.Generator().manual_seed(0))
-    assert_zoo_model(model, lambda m: (torch.tanh(m(x)).sum((1, 2)), None), tmp_path,
-                     fallback=[])
+    assert_zoo_model(model, lambda m: (torch.tanh(m(x)).sum((1, 2)), None), tmp_path, fallback=[])
 
 
 # -- convolutional and recurrent -------------------------------------------------------------
 def small_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2), nn.GroupNorm(2, 8), nn.ReLU(),
-        nn.Conv2d(8, 4, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(4, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 5),
     )
 
 
@@ -149,8 +180,9 @@ def test_cnn_with_group_norm(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3, 8, 8, dtype=D64, generator=gen)
     y = torch.randint(0, 5, (4,), generator=gen)
-    assert_zoo_model(model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None),
-                     tmp_path, fallback=[])
+    assert_zoo_model(
+        model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None), tmp_path, fallback=[]
+    )
 
 
 class RecurrentLM(nn.Module):
@@ -197,10 +229,14 @@ class LoRALinear(nn.Module):
 def test_lora_adapters_on_frozen_linear_layers(tmp_path: Path) -> None:
     model = seeded(lambda: nn.Sequential(LoRALinear(6, 8), nn.GELU(), LoRALinear(8, 4)))
     x = torch.randn(4, 3, 6, dtype=D64, generator=torch.Generator().manual_seed(0))
-    assert_zoo_model(model, lambda m: (torch.tanh(m(x)).sum((1, 2)), None), tmp_path,
-                     fallback=[])
-    _, run = record(model, lambda m: (torch.tanh(m(x)).sum((1, 2)), None), "hooks",
-                    tmp_path / "only.gradlog", "mean")
+    assert_zoo_model(model, lambda m: (torch.tanh(m(x)).sum((1, 2)), None), tmp_path, fallback=[])
+    _, run = record(
+        model,
+        lambda m: (torch.tanh(m(x)).sum((1, 2)), None),
+        "hooks",
+        tmp_path / "only.gradlog",
+        "mean",
+    )
     assert all("lora" in n for n in run.param_names)  # the frozen base is not recorded
 
 
@@ -227,8 +263,9 @@ def test_raw_parameters_in_the_parents_forward(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 4, 5, dtype=D64, generator=gen)
     y = torch.randint(0, 3, (4,), generator=gen)
-    assert_zoo_model(model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None),
-                     tmp_path, fallback=[""])  # the model itself owns cls and pos
+    assert_zoo_model(
+        model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None), tmp_path, fallback=[""]
+    )  # the model itself owns cls and pos
 
 
 class Reuse(nn.Module):
@@ -257,17 +294,25 @@ def test_module_reuse_and_tied_weights(tmp_path: Path) -> None:
 def test_float32_gpt(tmp_path: Path) -> None:
     model = tiny_gpt(tie_weights=True, dtype=torch.float32)
     x, y, mask = gpt_batch(4, 6)
-    assert_zoo_model(model, lambda m: (per_token_ce(m(x), y), mask), tmp_path, rtol=2e-4,
-                     dtype="float32")
+    assert_zoo_model(
+        model, lambda m: (per_token_ce(m(x), y), mask), tmp_path, rtol=2e-4, dtype="float32"
+    )
 
 
 def test_recording_a_few_layers_of_a_larger_model(tmp_path: Path) -> None:
     model = tiny_gpt(n_layer=3)
     x, y, mask = gpt_batch(4, 6)
-    assert_zoo_model(model, lambda m: (per_token_ce(m(x), y), mask), tmp_path,
-                     params="blocks.1.mlp.*")
-    _, run = record(model, lambda m: (per_token_ce(m(x), y), mask), "hooks",
-                    tmp_path / "few.gradlog", "mean", params="blocks.1.mlp.*")
+    assert_zoo_model(
+        model, lambda m: (per_token_ce(m(x), y), mask), tmp_path, params="blocks.1.mlp.*"
+    )
+    _, run = record(
+        model,
+        lambda m: (per_token_ce(m(x), y), mask),
+        "hooks",
+        tmp_path / "few.gradlog",
+        "mean",
+        params="blocks.1.mlp.*",
+    )
     hooked = {m["module"] for m in run.attrs["backend"]["modules"]}
     assert hooked == {"blocks.1.mlp.fc", "blocks.1.mlp.proj"}
     assert math.isfinite(float(np.asarray(run.datums.column("loss")).sum()))
@@ -276,8 +321,9 @@ def test_recording_a_few_layers_of_a_larger_model(tmp_path: Path) -> None:
 # -- Llama-style model, and the memory-efficient chunked LM head -----------------------------
 def test_tiny_llama_rmsnorm_rotary_swiglu(tmp_path: Path) -> None:
     llama = pytest.importorskip("gradlog.testing.llama")
-    config = llama.LlamaConfig(vocab_size=17, dim=8, n_layers=2, n_heads=2, hidden_dim=12,
-                               max_seq_len=8)
+    config = llama.LlamaConfig(
+        vocab_size=17, dim=8, n_layers=2, n_heads=2, hidden_dim=12, max_seq_len=8
+    )
     model = llama.tiny_llama(config, dtype=D64)
     x, y = tokens(3, 6, 17)
     assert_zoo_model(model, lambda m: (per_token_ce(m(x), y), None), tmp_path, fallback=[])
@@ -287,8 +333,9 @@ def test_tiny_llama_rmsnorm_rotary_swiglu(tmp_path: Path) -> None:
 def test_chunked_lm_head_rows_are_attributed_to_datums(tmp_path: Path, chunk_size: int) -> None:
     llama = pytest.importorskip("gradlog.testing.llama")
     memory = pytest.importorskip("gradlog.memory")
-    config = llama.LlamaConfig(vocab_size=17, dim=8, n_layers=1, n_heads=2, hidden_dim=12,
-                               max_seq_len=8)
+    config = llama.LlamaConfig(
+        vocab_size=17, dim=8, n_layers=1, n_heads=2, hidden_dim=12, max_seq_len=8
+    )
     model = llama.tiny_llama(config, dtype=D64)
     x, y = tokens(3, 6, 17)
     y[0, -2:] = -100  # ignored rows
@@ -297,8 +344,9 @@ def test_chunked_lm_head_rows_are_attributed_to_datums(tmp_path: Path, chunk_siz
         return F.cross_entropy(head(h), labels, reduction="none")  # (rows,)
 
     def forward(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        losses = memory.chunked_linear_loss(m.hidden(x), m.lm_head, y, ce, reduction="none",
-                                            chunk_size=chunk_size)  # (B, T)
+        losses = memory.chunked_linear_loss(
+            m.hidden(x), m.lm_head, y, ce, reduction="none", chunk_size=chunk_size
+        )  # (B, T)
         return losses, y != -100
 
     assert_zoo_model(model, forward, tmp_path, fallback=[])

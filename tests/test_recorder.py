@@ -126,8 +126,10 @@ def test_bad_options(tmp_path: Any, option: dict[str, Any], message: str) -> Non
 
 def test_vmap_needs_the_loss_function(tmp_path: Any) -> None:
     model = mlp()
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec, \
-            pytest.raises(BackendError, match=r"rec\.step\(loss_fn, batch\)"):
+    with (
+        gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec,
+        pytest.raises(BackendError, match=r"rec\.step\(loss_fn, batch\)"),
+    ):
         rec.backward(_losses(model))
 
 
@@ -211,7 +213,10 @@ def test_wrapper_prefixes_are_stripped(tmp_path: Any) -> None:
     with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
         rec.backward(_losses(model))
     assert gradlog.open(tmp_path / "r.gradlog").param_names == [
-        "0.weight", "0.bias", "2.weight", "2.bias"
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
     ]
 
 

@@ -19,16 +19,19 @@ from gradlog.params import select_params
 from gradlog.rules import RULES, Capture, RowGrads, find_rule, register_rule
 
 D64 = torch.float64
-RULE_SETTINGS = settings(max_examples=12, deadline=None, derandomize=True,
-                         suppress_health_check=[HealthCheck.too_slow])
+RULE_SETTINGS = settings(
+    max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 SLOW_RULE_SETTINGS = settings(RULE_SETTINGS, max_examples=8)
 
 
-def per_datum(model: nn.Module, forward: Callable[[], torch.Tensor], backend: str,
-              reduction: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def per_datum(
+    model: nn.Module, forward: Callable[[], torch.Tensor], backend: str, reduction: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Per-datum gradients of every trainable parameter, and the backend's description."""
-    be = BACKENDS[backend](model, select_params(model, ["*"]), batch_reduction=reduction,
-                           randomness="different")
+    be = BACKENDS[backend](
+        model, select_params(model, ["*"]), batch_reduction=reduction, randomness="different"
+    )
     be.attach()
     try:
         model.zero_grad(set_to_none=True)
@@ -39,16 +42,22 @@ def per_datum(model: nn.Module, forward: Callable[[], torch.Tensor], backend: st
         be.detach()
 
 
-def assert_like_loop(model: nn.Module, forward: Callable[[], torch.Tensor],
-                     rule: str | None = None) -> None:
+def assert_like_loop(
+    model: nn.Module, forward: Callable[[], torch.Tensor], rule: str | None = None
+) -> None:
     """hooks == loop for both batch reductions; ``rule``: the rule expected on the module."""
     for reduction in ("mean", "sum"):
         got, described = per_datum(model, forward, "hooks", reduction)
         want, _ = per_datum(model, forward, "loop", reduction)
         assert set(got) == set(want)
         for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-12,
-                                       msg=lambda m, n=name, r=reduction: f"{n} ({r}): {m}")
+            torch.testing.assert_close(
+                got[name],
+                want[name],
+                rtol=1e-6,
+                atol=1e-12,
+                msg=lambda m, n=name, r=reduction: f"{n} ({r}): {m}",
+            )
         if rule is not None:
             assert {m["rule"] for m in described["modules"]} == {rule}, described
             assert (described["fallback"] != []) == (rule == "torch.func")
@@ -75,8 +84,14 @@ lead_dims = st.lists(st.integers(1, 3), min_size=0, max_size=2)
 
 # -- Linear family ---------------------------------------------------------------------------
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), lead=lead_dims, d_in=st.integers(1, 5), d_out=st.integers(1, 5),
-       bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    lead=lead_dims,
+    d_in=st.integers(1, 5),
+    d_out=st.integers(1, 5),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_linear(B: int, lead: list[int], d_in: int, d_out: int, bias: bool, seed: int) -> None:
     layer = built(lambda: nn.Linear(d_in, d_out, bias=bias), seed)
     x = randn(B, *lead, d_in, seed=seed)  # (B, ..., d_in)
@@ -99,8 +114,13 @@ class Conv1D(nn.Module):
 
 
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), lead=lead_dims, d_in=st.integers(1, 5), d_out=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    lead=lead_dims,
+    d_in=st.integers(1, 5),
+    d_out=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
 def test_gpt2_conv1d(B: int, lead: list[int], d_in: int, d_out: int, seed: int) -> None:
     layer = built(lambda: Conv1D(d_out, d_in), seed)
     x = randn(B, *lead, d_in, seed=seed)
@@ -109,12 +129,19 @@ def test_gpt2_conv1d(B: int, lead: list[int], d_in: int, d_out: int, seed: int) 
 
 # -- Embedding -------------------------------------------------------------------------------
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), T=st.integers(1, 5), V=st.integers(2, 9), D=st.integers(1, 4),
-       padding=st.booleans(), by_freq=st.booleans(),
-       layout=st.sampled_from(["batched", "per-datum scalar", "shared [1, T]", "shared [T]"]),
-       seed=st.integers(0, 2**16))
-def test_embedding(B: int, T: int, V: int, D: int, padding: bool, by_freq: bool, layout: str,
-                   seed: int) -> None:
+@given(
+    B=st.integers(1, 4),
+    T=st.integers(1, 5),
+    V=st.integers(2, 9),
+    D=st.integers(1, 4),
+    padding=st.booleans(),
+    by_freq=st.booleans(),
+    layout=st.sampled_from(["batched", "per-datum scalar", "shared [1, T]", "shared [T]"]),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding(
+    B: int, T: int, V: int, D: int, padding: bool, by_freq: bool, layout: str, seed: int
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     pad = int(torch.randint(0, V, (), generator=gen)) if padding else None
     emb = built(lambda: nn.Embedding(V, D, padding_idx=pad, scale_grad_by_freq=by_freq), seed)
@@ -145,8 +172,9 @@ def test_shared_output_broadcast_by_another_op_is_refused_before_the_backward() 
     emb = built(lambda: nn.Embedding(7, 3), 0)
     other = randn(4, 5, 3, seed=1)
     ids = torch.tensor([[0, 3, 3, 6, 1]])  # (1, T)
-    be = BACKENDS["hooks"](emb, select_params(emb, ["*"]), batch_reduction="mean",
-                           randomness="different")
+    be = BACKENDS["hooks"](
+        emb, select_params(emb, ["*"]), batch_reduction="mean", randomness="different"
+    )
     be.attach()
     try:
         losses = datum_loss(other * emb(ids))  # a product broadcasts it: not supported
@@ -159,8 +187,13 @@ def test_shared_output_broadcast_by_another_op_is_refused_before_the_backward() 
 
 # -- normalisation ---------------------------------------------------------------------------
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), lead=lead_dims, shape=st.lists(st.integers(1, 4), min_size=1,
-       max_size=2), bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    lead=lead_dims,
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_layer_norm(B: int, lead: list[int], shape: list[int], bias: bool, seed: int) -> None:
     norm = built(lambda: nn.LayerNorm(shape, bias=bias), seed)
     with torch.no_grad():  # off the default (1, 0) so the affine gradients are generic
@@ -172,8 +205,13 @@ def test_layer_norm(B: int, lead: list[int], shape: list[int], bias: bool, seed:
 
 @pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm needs torch >= 2.4")
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), lead=lead_dims, D=st.integers(1, 6),
-       eps=st.sampled_from([None, 1e-3]), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    lead=lead_dims,
+    D=st.integers(1, 6),
+    eps=st.sampled_from([None, 1e-3]),
+    seed=st.integers(0, 2**16),
+)
 def test_rms_norm(B: int, lead: list[int], D: int, eps: float | None, seed: int) -> None:
     norm = built(lambda: nn.RMSNorm(D, eps=eps), seed)
     x = randn(B, *lead, D, seed=seed)
@@ -181,8 +219,13 @@ def test_rms_norm(B: int, lead: list[int], D: int, eps: float | None, seed: int)
 
 
 @RULE_SETTINGS
-@given(B=st.integers(1, 4), groups=st.integers(1, 3), per_group=st.integers(1, 3),
-       spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    groups=st.integers(1, 3),
+    per_group=st.integers(1, 3),
+    spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    seed=st.integers(0, 2**16),
+)
 def test_group_norm(B: int, groups: int, per_group: int, spatial: list[int], seed: int) -> None:
     C = groups * per_group
     if not spatial and per_group == 1:
@@ -213,10 +256,18 @@ def conv_options(draw: st.DrawFn) -> dict[str, Any]:
     if mode != "zeros" and padding == "same":
         padding = "valid" if dilation * (kernel - 1) >= size else "same"
     return {
-        "nd": nd, "groups": groups, "in_ch": groups * draw(st.integers(1, 2)),
-        "out_ch": groups * draw(st.integers(1, 2)), "kernel": kernel, "dilation": dilation,
-        "stride": stride, "padding": padding, "mode": mode, "bias": draw(st.booleans()),
-        "size": size, "B": draw(st.integers(1, 3)),
+        "nd": nd,
+        "groups": groups,
+        "in_ch": groups * draw(st.integers(1, 2)),
+        "out_ch": groups * draw(st.integers(1, 2)),
+        "kernel": kernel,
+        "dilation": dilation,
+        "stride": stride,
+        "padding": padding,
+        "mode": mode,
+        "bias": draw(st.booleans()),
+        "size": size,
+        "B": draw(st.integers(1, 3)),
     }
 
 
@@ -224,9 +275,20 @@ def conv_options(draw: st.DrawFn) -> dict[str, Any]:
 @given(o=conv_options(), seed=st.integers(0, 2**16))
 def test_conv(o: dict[str, Any], seed: int) -> None:
     cls = nn.Conv1d if o["nd"] == 1 else nn.Conv2d
-    conv = built(lambda: cls(o["in_ch"], o["out_ch"], o["kernel"], stride=o["stride"],
-                             padding=o["padding"], dilation=o["dilation"], groups=o["groups"],
-                             bias=o["bias"], padding_mode=o["mode"]), seed)
+    conv = built(
+        lambda: cls(
+            o["in_ch"],
+            o["out_ch"],
+            o["kernel"],
+            stride=o["stride"],
+            padding=o["padding"],
+            dilation=o["dilation"],
+            groups=o["groups"],
+            bias=o["bias"],
+            padding_mode=o["mode"],
+        ),
+        seed,
+    )
     x = randn(o["B"], o["in_ch"], *[o["size"]] * o["nd"], seed=seed)
     assert_like_loop(conv, lambda: datum_loss(conv(x)), rule="conv")
 
@@ -236,12 +298,18 @@ def test_conv(o: dict[str, Any], seed: int) -> None:
 def mha_options(draw: st.DrawFn) -> dict[str, Any]:
     heads = draw(st.integers(1, 2))
     return {
-        "heads": heads, "E": heads * draw(st.integers(1, 3)), "batch_first": draw(st.booleans()),
-        "kdim": draw(st.sampled_from([None, 2])), "bias": draw(st.booleans()),
-        "add_bias_kv": draw(st.booleans()), "padding_mask": draw(st.booleans()),
+        "heads": heads,
+        "E": heads * draw(st.integers(1, 3)),
+        "batch_first": draw(st.booleans()),
+        "kdim": draw(st.sampled_from([None, 2])),
+        "bias": draw(st.booleans()),
+        "add_bias_kv": draw(st.booleans()),
+        "padding_mask": draw(st.booleans()),
         "attn_mask": draw(st.sampled_from([None, "2d", "3d"])),
-        "need_weights": draw(st.booleans()), "B": draw(st.integers(1, 3)),
-        "L": draw(st.integers(1, 4)), "S": draw(st.integers(2, 4)),
+        "need_weights": draw(st.booleans()),
+        "B": draw(st.integers(1, 3)),
+        "L": draw(st.integers(1, 4)),
+        "S": draw(st.integers(2, 4)),
     }
 
 
@@ -249,9 +317,18 @@ def mha_options(draw: st.DrawFn) -> dict[str, Any]:
 @given(o=mha_options(), seed=st.integers(0, 2**16))
 def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
     B, L, S, E, heads = o["B"], o["L"], o["S"], o["E"], o["heads"]
-    attn = built(lambda: nn.MultiheadAttention(
-        E, heads, bias=o["bias"], add_bias_kv=o["add_bias_kv"], kdim=o["kdim"], vdim=o["kdim"],
-        batch_first=o["batch_first"]), seed)
+    attn = built(
+        lambda: nn.MultiheadAttention(
+            E,
+            heads,
+            bias=o["bias"],
+            add_bias_kv=o["add_bias_kv"],
+            kdim=o["kdim"],
+            vdim=o["kdim"],
+            batch_first=o["batch_first"],
+        ),
+        seed,
+    )
     q = randn(B, L, E, seed=seed)  # (B, L, E)
     kv = randn(B, S, o["kdim"] or E, seed=seed + 1)  # (B, S, kdim)
     if not o["batch_first"]:
@@ -270,8 +347,9 @@ def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
         mask = randn(B * heads, L, S_total, seed=seed + 2)  # additive float mask per datum/head
 
     def forward() -> torch.Tensor:
-        out, weights = attn(q, kv, kv, key_padding_mask=kpm, attn_mask=mask,
-                            need_weights=o["need_weights"])
+        out, weights = attn(
+            q, kv, kv, key_padding_mask=kpm, attn_mask=mask, need_weights=o["need_weights"]
+        )
         out = out if o["batch_first"] else out.transpose(0, 1)  # (B, L, E)
         loss = datum_loss(out)
         if weights is not None:
@@ -285,11 +363,16 @@ def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
 def rnn_options(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(["RNN", "LSTM", "GRU"]))
     return {
-        "kind": kind, "layers": draw(st.integers(1, 2)), "bidirectional": draw(st.booleans()),
-        "batch_first": draw(st.booleans()), "bias": draw(st.booleans()),
+        "kind": kind,
+        "layers": draw(st.integers(1, 2)),
+        "bidirectional": draw(st.booleans()),
+        "batch_first": draw(st.booleans()),
+        "bias": draw(st.booleans()),
         "proj": draw(st.sampled_from([0, 2])) if kind == "LSTM" else 0,
-        "initial_state": draw(st.booleans()), "use_final": draw(st.booleans()),
-        "B": draw(st.integers(1, 3)), "T": draw(st.integers(1, 4)),
+        "initial_state": draw(st.booleans()),
+        "use_final": draw(st.booleans()),
+        "B": draw(st.integers(1, 3)),
+        "T": draw(st.integers(1, 4)),
     }
 
 
@@ -298,9 +381,18 @@ def rnn_options(draw: st.DrawFn) -> dict[str, Any]:
 def test_recurrent(o: dict[str, Any], seed: int) -> None:
     B, T, H, n_in = o["B"], o["T"], 3, 2
     kwargs: dict[str, Any] = {"proj_size": o["proj"]} if o["kind"] == "LSTM" else {}
-    rnn = built(lambda: getattr(nn, o["kind"])(
-        n_in, H, num_layers=o["layers"], bias=o["bias"], batch_first=o["batch_first"],
-        bidirectional=o["bidirectional"], **kwargs), seed)
+    rnn = built(
+        lambda: getattr(nn, o["kind"])(
+            n_in,
+            H,
+            num_layers=o["layers"],
+            bias=o["bias"],
+            batch_first=o["batch_first"],
+            bidirectional=o["bidirectional"],
+            **kwargs,
+        ),
+        seed,
+    )
     x = randn(B, T, n_in, seed=seed)
     if not o["batch_first"]:
         x = x.transpose(0, 1)  # (T, B, n_in)
@@ -324,8 +416,9 @@ def test_rnn_refuses_packed_sequences_before_the_backward() -> None:
     rnn = built(lambda: nn.GRU(2, 3, batch_first=True), 0)
     x = randn(3, 4, 2, seed=0)
     packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 2, 1]), batch_first=True)
-    be = BACKENDS["hooks"](rnn, select_params(rnn, ["*"]), batch_reduction="mean",
-                           randomness="different")
+    be = BACKENDS["hooks"](
+        rnn, select_params(rnn, ["*"]), batch_reduction="mean", randomness="different"
+    )
     be.attach()
     try:
         out, _ = rnn(packed)
@@ -434,7 +527,7 @@ def test_row_grads_are_summed_into_a_tied_dense_gradient() -> None:
 
     model = built(Tied, 0)
     idx = torch.randint(0, 6, (3, 4))
-    assert_like_loop(model, lambda: F.cross_entropy(model(idx).transpose(1, 2), idx,
-                                                    reduction="none").mean(1))
-    assert isinstance(RowGrads(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 3)),
-                      RowGrads)
+    assert_like_loop(
+        model, lambda: F.cross_entropy(model(idx).transpose(1, 2), idx, reduction="none").mean(1)
+    )
+    assert isinstance(RowGrads(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, 3)), RowGrads)

@@ -403,7 +403,9 @@ def test_root_attributes(tmp_store: Path) -> None:
     assert [c["name"] for c in shard["configuration"]["codecs"]] == ["bytes", "crc32c"]
     assert [c["name"] for c in shard["configuration"]["index_codecs"]] == ["bytes", "crc32c"]
     assert shard["configuration"]["index_location"] == "end"
-    assert sorted(p.name for p in (tmp_store / "grads/0.weight/c").iterdir()) == ["0", "1", "2"]
+    assert meta["chunk_key_encoding"]["configuration"]["separator"] == "."
+    names = sorted(p.name for p in (tmp_store / "grads/0.weight").iterdir())
+    assert names == ["c.0.0.0", "c.1.0.0", "c.2.0.0", "zarr.json"]
 
 
 @pytest.mark.parametrize(

@@ -59,13 +59,20 @@ def _zarr_writes(directory: Path, layout: ShardLayout, data: np.ndarray) -> None
     compressors: list[Any] = [Crc32cCodec()]
     if layout.compression != "none":
         itemsize = layout.array_dtype.itemsize
-        blosc = BloscCodec(cname=layout.compression, clevel=1, shuffle="bitshuffle",
-                           typesize=itemsize, blocksize=0)
+        blosc = BloscCodec(
+            cname=layout.compression, clevel=1, shuffle="bitshuffle", typesize=itemsize, blocksize=0
+        )
         compressors.insert(0, blosc)
     arr = zarr.create_array(
-        str(directory), shape=data.shape, shards=(layout.rows_per_shard, *dims),
-        chunks=(1, *dims), dtype=data.dtype, fill_value=0, compressors=compressors,
+        str(directory),
+        shape=data.shape,
+        shards=(layout.rows_per_shard, *dims),
+        chunks=(1, *dims),
+        dtype=data.dtype,
+        fill_value=0,
+        compressors=compressors,
         dimension_names=["record", *(f"dim_{i}" for i in range(len(layout.row_shape)))],
+        chunk_key_encoding={"name": "default", "separator": "."},
         config={"write_empty_chunks": True},
     )
     arr[:] = data
@@ -169,6 +176,7 @@ def test_every_flipped_byte_of_a_shard_is_detected(tmp_path: Path, compression: 
         lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[3, 5]),
         lambda m: m["chunk_grid"].update(name="rectilinear"),
         lambda m: m.update(chunk_key_encoding={"name": "v2"}),
+        lambda m: m["chunk_key_encoding"]["configuration"].update(separator="/"),
         lambda m: m["codecs"][0]["configuration"].update(chunk_shape=[2, 2]),
         lambda m: m["codecs"][0]["configuration"].update(index_location="start"),
         lambda m: m["codecs"][0]["configuration"]["codecs"].pop(),  # no crc32c

@@ -312,8 +312,9 @@ def test_lossy_dtypes_read_as_float32_within_their_documented_error(
             bound = BOUNDS[dtype] * np.abs(exact) * (1 + 1e-6)
             assert np.all(np.abs(got - exact) <= bound), (dtype, name)
     # norms are exact whatever the storage dtype: computed before rounding
-    np.testing.assert_array_equal(run.datums.column("norm/0.weight"),
-                                  ref_run.datums.column("norm/0.weight"))
+    np.testing.assert_array_equal(
+        run.datums.column("norm/0.weight"), ref_run.datums.column("norm/0.weight")
+    )
     assert validate_store(tmp_store) is None and verify(tmp_store).ok
 
 
@@ -391,14 +392,14 @@ def test_resume_discards_what_a_crash_left(tmp_store: Path) -> None:
     for part in ("index/step-000000000002-000000.parquet",):
         shutil.copy(src / part, tmp_store / part)
     for param in ("0.weight", "2.bias"):
-        shard = "/".join(["0"] * (2 if param.endswith("weight") else 1))
-        target = tmp_store / "grads" / param / "c" / "2" / shard
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(b"half a shard")
+        zeros = ["0"] * (2 if param.endswith("weight") else 1)
+        (tmp_store / "grads" / param / ".".join(["c", "2", *zeros])).write_bytes(b"half a shard")
+        (tmp_store / "grads" / param / ".".join(["c", "9", *zeros])).write_bytes(b"far past")
     (tmp_store / "steps/.step-000000000002.parquet.tmp").write_bytes(b"partial")
     assert gradlog.open(tmp_store).steps.num_rows == 2
     more = _train(tmp_store, range(2, STEPS), resume=True, model=_replayed(2))
     assert not (tmp_store / "steps/.step-000000000002.parquet.tmp").exists()
+    assert not (tmp_store / "grads/0.weight/c.9.0.0").exists()  # past the trimmed rows
     _assert_holds(tmp_store, {**{s: expected[s] for s in range(2)}, **more})
     assert verify(tmp_store).ok and not verify(tmp_store).notes
 
@@ -432,20 +433,37 @@ def _reshape(meta: dict[str, Any], width: int) -> None:
 @pytest.mark.parametrize(
     ("rel", "edit", "match"),
     [
-        ("zarr.json", lambda m: m["attributes"]["params"]["0.bias"].update(shape=[-4]),
-         "non-negative"),
-        ("zarr.json", lambda m: m["attributes"]["params"]["0.bias"].update(shape=[2**40, 2**40]),
-         "impossible shape"),
-        ("zarr.json", lambda m: m["attributes"]["params"]["0.bias"].update(dtype="object"),
-         "not a storage dtype"),
-        ("zarr.json", lambda m: m["attributes"]["params"].update(
-            {"../../x": m["attributes"]["params"]["0.bias"]}), "points at array"),
+        (
+            "zarr.json",
+            lambda m: m["attributes"]["params"]["0.bias"].update(shape=[-4]),
+            "non-negative",
+        ),
+        (
+            "zarr.json",
+            lambda m: m["attributes"]["params"]["0.bias"].update(shape=[2**40, 2**40]),
+            "impossible shape",
+        ),
+        (
+            "zarr.json",
+            lambda m: m["attributes"]["params"]["0.bias"].update(dtype="object"),
+            "not a storage dtype",
+        ),
+        (
+            "zarr.json",
+            lambda m: m["attributes"]["params"].update(
+                {"../../x": m["attributes"]["params"]["0.bias"]}
+            ),
+            "points at array",
+        ),
         ("zarr.json", lambda m: m["attributes"].update(params=[1, 2]), "must be an object"),
         ("grads/0.bias/zarr.json", lambda m: m.update(shape=[8, 5]), "chunk shape"),
         ("grads/0.bias/zarr.json", lambda m: _reshape(m, 5), "spec says"),
         ("grads/0.bias/zarr.json", lambda m: m.update(data_type="float64"), "needs uint16"),
-        ("grads/0.bias/zarr.json", lambda m: m["codecs"][0].update(name="gzip"),
-         "sharding_indexed"),
+        (
+            "grads/0.bias/zarr.json",
+            lambda m: m["codecs"][0].update(name="gzip"),
+            "sharding_indexed",
+        ),
     ],
 )
 def test_crafted_metadata_gives_a_clear_error(

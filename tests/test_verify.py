@@ -42,7 +42,7 @@ def _record(path: Path, *, dtype: str = "float32", steps: int = 3, batch: int = 
 
 def _shard(path: Path, param: str = "0.weight", shard: int = 1) -> Path:
     ndim = 2 if param.endswith("weight") else 1
-    return path / "grads" / param / "c" / str(shard) / "/".join(["0"] * ndim)
+    return path / "grads" / param / ".".join(["c", str(shard)] + ["0"] * ndim)
 
 
 def _flip(file: Path, where: float = 0.5) -> None:
@@ -61,7 +61,12 @@ def test_an_intact_store_verifies(tmp_store: Path, dtype: str) -> None:
     report = verify(tmp_store)
     assert report.ok, [c.problems for c in report.checks]
     assert [c.name for c in report.checks] == [
-        "root", "commit log", "index", "arrays", "checksums", "schemas",
+        "root",
+        "commit log",
+        "index",
+        "arrays",
+        "checksums",
+        "schemas",
     ]
     assert report.check("commit log").summary == "3 committed steps (0..2)"
     assert report.check("checksums").summary.startswith("12 chunk files read")  # 4 params x 3
@@ -90,7 +95,7 @@ def test_a_flipped_byte_in_a_chunk_is_detected_by_read_and_verify(
     before = gradlog.open(tmp_store).grads("0.weight", step=0)
     _flip(_shard(tmp_store), where)
     run = gradlog.open(tmp_store)
-    with pytest.raises(errors.StoreCorruptError, match=r"0\.weight.*c/1/0/0") as info:
+    with pytest.raises(errors.StoreCorruptError, match=r"0\.weight.*c\.1\.0\.0") as info:
         run.grads("0.weight", step=1)
     assert "checksum" in str(info.value)
     assert isinstance(info.value, ValueError)  # what zarr's own checksum error was
@@ -100,11 +105,11 @@ def test_a_flipped_byte_in_a_chunk_is_detected_by_read_and_verify(
     report = verify(tmp_store)
     assert not report.ok
     [problem] = report.check("checksums").problems
-    assert "grads/0.weight" in problem and "c/1/0/0" in problem
+    assert "grads/0.weight" in problem and "c.1.0.0" in problem
     assert report.check("index").ok and report.check("commit log").ok
     result = _cli(tmp_store)
     assert result.exit_code == 1
-    assert "FAIL checksums" in result.output and "c/1/0/0" in result.output
+    assert "FAIL checksums" in result.output and "c.1.0.0" in result.output
 
 
 def test_a_flipped_byte_in_a_version_1_chunk_is_detected(tmp_path: Path) -> None:

@@ -6,9 +6,13 @@ backend is tested against it, and it stays as the fallback for exotic models.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog.errors import BackendError
+from gradlog.params import check_differentiable
 
 __all__ = ["LoopBackend"]
 
@@ -19,14 +23,61 @@ class LoopBackend(Backend):
     name = "loop"
 
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
+        check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
         names = list(self.params)
         tensors = [self.params[n] for n in names]
+        # Under autocast, autograd computes (and rounds) gradients in bfloat16/float16: each
+        # per-datum gradient and p.grad separately, so their sums differ at that precision.
+        narrow = _narrowest_dtype(losses.grad_fn, {p.dtype for p in tensors})
+        self.low_precision = {n: narrow for n in names} if narrow is not None else {}
         out = {n: torch.zeros((len(losses), *p.shape), dtype=p.dtype, device=p.device)
                for n, p in zip(names, tensors)}
         for b in range(len(losses)):
-            grads = torch.autograd.grad(losses[b], tensors, retain_graph=True, allow_unused=True)
+            try:
+                grads = torch.autograd.grad(losses[b], tensors, retain_graph=True,
+                                            allow_unused=True)
+            except RuntimeError as e:
+                if "use_reentrant=True" not in str(e):
+                    raise
+                raise BackendError(
+                    "backend='loop' takes one torch.autograd.grad per datum, which "
+                    "torch.utils.checkpoint(..., use_reentrant=True) does not support (a torch "
+                    "limitation). Use backend='hooks' (the default), which records through "
+                    "either kind of checkpoint, or checkpoint with use_reentrant=False. "
+                    "Nothing was computed; p.grad is untouched."
+                ) from e
             for n, g in zip(names, grads):
                 if g is not None:  # unused by this datum: its gradient is zero
                     out[n][b] = g
         batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
         return out
+
+
+def _narrowest_dtype(root: Any, than: set[torch.dtype]) -> torch.dtype | None:
+    """The least precise floating dtype of the tensors in the autograd graph below ``root``
+    if it is narrower than every dtype in ``than`` (autocast), else None. Without node
+    metadata (older torch), a dtype cast in the graph counts as bfloat16."""
+    floats = [d for d in than if d.is_floating_point]
+    if root is None or not floats:
+        return None
+    bits = min(torch.finfo(d).bits for d in floats)
+    narrowest: torch.dtype | None = None
+    stack, seen = [root], {id(root)}
+    keep = [root]  # node wrappers alive, so their ids stay unique
+    while stack:
+        node = stack.pop()
+        metadata = getattr(node, "_input_metadata", None)
+        if metadata is None:
+            dtypes = [torch.bfloat16] if type(node).__name__ == "ToCopyBackward0" else []
+        else:
+            dtypes = [m.dtype for m in metadata]
+        for d in dtypes:
+            if d.is_floating_point and torch.finfo(d).bits < bits and (
+                    narrowest is None or torch.finfo(d).eps > torch.finfo(narrowest).eps):
+                narrowest = d
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                keep.append(child)
+                stack.append(child)
+    return narrowest

@@ -17,6 +17,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from gradlog.backends.base import Backend, LossFn, PerDatumGrads
 from gradlog.errors import BackendError, InputError
+from gradlog.params import check_differentiable
 
 __all__ = ["VmapBackend"]
 
@@ -75,6 +76,7 @@ class VmapBackend(Backend):
         mask: torch.Tensor | None,
         check: Callable[[torch.Tensor], None],
     ) -> tuple[torch.Tensor, PerDatumGrads]:
+        check_differentiable(self.params)  # a recorded parameter frozen since selection
         module = _LossModule(self.model, loss_fn)
         trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
         fixed = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
@@ -114,6 +116,16 @@ class VmapBackend(Backend):
         try:
             grads, losses = per_datum(trainable, [leaves[i] for i in slots], mask)
         except RuntimeError as e:
+            if _from_checkpoint(e):
+                raise BackendError(
+                    "backend='vmap' cannot differentiate through torch.utils.checkpoint: "
+                    "torch.func transforms support neither its reentrant form (an "
+                    "autograd.Function without setup_context) nor the non-reentrant one "
+                    f"(saved tensor hooks), a torch limitation ({str(e).splitlines()[0][:160]}). "
+                    "Use backend='hooks' (the default) or 'loop', which record checkpointed "
+                    "models, or turn activation checkpointing off while recording with vmap "
+                    "(transformers: model.gradient_checkpointing_disable())."
+                ) from e
             raise BackendError(
                 f"torch.func.vmap could not differentiate this model per datum: {e}. In-place "
                 "updates of buffers (BatchNorm in training mode) and data-dependent control "
@@ -132,3 +144,13 @@ class VmapBackend(Backend):
 
         by_id = {id(p): n for n, p in trainable.items()}
         return losses.detach(), {n: grads[by_id[id(p)]] for n, p in self.params.items()}
+
+
+def _from_checkpoint(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch.utils.checkpoint``."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            return True
+        tb = tb.tb_next
+    return "saved tensor hooks" in str(error)

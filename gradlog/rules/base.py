@@ -37,6 +37,7 @@ __all__ = [
     "one_feature_dim",
     "own_params",
     "register_rule",
+    "widen",
 ]
 
 
@@ -127,6 +128,20 @@ class RuleFn(Protocol):
     """
 
     def __call__(self, module: Any, cap: Capture, wanted: frozenset[str]) -> RuleResult: ...
+
+
+def widen(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` converted to ``dtype`` if it is a narrower floating tensor, else ``t`` itself.
+
+    Under autocast, captured inputs and output gradients are often bfloat16/float16 while the
+    parameters are float32; rules widen them first so per-datum gradients accumulate in the
+    parameters' precision.
+    """
+    if dtype is None or not t.is_floating_point() or not dtype.is_floating_point:
+        return t
+    if torch.finfo(t.dtype).bits >= torch.finfo(dtype).bits:
+        return t
+    return t.to(dtype)
 
 
 def own_params(module: nn.Module) -> dict[str, nn.Parameter]:

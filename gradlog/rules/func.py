@@ -25,7 +25,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, Rule, RuleResult
+from gradlog.rules.base import Capture, Rule, RuleResult, widen
 
 __all__ = ["GENERIC", "LeafSpec", "active_randomness", "flatten", "func_grads", "generic"]
 
@@ -127,7 +127,11 @@ def func_grads(
     call_args = cap.args if args is None else args
     call_kwargs = cap.kwargs if kwargs is None else kwargs
     leaves, rebuild = flatten((tuple(call_args), dict(call_kwargs)))
-    leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    # Under autocast the captured inputs and output gradients may be bfloat16/float16 while
+    # the parameters are float32; the re-run is without autocast, in the parameters' dtype,
+    # so the per-datum products accumulate in float32 (and mixed-dtype matmuls cannot fail).
+    wide = _widest(params.values())
+    leaves = [widen(t.detach(), wide) if isinstance(t, torch.Tensor) else t for t in leaves]
     specs = list(in_specs) if in_specs is not None else infer_specs(leaves, B)
     if len(specs) != len(leaves):
         raise BackendError(f"in_specs has {len(specs)} entries for {len(leaves)} argument leaves")
@@ -143,6 +147,7 @@ def func_grads(
                 f"dimension of size B={B}: its gradient mixes datums (e.g. a batch-level "
                 "statistic or loss term), so per-datum gradients are not defined for it."
             )
+        g = widen(g, wide)
         outs.append((j, d, g * cap.scale if cap.scale != 1 else g))
     if not outs:
         return {k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
@@ -197,6 +202,12 @@ def func_grads(
                 type(module).__name__, str(e).splitlines()[0][:200],
             )
     return _loop(diff, xs, gs, batched, outs, call, B)
+
+
+def _widest(params: Any) -> torch.dtype | None:
+    """The widest floating dtype among ``params`` (None if none is floating)."""
+    dtypes = [p.dtype for p in params if p.is_floating_point()]
+    return max(dtypes, key=lambda d: torch.finfo(d).bits, default=None)
 
 
 def _loop(

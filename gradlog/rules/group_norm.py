@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, register_rule
+from gradlog.rules.base import Capture, RuleResult, register_rule, widen
 
 __all__ = ["group_norm"]
 
@@ -27,6 +27,7 @@ def group_norm(module: nn.GroupNorm, cap: Capture, wanted: frozenset[str]) -> Ru
     g = g.to(dtype).reshape(B, C, -1)  # (B, C, S)
     out: RuleResult = {}
     if "weight" in wanted:
+        x = widen(x, dtype)  # autocast: normalise in the parameters' precision
         x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)  # (B, C, *spatial)
         out["weight"] = (g * x_hat.to(dtype).reshape(B, C, -1)).sum(2).mul_(cap.scale)  # (B, C)
     if "bias" in wanted:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, register_rule
+from gradlog.rules.base import Capture, RuleResult, register_rule, widen
 
 __all__ = ["layer_norm", "per_datum_sum", "rms_norm"]
 
@@ -50,9 +50,10 @@ def _affine(
 @register_rule(nn.LayerNorm, name="layer_norm", feature_dims=_normalized_dims)
 def layer_norm(module: nn.LayerNorm, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """LayerNorm: ``x_hat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape``."""
-    shape = tuple(module.normalized_shape)
-    x_hat = F.layer_norm(cap.input, shape, None, None, module.eps)  # (B, ..., *shape)
-    return _affine(x_hat, cap, wanted, len(shape), _param_dtype(module))
+    shape, dtype = tuple(module.normalized_shape), _param_dtype(module)
+    x = widen(cap.input, dtype)  # autocast: normalise in the parameters' precision
+    x_hat = F.layer_norm(x, shape, None, None, module.eps)  # (B, ..., *shape)
+    return _affine(x_hat, cap, wanted, len(shape), dtype)
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype:
@@ -64,6 +65,7 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
     @register_rule(nn.RMSNorm, name="rms_norm", feature_dims=_normalized_dims)
     def rms_norm(module: nn.RMSNorm, cap: Capture, wanted: frozenset[str]) -> RuleResult:
         """RMSNorm: ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``."""
-        shape = tuple(module.normalized_shape)
-        x_hat = F.rms_norm(cap.input, shape, None, module.eps)  # (B, ..., *shape)
-        return _affine(x_hat, cap, wanted, len(shape), _param_dtype(module))
+        shape, dtype = tuple(module.normalized_shape), _param_dtype(module)
+        x = widen(cap.input, dtype)  # autocast: normalise in the parameters' precision
+        x_hat = F.rms_norm(x, shape, None, module.eps)  # (B, ..., *shape)
+        return _affine(x_hat, cap, wanted, len(shape), dtype)

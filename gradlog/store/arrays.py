@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +160,9 @@ class GradArray:
             ) from None
 
     def chunk_key(self, chunk: int) -> str:
+        """File of chunk (v1) or shard (v2) ``chunk``, relative to the array's directory."""
+        if self.layout is not None:
+            return self.layout.shard_key(chunk)
         return "c/" + "/".join([str(chunk)] + ["0"] * len(self.shape))
 
     def _find_bad_v1_chunk(self, arr: Any, chunks: np.ndarray, chunk_rows: int) -> str:
@@ -171,17 +173,6 @@ class GradArray:
             except ValueError:
                 return self.chunk_key(int(chunk))
         return "(unknown)"
-
-    def chunk_files(self) -> Iterator[tuple[int, str]]:
-        """``(chunk or shard index, key)`` of every chunk file present, in index order."""
-        base = self.directory / "c"
-        if not base.is_dir():
-            return
-        indices = sorted(int(e) for e in os.listdir(base) if e.isdigit())
-        for index in indices:
-            key = self.chunk_key(index)
-            if (self.directory / key).is_file():
-                yield index, key
 
     def rows_per_chunk(self) -> int:
         """Records per chunk (v1) or shard (v2) file."""

@@ -2,10 +2,12 @@
 
 A version 2 gradient array is a Zarr v3 array whose chunk grid holds one **shard** per
 ``rows_per_shard`` records (FORMAT.md section 4): shard ``s`` of parameter ``p`` is the file
-``grads/<p>/c/<s>/0/...`` and holds the rows ``s * rows_per_shard ...`` as inner chunks of one
-row each, each encoded ``bytes`` (little endian) [+ ``blosc``] + ``crc32c``, followed by the
-shard index (``(rows_per_shard, 2)`` uint64 offset/length pairs, ``bytes`` + ``crc32c``) at the
-end: the ``sharding_indexed`` codec of the Zarr v3 specification.
+``grads/<p>/c.<s>.0...`` (default chunk key encoding, separator ``.``: no directory per shard,
+which measured 2-3x faster to create than ``c/<s>/0/0``). It holds the rows
+``s * rows_per_shard ...`` as inner chunks of one row each, each encoded ``bytes`` (little
+endian) [+ ``blosc``] + ``crc32c``, followed by the shard index (``(rows_per_shard, 2)`` uint64
+offset/length pairs, ``bytes`` + ``crc32c``) at the end: the ``sharding_indexed`` codec of the
+Zarr v3 specification.
 
 zarr-python 3.1 spends ~0.3-0.5 ms of asyncio overhead per inner chunk, far more than the
 disk needs (PEERS.md); this module writes the same bytes with one ``writev`` per shard and
@@ -100,8 +102,16 @@ class ShardLayout:
         return [max(1, d) for d in self.row_shape]
 
     def shard_key(self, shard: int) -> str:
-        """Path of shard ``shard`` relative to the array (default encoding, ``/``)."""
-        return "c/" + "/".join([str(shard)] + ["0"] * len(self.row_shape))
+        """File of shard ``shard`` in the array's directory (default encoding, ``.``)."""
+        return "c." + ".".join([str(shard)] + ["0"] * len(self.row_shape))
+
+    def shard_of_key(self, key: str) -> int | None:
+        """The shard a file name holds, or None for a file that is not a shard."""
+        parts = key.split(".")
+        zeros = ["0"] * len(self.row_shape)
+        if len(parts) != 2 + len(zeros) or parts[0] != "c" or parts[2:] != zeros:
+            return None
+        return int(parts[1]) if parts[1].isdigit() else None
 
     def inner_codecs(self) -> list[dict[str, Any]]:
         """The codec chain of one inner chunk."""
@@ -118,7 +128,7 @@ class ShardLayout:
                 "name": "regular",
                 "configuration": {"chunk_shape": [self.rows_per_shard, *self._dims]},
             },
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
             "fill_value": 0 if self.array_dtype.kind in "iu" else 0.0,
             "codecs": [
                 {
@@ -178,8 +188,8 @@ class ShardLayout:
         if len(outer) != len(shape) or list(outer[1:]) != dims or outer[0] < 1:
             raise bad(f"chunk shape {outer!r} is not (rows_per_shard, *{list(row_shape)})")
         key_encoding = meta.get("chunk_key_encoding")
-        if key_encoding != {"name": "default", "configuration": {"separator": "/"}}:
-            raise bad(f"chunk_key_encoding {key_encoding!r} is not the default with '/'")
+        if key_encoding != {"name": "default", "configuration": {"separator": "."}}:
+            raise bad(f"chunk_key_encoding {key_encoding!r} is not the default with '.'")
         codecs = meta.get("codecs")
         if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
             raise bad(f"codecs {codecs!r} are not one sharding_indexed codec")

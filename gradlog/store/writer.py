@@ -5,7 +5,7 @@ Layout (normative text: schemas/FORMAT.md, format version 2)::
     RUN.gradlog/
       zarr.json                      root group; attributes: format, version, config, params
       grads/<param>/zarr.json        (records, *shape) array per parameter, sharded:
-      grads/<param>/c/<s>/0/..       shard s: rows s*c .. s*c+c-1, one inner chunk per row
+      grads/<param>/c.<s>.0..        shard s: rows s*c .. s*c+c-1, one inner chunk per row
       index/step-S-M.parquet         records of one backward call M of step S
       steps/step-S.parquet           the step's summary row; its presence commits step S
 
@@ -335,8 +335,8 @@ class StoreWriter:
         self._steps_schema = fmt.steps_schema()
         self._write_seconds = 0.0  # writer-thread time of the step being written
         self._closed = False
-        self._made_dirs: set[Path] = set()  # shard directories known to exist
         self._unsynced: set[Path] = set()  # written since the last sync (fsync fallback)
+        self._unsynced_markers: list[Path] = []  # commit markers not yet synced
 
         resumed = False
         if resume and self.path.exists() and _is_store(self.path):
@@ -346,9 +346,13 @@ class StoreWriter:
             self._create(attrs, overwrite)
         self._worker = _Worker(capacity=queue_bytes or 0, name=f"gradlog-writer:{self.path.name}")
         self._worker.start()
-        # A daemon thread dies with the interpreter: drain what was queued first (a recorder
+        self._syncer: _Worker | None = None  # syncs and commits, behind the writer (durable)
+        if durable:
+            self._syncer = _Worker(capacity=2, name=f"gradlog-syncer:{self.path.name}")
+            self._syncer.start()
+        # Daemon threads die with the interpreter: drain what was queued first (a recorder
         # left open still loses its last, uncommitted step, as after a crash).
-        self._drain_at_exit = _drainer(weakref.ref(self._worker))
+        self._drain_at_exit = _drainer(self._worker, self._syncer)
         atexit.register(self._drain_at_exit)
 
     # -- creation and resumption --------------------------------------------------------------
@@ -483,6 +487,8 @@ class StoreWriter:
     # -- the public, synchronous API ----------------------------------------------------------
     def _raise_if_failed(self) -> None:
         worker = self._worker
+        if worker.error is None and self._syncer is not None and self._syncer.error is not None:
+            worker = self._syncer
         if worker.error is None:
             return
         error = worker.error
@@ -617,6 +623,8 @@ class StoreWriter:
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
+        if self._syncer is not None and self._syncer.error is not None:
+            return  # a commit failed: nothing more is written (the caller sees that error)
         stop = start + batch
         if stop > self._capacity:
             first = _FIRST_SHARDS * next(iter(self._layouts.values())).rows_per_shard
@@ -635,10 +643,6 @@ class StoreWriter:
             for shard in range(start // c, -(-stop // c)):
                 lo = shard * c - start
                 file = directory / layout.shard_key(shard)
-                if file.parent not in self._made_dirs:
-                    file.parent.mkdir(parents=True, exist_ok=True)
-                    self._made_dirs.add(file.parent)
-                    self._unsynced.add(file.parent)
                 _write_file(file, layout.encode(rows[max(0, lo) : lo + c]))
                 self._unsynced.add(file)
             del rows
@@ -662,7 +666,11 @@ class StoreWriter:
     def commit(self, step_row: Mapping[str, Any]) -> None:
         """Queue the commit of a step: its steps part, after all its records are written.
 
-        The steps part's ``time_write_s`` is the writer thread's time for the step.
+        With ``durable``, the writer thread hands the step to a second thread that syncs it
+        to disk and then writes the steps part, while the writer thread goes on with the
+        next step's shards: syncing one step overlaps writing the next (at most two steps
+        wait for their sync). The steps part's ``time_write_s`` is the writer's time for the
+        step, sync included.
 
         Raises:
             StoreWriteError: the writer thread failed earlier.
@@ -670,34 +678,33 @@ class StoreWriter:
         self._raise_if_failed()
         row = dict(step_row)
         step = int(row["step"])
+        what = f"the commit of step {step}"
 
-        def run() -> None:
+        def mark(written: set[Path], seconds: float) -> None:
             import pyarrow as pa
 
             t0 = time.perf_counter()
             if self.durable:  # the step's data reach the disk before its commit marker exists
-                self._sync()
-            row["time_write_s"] = self._write_seconds + time.perf_counter() - t0
-            self._write_seconds = 0.0
+                _sync(self.path, written)
+            row["time_write_s"] = seconds + time.perf_counter() - t0
             table = pa.Table.from_pylist([row], schema=self._steps_schema)
             marker = self.path / fmt.STEPS_DIR / fmt.step_part_name(step)
             _write_parquet_atomic(table, marker)
-            # The marker itself becomes durable with the next step's sync (or at close): a
-            # power loss can only lose it, leaving its step uncommitted, never half there.
-            self._unsynced.add(marker)
+            # The marker becomes durable with the next sync (or the one at close): a power
+            # loss can only lose it, leaving its step uncommitted, never half there.
+            self._unsynced_markers.append(marker)
             self.last_committed = step
 
-        self._worker.put(_Task(f"the commit of step {step}", run))
-        self._raise_if_failed()
+        def run() -> None:
+            written, self._unsynced = self._unsynced, set()
+            seconds, self._write_seconds = self._write_seconds, 0.0
+            if self._syncer is None:
+                mark(written, seconds)
+            else:
+                self._syncer.put(_Task(what, lambda: mark(written, seconds), 1))
 
-    def _sync(self) -> None:
-        """Writer thread: flush what was written since the last sync to the disk."""
-        if not _syncfs(self.path):
-            for path in sorted(self._unsynced, key=lambda p: len(p.parts), reverse=True):
-                _fsync_path(path)
-            for directory in {p.parent for p in self._unsynced}:
-                _fsync_path(directory)
-        self._unsynced.clear()
+        self._worker.put(_Task(what, run))
+        self._raise_if_failed()
 
     def flush(self) -> None:
         """Wait until everything queued so far is written (and committed, for commits).
@@ -706,6 +713,8 @@ class StoreWriter:
             StoreWriteError: the writer thread failed.
         """
         self._worker.wait_idle()
+        if self._syncer is not None:
+            self._syncer.wait_idle()
         self._raise_if_failed()
 
     @property
@@ -725,32 +734,52 @@ class StoreWriter:
         self._closed = True
         atexit.unregister(self._drain_at_exit)
         self._worker.join()
+        if self._syncer is not None:
+            self._syncer.join()
         self._raise_if_failed()
         if self._layouts and self._capacity != self.n_rows:
             self._set_rows(self.n_rows)
             self._remove_shards_past(self.n_rows)
-        if self.durable and self._unsynced:
-            self._sync()
+        if self.durable:  # the last commit markers, the trimmed metadata
+            _sync(self.path, {*self._unsynced, *self._unsynced_markers})
+            self._unsynced.clear()
+            self._unsynced_markers.clear()
 
     def _remove_shards_past(self, rows: int) -> None:
         """Delete shard files wholly past ``rows`` (left by a crash or an over-allocation)."""
         for name, layout in self._layouts.items():
-            shards = self._array_dir(name) / "c"
-            if not shards.is_dir() or not _inside(self.path, shards):
+            directory = self._array_dir(name)
+            if not directory.is_dir() or not _inside(self.path, directory):
                 continue
             first_gone = -(-rows // layout.rows_per_shard)
-            for entry in os.listdir(shards):
-                if entry.isdigit() and int(entry) >= first_gone:
-                    shutil.rmtree(shards / entry)
+            for entry in os.listdir(directory):
+                shard = layout.shard_of_key(entry)
+                if shard is not None and shard >= first_gone:
+                    (directory / entry).unlink()
 
 
-def _drainer(worker: weakref.ref[_Worker]) -> Callable[[], None]:
+def _drainer(*workers: _Worker | None) -> Callable[[], None]:
+    """An atexit hook waiting for ``workers``; holds them weakly (no leak if never run)."""
+    refs = [weakref.ref(w) for w in workers if w is not None]
+
     def drain() -> None:
-        alive = worker()
-        if alive is not None:
-            alive.wait_idle()
+        for ref in refs:
+            alive = ref()
+            if alive is not None:
+                alive.wait_idle()
 
     return drain
+
+
+def _sync(root: Path, written: set[Path]) -> None:
+    """Make ``written`` (files and the directories holding them) durable: one ``syncfs`` of
+    the store's file system on Linux, else an ``fsync`` of each."""
+    if _syncfs(root):
+        return
+    for path in sorted(written, key=lambda p: len(p.parts), reverse=True):
+        _fsync_path(path)
+    for directory in {p.parent for p in written}:
+        _fsync_path(directory)
 
 
 def _read_layout(meta_file: Path) -> tuple[ShardLayout, int]:

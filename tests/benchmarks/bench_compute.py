@@ -63,8 +63,11 @@ def build(size: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
     s = SIZES[size]
     torch.manual_seed(0)
-    model = CharGPT(GPTConfig(vocab_size=s["vocab"], block_size=s["T"], n_layer=s["layers"],
-                              n_head=4, n_embd=s["d"]))
+    model = CharGPT(
+        GPTConfig(
+            vocab_size=s["vocab"], block_size=s["T"], n_layer=s["layers"], n_head=4, n_embd=s["d"]
+        )
+    )
     x = torch.randint(0, s["vocab"], (s["B"], s["T"]))  # (B, T)
     y = torch.randint(0, s["vocab"], (s["B"], s["T"]))  # (B, T)
     return model, x, y
@@ -77,8 +80,9 @@ def token_losses(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Ten
     return F.cross_entropy(logits.transpose(1, 2), y, reduction="none")  # (B, T)
 
 
-def methods(model: nn.Module, x: torch.Tensor, y: torch.Tensor
-            ) -> dict[str, tuple[Callable[[], None], Step, Callable[[], None]] | str]:
+def methods(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, tuple[Callable[[], None], Step, Callable[[], None]] | str]:
     """name -> (setup, step, teardown), or a string saying why the method is unavailable."""
     from gradlog.backends import BACKENDS
     from gradlog.losses import per_datum_losses
@@ -102,14 +106,17 @@ def methods(model: nn.Module, x: torch.Tensor, y: torch.Tensor
     for name in ("hooks", "vmap", "loop"):
         backend = BACKENDS[name](model, params, batch_reduction="mean", randomness="different")
         if backend.needs_loss_fn:
+
             def step(be: Any = backend) -> Any:
                 model.zero_grad(set_to_none=True)
                 return be.step(token_losses, (x, y), reduce, None, lambda losses: None)[1]
         else:
+
             def step(be: Any = backend) -> Any:
                 model.zero_grad(set_to_none=True)
                 losses = reduce(token_losses(model, (x, y)), None)  # (B,)
                 return be.backward(losses, losses.mean())
+
         out[f"gradlog {name}"] = (backend.attach, step, backend.detach)
 
     try:
@@ -123,8 +130,7 @@ def methods(model: nn.Module, x: torch.Tensor, y: torch.Tensor
             model.zero_grad(set_to_none=True)
             for p in model.parameters():
                 p.grad_sample = None  # type: ignore[attr-defined]
-            wrapped = call_for_per_sample_grads(model, batch_size=x.shape[0],
-                                                loss_reduction="mean")
+            wrapped = call_for_per_sample_grads(model, batch_size=x.shape[0], loss_reduction="mean")
             logits = wrapped(x, positions)  # (B, T, V)
             F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).mean().backward()
             return [p.grad_sample for p in model.parameters()]  # type: ignore[attr-defined]
@@ -187,9 +193,13 @@ def time_method(size: str, name: str, reps: int) -> dict[str, float] | str:
             ratios.append(t1 / t0)
             base.append(t0)
             times.append(t1)
-    return {"ratio": statistics.median(ratios), "plain_s": statistics.median(base),
-            "method_s": statistics.median(times), "min_ratio": min(ratios),
-            "max_ratio": max(ratios)}
+    return {
+        "ratio": statistics.median(ratios),
+        "plain_s": statistics.median(base),
+        "method_s": statistics.median(times),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+    }
 
 
 def _status_bytes(field: str) -> int:
@@ -222,8 +232,16 @@ def memory_child(size: str, name: str, reps: int) -> None:
 
 
 def memory(size: str, name: str, reps: int, threads: int | None) -> int | None:
-    cmd = [sys.executable, __file__, "--memory-child", name, "--sizes", size,
-           "--mem-reps", str(reps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-child",
+        name,
+        "--sizes",
+        size,
+        "--mem-reps",
+        str(reps),
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -241,13 +259,21 @@ def main() -> None:
     parser.add_argument("--sizes", default="small", help="comma-separated: small,medium")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--methods", default=None, help="comma-separated subset of methods")
-    parser.add_argument("--loop-reps", type=int, default=3,
-                        help="timed pairs for the loop oracle (B backwards per step: slow)")
+    parser.add_argument(
+        "--loop-reps",
+        type=int,
+        default=3,
+        help="timed pairs for the loop oracle (B backwards per step: slow)",
+    )
     parser.add_argument("--mem-reps", type=int, default=2, help="steps per memory subprocess")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall time, or this process's CPU time (all its threads): steadier "
-                        "when other processes compete for the cores")
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall time, or this process's CPU time (all its threads): steadier "
+        "when other processes compete for the cores",
+    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global _clock
@@ -262,10 +288,12 @@ def main() -> None:
         memory_child(sizes[0], args.memory_child, args.mem_reps)
         return
 
-    print(f"# {datetime.date.today()} torch {torch.__version__} python "
-          f"{platform.python_version()} threads {torch.get_num_threads()} "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} reps {args.reps} "
-          f"clock {args.clock} load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# {datetime.date.today()} torch {torch.__version__} python "
+        f"{platform.python_version()} threads {torch.get_num_threads()} "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} reps {args.reps} "
+        f"clock {args.clock} load average {os.getloadavg()[0]:.1f}"
+    )
     for size in sizes:
         model, x, y = build(size)
         names = list(methods(model, x, y))
@@ -274,12 +302,17 @@ def main() -> None:
             names = [n for n in names if n == "plain fwd+bwd" or any(w in n for w in wanted)]
         n_params = sum(p.numel() for p in model.parameters())
         payload = n_params * x.shape[0] * 4
-        print(f"\n## {size}: {SIZES[size]}, {n_params / 1e6:.2f}M parameters, per-datum payload "
-              f"{payload / 2**20:.1f} MiB/step")
-        base_mem = None if args.no_memory else memory(size, "plain fwd+bwd", args.mem_reps,
-                                                        args.threads)
-        print("| method | step / plain (median) | min-max | plain ms | method ms "
-              "| extra memory MiB | vs plain |")
+        print(
+            f"\n## {size}: {SIZES[size]}, {n_params / 1e6:.2f}M parameters, per-datum payload "
+            f"{payload / 2**20:.1f} MiB/step"
+        )
+        base_mem = (
+            None if args.no_memory else memory(size, "plain fwd+bwd", args.mem_reps, args.threads)
+        )
+        print(
+            "| method | step / plain (median) | min-max | plain ms | method ms "
+            "| extra memory MiB | vs plain |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name in names:
             reps = min(args.reps, args.loop_reps) if name == "gradlog loop" else args.reps
@@ -290,9 +323,12 @@ def main() -> None:
             mem = None if args.no_memory else memory(size, name, args.mem_reps, args.threads)
             mem_s = "-" if mem is None else f"{mem / 2**20:.0f}"
             rel = "-" if mem is None or not base_mem else f"{mem / base_mem:.2f}"
-            print(f"| {name} | {timing['ratio']:.2f} | {timing['min_ratio']:.2f}-"
-                  f"{timing['max_ratio']:.2f} | {timing['plain_s'] * 1e3:.1f} | "
-                  f"{timing['method_s'] * 1e3:.1f} | {mem_s} | {rel} |", flush=True)
+            print(
+                f"| {name} | {timing['ratio']:.2f} | {timing['min_ratio']:.2f}-"
+                f"{timing['max_ratio']:.2f} | {timing['plain_s'] * 1e3:.1f} | "
+                f"{timing['method_s'] * 1e3:.1f} | {mem_s} | {rel} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Memory at language-model scale: peak memory and time of the naive vs the chunked LM head.
 
 Sections (``--sections``, comma-separated; each is one function in ``SECTIONS`` that prints a
-Markdown table, so later sections such as "recording 1 of 24 layers vs all" plug in beside):
+Markdown table): ``head``, ``layers`` and ``bf16``.
 
 ``head``
     The projection of hidden states ``(B, T, d)`` to a vocabulary of ``V`` followed by a
@@ -15,6 +15,30 @@ Markdown table, so later sections such as "recording 1 of 24 layers vs all" plug
       graph, backward re-runs each chunk);
     - ``chunked C none``: ``reduction="none"`` per-token losses ``(B, T)`` (the input of
       ``GradRecorder.backward``), then ``.mean().backward()``; always recomputes.
+
+``layers``
+    Recording chosen layers of a deep model: a 24-layer CharGPT (``--layers-*`` sizes) trained
+    with SGD, each method alone in a fresh subprocess running ``--mem-reps`` steps through a
+    ``GradRecorder`` writing a store in a temporary directory (the writer thread included):
+
+    - ``plain``: no recorder (the same imports and set-up);
+    - ``1 of 24``: ``params="blocks.12.*"``; ``24 of 24``: ``params="blocks.*"``;
+    - ``... frozen``: the user froze every other parameter (``requires_grad=False``);
+    - ``... checkpointed``: every block under ``torch.utils.checkpoint(use_reentrant=False)``.
+
+    The extra memory of recording is the recorded run's peak minus the plain run's peak (of the
+    same frozen/checkpointed kind); the acceptance of issue 6 is that recording 1 of 24 layers
+    costs at most 1/10 of recording all 24. The per-datum payload (B x recorded parameters x 4
+    bytes per step) is shown beside it: it is part of the extra memory by design.
+
+``bf16``
+    Accuracy of per-datum gradients under ``torch.autocast(bfloat16)`` (float32 parameters) on
+    the small GPT of PEERS.md (vocab 512, d 128, 2 layers, T 64, B 16): the relative error
+    ``|g_b - g_b^32| / |g_b^32|`` of each datum's gradient against float32 without autocast,
+    median and max over datums, per parameter kind; for the hooks backend (rules accumulate in
+    float32), the same rules computing their products in bf16 (what accumulating in bf16 would
+    give), and the loop backend (autograd's own bf16 gradients, one backward per datum); and
+    ``|sum_b w_b g_b - p.grad| / |p.grad|``, which the recorder's self-check bounds.
 
 What is measured.
 
@@ -42,6 +66,7 @@ Usage (on a shared or small machine, keep OpenMP threads from spinning between o
 
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_memory.py --sections head --reps 5
     python tests/benchmarks/bench_memory.py --B 1 --T 256 --d 256 --V 8192 --reps 3  # quick
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_memory.py --sections layers,bf16
 """
 
 from __future__ import annotations
@@ -49,6 +74,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -252,13 +278,301 @@ def _rel(m: int | None, base: int | None) -> str:
     return "-" if m is None or not base else f"{m / base:.2f} ({m / base - 1:+.0%})"
 
 
+# --- section "layers": recording 1 of 24 layers vs all 24 ----------------------------------
+
+LAYER_METHODS = [
+    "plain",
+    "1 of 24",
+    "24 of 24",
+    "plain frozen",
+    "1 of 24 frozen",
+    "plain checkpointed",
+    "1 of 24 checkpointed",
+    "24 of 24 checkpointed",
+]
+
+
+def _layers_model(args: argparse.Namespace, method: str) -> tuple[nn.Module, Step, str | None]:
+    """The 24-layer GPT, one training step (forward, backward or ``rec.backward``, SGD) as a
+    function of the recorder (None: plain), and the recorded pattern."""
+    from gradlog.demo.model import CharGPT, GPTConfig
+
+    torch.manual_seed(0)
+    n = args.layers_n
+    model = CharGPT(
+        GPTConfig(
+            vocab_size=args.layers_V,
+            block_size=args.layers_T,
+            n_layer=n,
+            n_head=4,
+            n_embd=args.layers_d,
+        )
+    )
+    middle = n // 2
+    if "frozen" in method:
+        model.requires_grad_(False)
+        model.blocks[middle].requires_grad_(True)
+    pattern = None
+    if method.startswith("1 of"):
+        pattern = f"blocks.{middle}.*"
+    elif method.startswith(f"{n} of"):
+        pattern = "blocks.*"
+    use_checkpoint = "checkpointed" in method
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, args.layers_V, (args.layers_B, args.layers_T), generator=gen)
+    y = torch.randint(0, args.layers_V, (args.layers_B, args.layers_T), generator=gen)
+    pos = torch.arange(args.layers_T).unsqueeze(0)  # (1, T)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def losses() -> torch.Tensor:
+        h = model.tok_emb(x) + model.pos_emb(pos)  # (B, T, d)
+        for block in model.blocks:
+            if use_checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)  # (B, T, d)
+        logits = model.head(model.ln_f(h))  # (B, T, V)
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)  # (B,)
+
+    def step(rec: Any = None) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        out = losses()
+        if rec is None:
+            out.mean().backward()
+        else:
+            rec.backward(out)
+        opt.step()
+        return out.detach()
+
+    return model, step, pattern
+
+
+def layers_memory_child(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """In a fresh process: the memory ``--mem-reps`` training steps of ``method`` add."""
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet  # imported lazily by the writer's first commit
+
+    import gradlog
+    import gradlog.recorder  # imported before measuring, in every method
+    import gradlog.store.writer
+
+    # pyarrow imports pandas on its first pa.array() (here: the writer's first index rows),
+    # ~55 MiB of RSS once per process; done in set-up so that it counts as an import, not as
+    # memory of recording.
+    pa.array([0.0])
+
+    model, step, pattern = _layers_model(args, method)
+    tiny = model(torch.zeros(1, 4, dtype=torch.long))  # warm-up: kernels, thread pools
+    tiny.sum().backward()
+    model.zero_grad(set_to_none=True)
+    with tempfile.TemporaryDirectory(dir=args.layers_dir) as tmp:
+        rec = None
+        if pattern is not None:
+            rec = gradlog.GradRecorder(model, f"{tmp}/run.gradlog", params=pattern, check_every=0)
+            rec.open()  # creating the store and the writer thread is set-up, not a step
+        _reset_peak_rss()
+        before = _proc_status_bytes("VmRSS")
+        t0 = time.perf_counter()
+        for _ in range(args.mem_reps):
+            step(rec)
+        if rec is not None:
+            rec.close()  # the last steps' writes
+        seconds = (time.perf_counter() - t0) / args.mem_reps
+        peak = _proc_status_bytes("VmHWM")
+    recorded = 0 if rec is None else sum(p.numel() for p in rec.params.values())
+    return {"extra": max(0, peak - before), "s": seconds, "payload": recorded * args.layers_B * 4}
+
+
+def _plain_of(method: str) -> str:
+    """The plain run of the same kind as ``method`` ("1 of 24 frozen" -> "plain frozen")."""
+    return " ".join(["plain", *(w for w in ("frozen", "checkpointed") if w in method)])
+
+
+def _all_of(method: str, n: int) -> str:
+    """The all-layers run of the same kind as ``method`` ("1 of 24 frozen" -> "24 of 24
+    frozen")."""
+    return " ".join([f"{n} of {n}", *(w for w in ("frozen", "checkpointed") if w in method)])
+
+
+def _recording_extra(measured: dict[str, dict[str, Any] | None]) -> dict[str, float]:
+    """Per recorded method: its peak extra minus that of the plain run of the same kind."""
+    out = {}
+    for m, r in measured.items():
+        base = measured.get(_plain_of(m))
+        if not m.startswith("plain"):
+            out[m] = (
+                float("nan") if r is None or base is None else float(r["extra"] - base["extra"])
+            )
+    return out
+
+
+def layers_extra(
+    args: argparse.Namespace, env: dict[str, str] | None = None, methods: list[str] | None = None
+) -> dict[str, float]:
+    """Extra memory (bytes) of recording for each method (default: 1 and all of the layers),
+    each run and its plain counterpart in fresh subprocesses."""
+    n = args.layers_n
+    names = methods or [f"1 of {n}", f"{n} of {n}"]
+    runs = sorted(set(names) | {_plain_of(m) for m in names})
+    measured = {m: child_result(f"layers:{m}", args, env) for m in runs}
+    return {m: e for m, e in _recording_extra(measured).items() if m in names}
+
+
+def section_layers(args: argparse.Namespace) -> None:
+    """Print the table of the ``layers`` section."""
+    n = args.layers_n
+    names = [m.replace("24", str(n)) for m in LAYER_METHODS]
+    per_layer = 12 * args.layers_d**2 + 13 * args.layers_d  # a CharGPT block's parameters
+    print(
+        f"\n## layers: CharGPT {n} layers, d {args.layers_d}, T {args.layers_T}, "
+        f"B {args.layers_B}, vocab {args.layers_V}; {per_layer / 1e6:.2f}M parameters per "
+        f"layer; {args.mem_reps} SGD steps per run; store on disk ({args.layers_dir or 'tmp'})"
+    )
+    measured = {
+        label: {m: child_result(f"layers:{m}", args, env) for m in names}
+        for label, env in (("default", None), ("mmap", MMAP_ENV))
+    }
+    extra = {label: _recording_extra(runs) for label, runs in measured.items()}
+    print(
+        "| method | per-datum payload MiB/step | peak extra MiB | extra of recording MiB | "
+        "vs all layers | mmap >= 1 MiB: peak extra | extra of recording | vs all layers "
+        "| s/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in names:
+        cells = []
+        for label, runs in measured.items():
+            r = runs[m]
+            cells.append(_mib(None if r is None else r["extra"]))
+            if m.startswith("plain"):
+                cells += ["-", "-"]
+                continue
+            mine, every = extra[label][m], extra[label].get(_all_of(m, n), float("nan"))
+            cells.append("-" if math.isnan(mine) else _mib(int(mine)))
+            cells.append("-" if math.isnan(mine) or not every > 0 else f"{mine / every:.3f}")
+        r0 = measured["default"][m]
+        payload = "-" if r0 is None or m.startswith("plain") else _mib(r0["payload"])
+        seconds = "-" if r0 is None else f"{r0['s']:.2f}"
+        print(f"| {m} | {payload} | " + " | ".join(cells) + f" | {seconds} |", flush=True)
+
+
+# --- section "bf16": per-datum gradients under bf16 autocast against float32 -----------------
+
+
+def _bf16_products_rule() -> Any:
+    """A Linear rule computing its per-datum products in bf16 (for comparison only)."""
+    from gradlog.rules.linear import as_rows
+
+    def linear_bf16(module: nn.Linear, cap: Any, wanted: frozenset[str]) -> dict[str, Any]:
+        B = cap.batch_size
+        g = as_rows(cap.grad_output, B, module.out_features, "g")  # (B, N, d_out) bf16
+        out: dict[str, Any] = {}
+        if "weight" in wanted:
+            a = as_rows(cap.input, B, module.in_features, "a").to(g.dtype)  # (B, N, d_in)
+            out["weight"] = (torch.bmm(g.transpose(1, 2), a) * cap.scale).float()
+        if "bias" in wanted:
+            out["bias"] = (g.sum(1) * cap.scale).float()  # (B, d_out)
+        return out
+
+    return linear_bf16
+
+
+def section_bf16(args: argparse.Namespace) -> None:
+    """Print the table of the ``bf16`` section."""
+    from gradlog.backends import BACKENDS
+    from gradlog.demo.model import CharGPT, GPTConfig
+    from gradlog.params import select_params
+    from gradlog.rules import RULES, register_rule
+    from gradlog.rules.base import one_feature_dim
+
+    torch.manual_seed(0)
+    V, d, T, B = 512, 128, 64, 16
+    model = CharGPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=d))
+    x = torch.randint(0, V, (B, T))
+    y = torch.randint(0, V, (B, T))
+    params = select_params(model, ["*"])
+
+    def run(backend: str, autocast: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        be = BACKENDS[backend](model, params, batch_reduction="mean", randomness="different")
+        be.attach()
+        try:
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)  # (B, T, V)
+            losses = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(
+                1
+            )  # (B,)
+            grads = be.backward(losses, losses.mean())
+        finally:
+            be.detach()
+        sums = {}
+        for n, p in params.items():
+            assert p.grad is not None
+            total = grads[n].double().mean(0)
+            sums[n] = float((total - p.grad.double()).norm() / p.grad.double().norm())
+        return grads, sums
+
+    reference, _ = run("loop", False)
+    methods: dict[str, tuple[dict[str, torch.Tensor], dict[str, float]]] = {}
+    methods["hooks (float32 accumulation)"] = run("hooks", True)
+    saved = RULES[nn.Linear]
+    try:
+        register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim)(_bf16_products_rule())
+        methods["hooks, Linear products in bf16"] = run("hooks", True)
+    finally:
+        RULES[nn.Linear] = saved
+    methods["loop (autograd, bf16)"] = run("loop", True)
+
+    def kind(name: str) -> str:
+        if "emb" in name:
+            return "embeddings"
+        if "ln" in name:
+            return "layer norms"
+        if name == "head.weight":
+            return "head"
+        if ".attn.k.bias" in name:
+            return ""  # analytically zero (softmax shift): pure rounding noise
+        return "attention" if ".attn." in name else "mlp"
+
+    kinds = ["embeddings", "attention", "mlp", "layer norms", "head"]
+    print(
+        f"\n## bf16: CharGPT vocab {V}, d {d}, 2 layers, T {T}, B {B}; float32 parameters; "
+        "relative error of per-datum gradients vs float32 without autocast (median / max "
+        "over datums, worst parameter of each kind)"
+    )
+    print("| method | " + " | ".join(kinds) + " | all | sum_b w_b g_b vs p.grad (max) |")
+    print("|---|" + "---|" * (len(kinds) + 2))
+    for label, (grads, sums) in methods.items():
+        per_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+        for n, ref in reference.items():
+            k = kind(n)
+            if not k:
+                continue
+            err = (grads[n].double() - ref.double()).reshape(B, -1).norm(
+                dim=1
+            ) / ref.double().reshape(B, -1).norm(dim=1)  # (B,)
+            per_kind[k].append((float(err.median()), float(err.max())))
+        cells = [
+            f"{max(m for m, _ in v):.1e} / {max(x for _, x in v):.1e}" for v in per_kind.values()
+        ]
+        every = [e for v in per_kind.values() for e in v]
+        cells.append(f"{max(m for m, _ in every):.1e} / {max(x for _, x in every):.1e}")
+        worst_sum = max(v for n, v in sums.items() if kind(n))
+        print(f"| {label} | " + " | ".join(cells) + f" | {worst_sum:.1e} |", flush=True)
+
+
 # --- sections and the driver ----------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "head": section_head,
+    "layers": section_layers,
+    "bf16": section_bf16,
 }
 CHILDREN: dict[str, Callable[[str, argparse.Namespace], dict[str, Any]]] = {
     "head": head_memory_child,
+    "layers": layers_memory_child,
 }
 
 
@@ -290,18 +604,27 @@ def _reset_peak_rss() -> None:
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
-def child(task: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> int | None:
-    """Run ``task`` ("section:method") in a fresh interpreter; its extra memory in bytes."""
+def child_result(
+    task: str, args: argparse.Namespace, env: dict[str, str] | None = None
+) -> dict[str, Any] | None:
+    """Run ``task`` ("section:method") in a fresh interpreter; the dict it prints (None if it
+    failed: its stderr is shown)."""
     cmd = [sys.executable, __file__, "--child", task, *args.argv]
     done = subprocess.run(
         cmd, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
     )
     try:
-        value = json.loads(done.stdout.strip().splitlines()[-1])
+        value: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         print(done.stderr[-2000:], file=sys.stderr)
         return None
-    extra = value.get("extra")
+    return value
+
+
+def child(task: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> int | None:
+    """Run ``task`` ("section:method") in a fresh interpreter; its extra memory in bytes."""
+    value = child_result(task, args, env)
+    extra = None if value is None else value.get("extra")
     return None if extra is None else int(extra)
 
 
@@ -324,6 +647,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per method")
     parser.add_argument("--mem-reps", type=int, default=2, help="steps per memory subprocess")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--layers-n", type=int, default=24, help="layers: transformer blocks")
+    parser.add_argument("--layers-d", type=int, default=192, help="layers: hidden size")
+    parser.add_argument("--layers-T", type=int, default=128, help="layers: context length")
+    parser.add_argument("--layers-B", type=int, default=8, help="layers: batch size")
+    parser.add_argument("--layers-V", type=int, default=256, help="layers: vocabulary size")
+    parser.add_argument("--layers-dir", default=None, help="layers: where the stores go")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv)  # children get the same options

@@ -12,7 +12,9 @@ What is measured (each size: the small and medium GPT of ``../shared/PEERS.md``,
 - **gradlog write**: ``StoreWriter`` (the recorder's writer: background thread, shards written
   with ``writev``, ``syncfs`` before each commit) appending ``--steps`` steps of the same
   gradients, timed to the end of ``close()``. MB/s counts float32 gradient bytes, as raw does.
-  Raw and gradlog alternate for ``--rounds`` rounds; medians are reported with the ratio.
+  Raw and gradlog alternate (in alternating order) for ``--rounds`` rounds, each after an
+  ``os.sync()`` that writes back the previous measurement's dirty pages; medians are reported
+  with the median of the paired ratios.
   zarr-python writing the format-1 layout (one ``arr[a:b] = g`` per parameter and step) is
   timed once for reference.
 - **Codecs**: each storage dtype and compressor: on-disk ratio (float32 bytes / bytes of the
@@ -131,6 +133,13 @@ def drop_cache(root: Path) -> None:
             os.close(fd)
 
 
+def settle() -> None:
+    """Start each measurement from a clean page cache: write back every dirty page first
+    (the previous measurement's writeback would otherwise throttle this one)."""
+    os.sync()
+    time.sleep(0.5)
+
+
 def array_bytes(root: Path) -> int:
     return sum(f.stat().st_size for f in files(root / "grads"))
 
@@ -139,6 +148,7 @@ def raw_write(grads: list[Grads], steps: int, where: Path) -> float:
     """MB/s of numpy tofile + fsync, one file per step."""
     where.mkdir(parents=True)
     host = [[g.numpy() for g in step.values()] for step in grads]
+    settle()
     t0 = time.perf_counter()
     for s in range(steps):
         with open(where / f"step{s}.bin", "wb") as f:
@@ -165,9 +175,7 @@ def new_writer(path: Path, grads: Grads, dtype: str, compression: str, **kw: Any
         "config_hash": config.hash(),
         "backend": {"name": "vmap"},
     }
-    specs = {
-        n: ParamSpec(n, tuple(g.shape[1:]), dtype, "float32") for n, g in grads.items()
-    }
+    specs = {n: ParamSpec(n, tuple(g.shape[1:]), dtype, "float32") for n, g in grads.items()}
     return StoreWriter(path, attrs=attrs, specs=specs, compression=config.compression, **kw)
 
 
@@ -189,24 +197,44 @@ def append_step(writer: StoreWriter, grads: Grads, step: int) -> None:
     batch = next(iter(grads.values())).shape[0]
     norms = norms_of(grads)
     start, _ = writer.append(
-        step=step, micro=0, datum_ids=np.arange(batch), losses=np.ones(batch),
-        weights=np.full(batch, 1 / batch), lr=1e-3, grads=grads, norms=norms,
+        step=step,
+        micro=0,
+        datum_ids=np.arange(batch),
+        losses=np.ones(batch),
+        weights=np.full(batch, 1 / batch),
+        lr=1e-3,
+        grads=grads,
+        norms=norms,
     )
-    writer.commit({
-        "step": step, "first_row": start, "n_records": batch, "n_micro": 1, "tokens": batch,
-        "lr": 1e-3, "loss_mean": 1.0, "time_compute_s": 0.0, "time_write_s": 0.0,
-    })
+    writer.commit(
+        {
+            "step": step,
+            "first_row": start,
+            "n_records": batch,
+            "n_micro": 1,
+            "tokens": batch,
+            "lr": 1e-3,
+            "loss_mean": 1.0,
+            "time_compute_s": 0.0,
+            "time_write_s": 0.0,
+        }
+    )
 
 
 def gradlog_write(
-    grads: list[Grads], steps: int, path: Path, dtype: str = "float32",
-    compression: str = "none", durable: bool = True,
+    grads: list[Grads],
+    steps: int,
+    path: Path,
+    dtype: str = "float32",
+    compression: str = "none",
+    durable: bool = True,
 ) -> float:
     """MB/s (float32 gradient bytes) of the writer, from its first append to the end of
     close() (creating the store, a one-time cost, is not timed)."""
     for g in grads:
         norms_of(g)
     writer = new_writer(path, grads[0], dtype, compression, durable=durable)
+    settle()
     t0 = time.perf_counter()
     for s in range(steps):
         append_step(writer, grads[s % len(grads)], s)
@@ -225,10 +253,15 @@ def zarr_v1_write(grads: list[Grads], steps: int, path: Path) -> float:
     group = zarr.open_group(str(path), mode="w")
     arrays = {
         n: group.create_array(
-            n, shape=(steps * batch, *g.shape[1:]), chunks=(batch, *g.shape[1:]),
-            dtype="float32", fill_value=0,
-            compressors=[BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle", typesize=4),
-                         Crc32cCodec()],
+            n,
+            shape=(steps * batch, *g.shape[1:]),
+            chunks=(batch, *g.shape[1:]),
+            dtype="float32",
+            fill_value=0,
+            compressors=[
+                BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle", typesize=4),
+                Crc32cCodec(),
+            ],
         )
         for n, g in grads[0].items()
     }
@@ -263,8 +296,11 @@ def errors_of(path: Path, reference: Grads) -> dict[str, float]:
             worst_cos = min(worst_cos, float(cos.min()))
     allrel = np.concatenate(rel)
     return {
-        "median_rel": float(np.median(allrel)), "max_rel": float(allrel.max()),
-        "zeroed": zeroed / max(1, nonzero), "l2": worst_l2, "cos": worst_cos,
+        "median_rel": float(np.median(allrel)),
+        "max_rel": float(allrel.max()),
+        "zeroed": zeroed / max(1, nonzero),
+        "l2": worst_l2,
+        "cos": worst_cos,
     }
 
 
@@ -317,8 +353,11 @@ def read_latency(path: Path, param: str, steps: int) -> list[tuple[str, float, f
     return [
         (f"open + read the index ({steps} steps' parts)", timed(index, cold=path), nan),
         (f"Q1: datum 0 of {param}, {steps} steps", timed(q1, cold=path), timed(q1_zarr, cold=path)),
-        (f"Q2: all {len(names)} parameters of one step", timed(q2, cold=path),
-         timed(q2_zarr, cold=path)),
+        (
+            f"Q2: all {len(names)} parameters of one step",
+            timed(q2, cold=path),
+            timed(q2_zarr, cold=path),
+        ),
         ("Q3: norms, all parameters, 10 steps", timed(q3, cold=path), nan),
         ("open + read the index, warm", timed(index), nan),
         ("Q1 warm", timed(q1), timed(q1_zarr)),
@@ -399,8 +438,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per write measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating raw/gradlog rounds")
     parser.add_argument("--distinct", type=int, default=3, help="distinct gradient steps")
-    parser.add_argument("--read-steps", default="small:100,medium:24",
-                        help="steps of the read-benchmark store, per size")
+    parser.add_argument(
+        "--read-steps",
+        default="small:100,medium:24",
+        help="steps of the read-benchmark store, per size",
+    )
     parser.add_argument("--overlap-steps", type=int, default=4)
     parser.add_argument("--backend", default="hooks", help="backend of the overlap benchmark")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (the disk)")
@@ -411,10 +453,12 @@ def main() -> None:
     read_steps = dict(item.split(":") for item in args.read_steps.split(","))
     base = Path(tempfile.mkdtemp(prefix="bench_store_", dir=args.dir))
     say(f"\n## bench_store.py, {datetime.datetime.now().isoformat(timespec='minutes')}")
-    say(f"torch {torch.__version__}, python {platform.python_version()}, "
+    say(
+        f"torch {torch.__version__}, python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs, threads {torch.get_num_threads()}, disk of {base}, load "
         f"average {os.getloadavg()[0]:.1f}; {args.steps} steps per write, {args.rounds} "
-        "rounds; MB/s = float32 gradient bytes / wall time, fsync (syncfs) included")
+        "rounds; MB/s = float32 gradient bytes / wall time, fsync (syncfs) included"
+    )
     try:
         for size in args.sizes.split(","):
             run_size(size, args, skip, int(read_steps.get(size, 20)), base)
@@ -430,35 +474,54 @@ def main() -> None:
 def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) -> None:
     grads, _ = real_gradients(size, args.distinct)
     mib = payload_bytes(grads[0]) / 2**20
-    say(f"\n### {size} GPT {SIZES[size]}: {len(grads[0])} tensors, {mib:.1f} MiB of float32 "
-        "per-datum gradients per step")
+    say(
+        f"\n### {size} GPT {SIZES[size]}: {len(grads[0])} tensors, {mib:.1f} MiB of float32 "
+        "per-datum gradients per step"
+    )
     raw, ours, ours_nosync = [], [], []
     for r in range(args.rounds):
-        raw.append(raw_write(grads, args.steps, base / f"raw{r}"))
-        ours.append(gradlog_write(grads, args.steps, base / f"g{r}.gradlog"))
-        shutil.rmtree(base / f"g{r}.gradlog")
+
+        def ours_write(r: int = r) -> None:
+            ours.append(gradlog_write(grads, args.steps, base / f"g{r}.gradlog"))
+            shutil.rmtree(base / f"g{r}.gradlog")
+
+        def raw_write_(r: int = r) -> None:
+            raw.append(raw_write(grads, args.steps, base / f"raw{r}"))
+
+        for measure in (raw_write_, ours_write) if r % 2 == 0 else (ours_write, raw_write_):
+            measure()  # alternate the order: neither always follows the other
         ours_nosync.append(gradlog_write(grads, args.steps, base / f"n{r}.gradlog", durable=False))
         shutil.rmtree(base / f"n{r}.gradlog")
     ratio = [o / r for o, r in zip(ours, raw)]
     say("\n| writer (float32, full form) | MB/s median | min-max | vs raw (median of paired) |")
     say("|---|---|---|---|")
-    say(f"| raw numpy tofile + fsync | {statistics.median(raw):.0f} | {min(raw):.0f}-"
-        f"{max(raw):.0f} | 1.00 |")
-    say(f"| gradlog StoreWriter, durable (syncfs per step) | {statistics.median(ours):.0f} | "
+    say(
+        f"| raw numpy tofile + fsync | {statistics.median(raw):.0f} | {min(raw):.0f}-"
+        f"{max(raw):.0f} | 1.00 |"
+    )
+    say(
+        f"| gradlog StoreWriter, durable (syncfs per step) | {statistics.median(ours):.0f} | "
         f"{min(ours):.0f}-{max(ours):.0f} | **{statistics.median(ratio):.2f}** "
-        f"({min(ratio):.2f}-{max(ratio):.2f}) |")
-    say(f"| gradlog StoreWriter, durable=False (page cache) | "
+        f"({min(ratio):.2f}-{max(ratio):.2f}) |"
+    )
+    say(
+        f"| gradlog StoreWriter, durable=False (page cache) | "
         f"{statistics.median(ours_nosync):.0f} | {min(ours_nosync):.0f}-{max(ours_nosync):.0f} "
-        f"| {statistics.median(ours_nosync) / statistics.median(raw):.2f} |")
+        f"| {statistics.median(ours_nosync) / statistics.median(raw):.2f} |"
+    )
     if "zarr" not in skip:
         z = zarr_v1_write(grads, max(2, args.steps // 2), base / "z.zarr")
         shutil.rmtree(base / "z.zarr")
-        say(f"| zarr-python 3.1, format-1 layout (blosc zstd) | {z:.0f} | - | "
-            f"{z / statistics.median(raw):.2f} |")
+        say(
+            f"| zarr-python 3.1, format-1 layout (blosc zstd) | {z:.0f} | - | "
+            f"{z / statistics.median(raw):.2f} |"
+        )
 
     if "codecs" not in skip:
-        say("\n| dtype | compression | ratio | write MB/s | median rel. error | max rel. error "
-            "| nonzero stored as 0 | worst per-datum rel. L2 | worst cosine |")
+        say(
+            "\n| dtype | compression | ratio | write MB/s | median rel. error | max rel. error "
+            "| nonzero stored as 0 | worst per-datum rel. L2 | worst cosine |"
+        )
         say("|---|---|---|---|---|---|---|---|---|")
         for dtype, compression in CODECS:
             path = base / f"{dtype}-{compression}.gradlog"
@@ -466,9 +529,11 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
             ratio_c = args.steps * payload_bytes(grads[0]) / array_bytes(path)
             e = errors_of(path, grads[0])
             shutil.rmtree(path)
-            say(f"| {dtype} | {compression} | {ratio_c:.2f} | {speed:.0f} | "
+            say(
+                f"| {dtype} | {compression} | {ratio_c:.2f} | {speed:.0f} | "
                 f"{e['median_rel']:.2e} | {e['max_rel']:.2e} | {e['zeroed']:.2%} | "
-                f"{e['l2']:.2e} | {1 - e['cos']:.1e} below 1 |")
+                f"{e['l2']:.2e} | {1 - e['cos']:.1e} below 1 |"
+            )
 
     if "reads" not in skip:
         path = base / "reads.gradlog"
@@ -476,8 +541,10 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
         param = "blocks.0.attn.q.weight"
         if param not in grads[0]:
             param = next(n for n, g in grads[0].items() if g.dim() == 3)
-        say(f"\n| read ({read_steps}-step store, float32; Q1-Q3 on an open Run) | gradlog s "
-            "| zarr-python s (rows known) |")
+        say(
+            f"\n| read ({read_steps}-step store, float32; Q1-Q3 on an open Run) | gradlog s "
+            "| zarr-python s (rows known) |"
+        )
         say("|---|---|---|")
         for label, ours_s, zarr_s in read_latency(path, param, read_steps):
             cold = "" if "warm" in label else ", cold"
@@ -493,8 +560,10 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
         slowest = max(o["compute"], o["write"])
         say(f"\n| overlap ({backend} backend, {args.overlap_steps} steps) | s/step |")
         say("|---|---|")
-        say(f"| compute alone (recorder with a null writer: per-datum gradients, norms, "
-            f"AdamW) | {o['compute']:.3f} |")
+        say(
+            f"| compute alone (recorder with a null writer: per-datum gradients, norms, "
+            f"AdamW) | {o['compute']:.3f} |"
+        )
         say(f"| write alone (StoreWriter, durable) | {o['write']:.3f} |")
         say(f"| serial sum | {o['compute'] + o['write']:.3f} |")
         say(f"| recorded step, overlapped (GradRecorder) | {o['recorded']:.3f} |")

@@ -61,7 +61,11 @@ def make(version: int = FORMAT_VERSION, variant: str = "", **recorder_kwargs: An
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     recorder_kwargs.setdefault("dtype", "float32")
     with gradlog.GradRecorder(
-        model, path, backend="loop", check_every=1, metadata={"golden": version},
+        model,
+        path,
+        backend="loop",
+        check_every=1,
+        metadata={"golden": version},
         **recorder_kwargs,
     ) as rec:
         prev = None

@@ -1,0 +1,268 @@
+"""``auto``, and planning forms for a run's parameters.
+
+``auto`` is never stored: planning turns it into a concrete form.
+
+- **No budget:** the smallest exact form by bytes per record: ``full``, or ``factors``
+  (Linear-like weights, when ``N (p + q) < p q``), or ``rows`` (Embeddings, when
+  ``N (8 + s D) < s V D``); a tie goes to ``full``. Never larger than ``full``.
+- **With a budget** (bytes per record for the parameter), the most faithful form that fits,
+  in this order:
+
+  1. the smallest exact form, if it fits;
+  2. ``projection`` with the largest size ``r = budget // itemsize`` (two-sided ranks
+     balanced, :func:`~gradlog.forms.projection.balanced_ranks`), if ``r >=
+     min_projection_dim`` (default 16: below it inner products err by more than ~35%);
+  3. ``topk`` with ``k = budget // (itemsize + 8)``, if ``k >= 1``;
+  4. ``norm`` (0 bytes: the exact norm is in the index anyway).
+
+:func:`plan_forms` plans every parameter of a run from its request; a budget per step is
+shared among the ``auto`` parameters after the others' bytes, smallest exact form first, each
+getting at most an equal share of what is left (water-filling: parameters that fit exactly
+keep their exact form, the large ones share the rest equally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from gradlog.errors import ConfigError, StoreFormatError
+from gradlog.forms.base import ArraySpec, Encoded, Form, Material, ParamInfo, check_options
+from gradlog.forms.factors import FactorsForm
+from gradlog.forms.full import FullForm
+from gradlog.forms.norm import NormForm
+from gradlog.forms.projection import ProjectionForm
+from gradlog.forms.rows import RowsForm
+from gradlog.forms.topk import TopKForm
+
+__all__ = [
+    "FIDELITY",
+    "AutoForm",
+    "FormRequest",
+    "bytes_table",
+    "form_from_spec",
+    "make_form",
+    "plan_forms",
+    "smallest_exact",
+]
+
+FIDELITY = ("exact", "projection", "topk", "norm")
+"""What ``auto`` tries under a budget, most faithful first."""
+
+FormRequest = str | Mapping[str, Any]
+"""A form asked for: its name, or ``{"form": name, **options}``."""
+
+_PROJECTION_OPTIONS = ("kind", "seed", "structure")
+
+
+def smallest_exact(info: ParamInfo) -> Form:
+    """The exact form with the fewest bytes per record (ties: ``full``)."""
+    best: Form = FullForm.plan(info)
+    if info.source == "factors":
+        candidate: Form = FactorsForm.plan(info)
+    elif info.source == "rows":
+        candidate = RowsForm.plan(info)
+    else:
+        return best
+    if candidate.nbytes_per_record(info.itemsize) < best.nbytes_per_record(info.itemsize):
+        return candidate
+    return best
+
+
+class AutoForm(Form):
+    """Not a stored form: :meth:`plan` returns the concrete form (see the module doc)."""
+
+    name: ClassVar[str] = "auto"
+    exact: ClassVar[bool] = False
+
+    @classmethod
+    def plan(cls, info: ParamInfo, **options: Any) -> Form:
+        """Options: ``budget`` (bytes per record; None: smallest exact form),
+        ``min_projection_dim`` (16), and for a projection ``kind``, ``seed``, ``structure``."""
+        check_options(cls.name, options, ("budget", "min_projection_dim", *_PROJECTION_OPTIONS))
+        exact = smallest_exact(info)
+        budget = options.get("budget")
+        if budget is None:
+            return exact
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ConfigError(f"form 'auto' budget={budget!r} must be bytes per record (int).")
+        if exact.nbytes_per_record(info.itemsize) <= budget:
+            return exact
+        dim = budget // info.itemsize
+        if dim >= int(options.get("min_projection_dim", 16)):
+            projection = {k: options[k] for k in _PROJECTION_OPTIONS if k in options}
+            return ProjectionForm.plan(info, dim=dim, **projection)
+        k = budget // (info.itemsize + 8)
+        if k >= 1:
+            return TopKForm.plan(info, k=k)
+        return NormForm.plan(info)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Form:
+        raise StoreFormatError(
+            "form 'auto' is never stored (planning replaces it by a concrete form); this "
+            "parameter spec is damaged or from another gradlog."
+        )
+
+    def __repr__(self) -> str:
+        return f"AutoForm(shape={self.shape}, unplanned)"
+
+    def _unplanned(self) -> ConfigError:
+        return ConfigError(
+            "form 'auto' is only a request: use AutoForm.plan(info) (or "
+            "make_form('auto', info)) and then the form it returns."
+        )
+
+    def spec(self) -> dict[str, Any]:
+        raise self._unplanned()
+
+    def arrays(self) -> dict[str, ArraySpec]:
+        raise self._unplanned()
+
+    def encode(self, material: Material) -> Encoded:
+        raise self._unplanned()
+
+    def inner(
+        self,
+        x: Mapping[str, torch.Tensor],
+        y: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float64,
+    ) -> torch.Tensor:
+        raise self._unplanned()
+
+
+def _split(request: FormRequest) -> tuple[str, dict[str, Any]]:
+    if isinstance(request, str):
+        return request, {}
+    options = dict(request)
+    name = options.pop("form", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"a form request {dict(request)!r} needs 'form': a form's name.")
+    return name, options
+
+
+def _form_class(name: str) -> type[Form]:
+    from gradlog.forms import FORMS
+
+    cls = FORMS.get(name)
+    if cls is None:
+        raise ConfigError(f"form {name!r} is not one of {list(FORMS)}.")
+    return cls
+
+
+def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
+    """The concrete form for a parameter from a request (``"factors"`` or
+    ``{"form": "projection", "dim": 4096}``); ``options`` add to the request's.
+
+    Raises:
+        ConfigError: unknown form name (the message lists them) or option.
+    """
+    name, opts = _split(request)
+    return _form_class(name).plan(info, **{**opts, **options})
+
+
+def form_from_spec(spec: Mapping[str, Any]) -> Form:
+    """The form a stored spec (``Form.spec()``) describes.
+
+    Raises:
+        StoreFormatError: unknown form or malformed spec.
+    """
+    from gradlog.forms import FORMS
+
+    name = spec.get("form")
+    cls = FORMS.get(name) if isinstance(name, str) else None
+    if cls is None or cls is AutoForm:
+        raise StoreFormatError(
+            f"parameter spec names form {name!r}; this gradlog reads "
+            f"{[n for n in FORMS if n != AutoForm.name]}. Upgrade gradlog if the store is newer: "
+            "pip install -U gradlog."
+        )
+    return cls.from_spec(spec)
+
+
+def plan_forms(
+    infos: Mapping[str, ParamInfo],
+    requests: Mapping[str, FormRequest],
+    *,
+    budget_per_step: int | None = None,
+    batch_size: int | None = None,
+) -> dict[str, Form]:
+    """Concrete forms for a run's parameters.
+
+    Args:
+        infos: Parameter name -> what its rule provides.
+        requests: Parameter name -> requested form (resolved from the user's globs).
+        budget_per_step: Bytes per step for all parameters, shared among the ``auto`` ones
+            after the bytes of the others (see the module doc); None: no budget.
+        batch_size: Records per step, to turn the budget into bytes per record.
+
+    Raises:
+        ConfigError: a request is invalid, or the budget cannot hold the non-``auto``
+            parameters.
+    """
+    missing = sorted(set(infos) - set(requests))
+    if missing:
+        raise ConfigError(f"no form requested for parameters {missing}.")
+    planned: dict[str, Form] = {}
+    auto: dict[str, dict[str, Any]] = {}
+    for name, info in infos.items():
+        form_name, opts = _split(requests[name])
+        if form_name == AutoForm.name and budget_per_step is not None and "budget" not in opts:
+            auto[name] = opts
+        else:
+            planned[name] = make_form(requests[name], info)
+    if not auto or budget_per_step is None:
+        return planned
+    if batch_size is None or batch_size < 1:
+        raise ConfigError("plan_forms needs batch_size >= 1 with budget_per_step.")
+    fixed = sum(f.nbytes_per_record(infos[n].itemsize) for n, f in planned.items())
+    per_record = int(budget_per_step) // batch_size
+    left = per_record - fixed
+    if left < 0:
+        raise ConfigError(
+            f"the byte budget of {budget_per_step} per step ({per_record} per record at batch "
+            f"size {batch_size}) is below the {fixed} bytes per record of "
+            "the parameters not planned by 'auto'. Raise the budget, or give those parameters "
+            "form 'auto' or a smaller form."
+        )
+    exact = {n: smallest_exact(infos[n]) for n in auto}
+    order = sorted(auto, key=lambda n: exact[n].nbytes_per_record(infos[n].itemsize))
+    for i, name in enumerate(order):
+        share = left // (len(order) - i)
+        form = AutoForm.plan(infos[name], budget=share, **auto[name])
+        planned[name] = form
+        left -= form.nbytes_per_record(infos[name].itemsize)
+    return {n: planned[n] for n in infos}
+
+
+def bytes_table(
+    forms: Mapping[str, Form], *, batch_size: int, itemsize: int = 4
+) -> list[dict[str, Any]]:
+    """Rows for the start-of-recording print: per parameter its form, bytes per record and
+    per step, and those of ``full``; a last row ``"(total)"`` sums them."""
+    rows: list[dict[str, Any]] = []
+    for name, form in forms.items():
+        per = form.nbytes_per_record(itemsize)
+        full = form.numel * itemsize
+        rows.append(
+            {
+                "param": name,
+                "form": form.name,
+                "bytes_per_record": per,
+                "bytes_per_step": per * batch_size,
+                "full_bytes_per_step": full * batch_size,
+            }
+        )
+    rows.append(
+        {
+            "param": "(total)",
+            "form": "",
+            "bytes_per_record": sum(r["bytes_per_record"] for r in rows),
+            "bytes_per_step": sum(r["bytes_per_step"] for r in rows),
+            "full_bytes_per_step": sum(r["full_bytes_per_step"] for r in rows),
+        }
+    )
+    return rows
