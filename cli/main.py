@@ -65,7 +65,9 @@ def train(
     backend: Annotated[
         str, typer.Option(help="Per-datum gradient backend: auto (hooks), hooks, vmap, loop.")
     ] = "auto",
-    dtype: Annotated[str, typer.Option(help="Storage dtype: float32 or float64.")] = "float32",
+    dtype: Annotated[str, typer.Option(
+        help="Storage dtype: float32 (lossless), float64, bfloat16, float16, bitroundN "
+        "(e.g. bitround9); see schemas/FORMAT.md 4.2.")] = "float32",
     every: Annotated[int, typer.Option(min=1, help="Record every N-th step.")] = 1,
     out: Annotated[
         Path | None, typer.Option(help="Store path (default: runs/<name>.gradlog).")

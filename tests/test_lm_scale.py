@@ -132,9 +132,8 @@ def test_hooks_and_captures_exist_only_for_the_recorded_layer(frozen_rest: bool)
         assert sum(len(m._forward_hooks) for m in model.modules()) == len(owners)
         hooked_params = [p for p in model.parameters() if p._backward_hooks]
         assert hooked_params == list(layer.parameters())  # 16 weights and biases
-        assert sorted(be.describe()["modules"][i]["module"] for i in range(len(owners))) == sorted(
-            f"blocks.7.{n}" for n, m in layer.named_modules() if m in owners
-        )
+        described = sorted(m["module"] for m in be.describe()["modules"])
+        assert described == sorted(f"blocks.7.{n}" for n, m in layer.named_modules() if m in owners)
 
         batch = gpt_batch(3, 6)
         model.zero_grad(set_to_none=True)
@@ -707,20 +706,24 @@ def test_peft_lora_adapters(tmp_path: Path) -> None:
     assert len(modules) == 8 and all(m["rule"] == "linear" for m in modules)
 
 
-# -- the layers benchmark's acceptance (slow: four fresh processes, ~1 minute) --------------
+# -- the layers benchmark's acceptance (slow: nine fresh processes, a few minutes) ----------
 @pytest.mark.slow
 def test_recording_one_of_24_layers_costs_a_tenth_of_recording_all() -> None:
-    """Peak RSS of SGD steps recorded into a store, each run in a fresh process (the
-    benchmark's child): extra of recording = recorded run's peak - plain run's peak."""
+    """Peak RSS of SGD steps recorded into a store, each run in fresh processes (the
+    benchmark's child; the median of three, as peaks vary from process to process): extra of
+    recording = recorded run's peak - plain run's peak."""
     bench = Path(__file__).parent / "benchmarks" / "bench_memory.py"
     peak = {}
     for name in ("plain", "1 of 24", "24 of 24"):
-        done = subprocess.run(
-            [sys.executable, str(bench), "--child", f"layers:{name}", "--mem-reps", "2"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        peak[name] = json.loads(done.stdout.strip().splitlines()[-1])["extra"]
+        trials = []
+        for _ in range(3):
+            done = subprocess.run(
+                [sys.executable, str(bench), "--child", f"layers:{name}", "--mem-reps", "2"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            trials.append(json.loads(done.stdout.strip().splitlines()[-1])["extra"])
+        peak[name] = sorted(trials)[1]
     one, every = peak["1 of 24"] - peak["plain"], peak["24 of 24"] - peak["plain"]
     assert every > 0 and one <= every / 10, peak

@@ -419,9 +419,11 @@ class ProjectionForm(Form):
         p, q = _matrix_view(self.shape)
         r0, r1 = self.ranks
         w = g.to(dt).reshape(-1, p, q)  # (B, p, q)
-        if p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1:  # the cheaper order
-            return torch.einsum("pr,bps->brs", p0, w @ p1)  # (B, r0, r1)
-        return torch.einsum("brq,qs->brs", torch.einsum("pr,bpq->brq", p0, w), p1)
+        # the cheaper order; matmul broadcasts P over the batch without copying w (an einsum
+        # contracting w's middle axis permuted it: 2x slower measured)
+        if p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1:
+            return p0.T @ (w @ p1)  # (r0, p) @ (B, p, r1) -> (B, r0, r1)
+        return (p0.T @ w) @ p1  # (B, r0, q) @ (q, r1) -> (B, r0, r1)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, numel) times ``P`` (numel, r)."""

@@ -147,8 +147,10 @@ class GradArray:
                     "records live in it."
                 )
         try:
-            if rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and bool(
-                np.all(np.diff(rows) == 1)
+            if (
+                rows.size
+                and int(rows[-1]) - int(rows[0]) + 1 == rows.size
+                and bool(np.all(np.diff(rows) == 1))
             ):
                 return np.asarray(arr[int(rows[0]) : int(rows[-1]) + 1])
             return np.asarray(arr.oindex[rows])

@@ -19,10 +19,11 @@ is ever dropped). A failure of the thread is re-raised on the caller's thread at
 call, and at :meth:`StoreWriter.close`, as :class:`~gradlog.errors.StoreWriteError`; after a
 failure nothing more is written, in particular no later step is committed.
 
-Order of writes: a call's shards, then its index part, then (at the step's end, optionally
-after an ``fsync`` of everything) the steps part; each parquet file is written under a
-temporary name and renamed into place. A reader sees only committed steps, so a crash leaves
-a consistent prefix, and ``resume=True`` continues after it.
+Order of writes: a call's shards, then its index part, then at the step's end the steps part;
+each parquet file is written under a temporary name and renamed into place. With ``durable``
+(the default) a second thread syncs the step (one ``syncfs``) before writing its steps part,
+while the writer thread goes on with the next step. A reader sees only committed steps, so a
+crash leaves a consistent prefix, and ``resume=True`` continues after it.
 """
 
 from __future__ import annotations
@@ -210,11 +211,7 @@ class _Worker:
         nbytes = task.nbytes if task is not None else 0
         with self._cond:
             t0 = time.perf_counter()
-            while (
-                self.error is None
-                and self._queued > 0
-                and self._queued + nbytes > self.capacity
-            ):
+            while self.error is None and self._queued > 0 and self._queued + nbytes > self.capacity:
                 self._cond.wait()
             self.blocked_s += time.perf_counter() - t0
             if self.error is not None and task is not None:
@@ -430,14 +427,19 @@ class StoreWriter:
                 self._layouts[name] = layout
                 self.compression[name] = layout.compression
                 self._capacity = rows if not self._capacity else min(self._capacity, rows)
-        if self._layouts and len(self._layouts) != len(self.specs):
-            missing = [n for n in self.specs if n not in self._layouts]
-            raise StoreResumeError(
-                f"{where}: arrays of {missing[:5]} are missing though others exist; the store "
-                "is damaged (run `gradlog verify`)."
-            )
         steps = run.steps
         datums = run.datums
+        if self._layouts and len(self._layouts) != len(self.specs):
+            if datums.num_rows:
+                missing = [n for n in self.specs if n not in self._layouts]
+                raise StoreResumeError(
+                    f"{where}: arrays of {missing[:5]} are missing though records were "
+                    "committed; the store is damaged (run `gradlog verify`)."
+                )
+            # A crash while the first call created its arrays: nothing was committed, so
+            # start the arrays afresh (their metadata and shards are overwritten).
+            self._layouts.clear()
+            self._capacity = 0
         if steps.num_rows:
             self.last_step = int(steps.column("step")[-1].as_py())
         if datums.num_rows:
@@ -803,4 +805,3 @@ def _check_same_config(stored: Mapping[str, Any], wanted: Mapping[str, Any], whe
         "continues a store with the same configuration only: pass the stored options, or "
         "record into a new store."
     )
-

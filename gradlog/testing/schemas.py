@@ -202,9 +202,11 @@ def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Pa
             config = meta["codecs"][0].get("configuration", {}) if codecs else {}
             inner = [c.get("name") for c in config.get("codecs", [])]
             index = [c.get("name") for c in config.get("index_codecs", [])]
-            if codecs != ["sharding_indexed"] or inner[-1:] != ["crc32c"] or index[-1:] != [
-                "crc32c"
-            ]:
+            if (
+                codecs != ["sharding_indexed"]
+                or inner[-1:] != ["crc32c"]
+                or index[-1:] != ["crc32c"]
+            ):
                 _fail(
                     f"{where} has codecs {codecs} (inner {inner}, index {index}); version 2 "
                     "arrays are sharded with crc32c on every inner chunk and on the index."

@@ -31,7 +31,8 @@ Tables:
 Usage (on a shared machine keep OpenMP threads from spinning between ops)::
 
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py
-    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py --seed-reps 3 --append
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py --threads 1 --clock cpu \\
+        --seed-reps 3 --append      # append the tables to tests/benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from gradlog.forms import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
 CASES: dict[str, dict[str, int]] = {
     "medium": {"vocab": 512, "d": 256, "layers": 4, "T": 128, "B": 32},
     "seed": {"vocab": 512, "d": 512, "layers": 4, "T": 512, "B": 100},
@@ -206,9 +209,9 @@ def paired_medians(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, fl
         fns[n]()
     for r in range(reps):
         for n in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
@@ -357,6 +360,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50_000, help="planned steps (bytes)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: perf_counter; cpu: this process's CPU time (use --threads 1 on a busy box)",
+    )
+    parser.add_argument(
         "--append",
         nargs="?",
         const=str(RESULTS),
@@ -364,6 +373,8 @@ def main() -> None:
         help=f"append the tables to this markdown file (default {RESULTS.name})",
     )
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     cases = [c for c in args.cases.split(",") if c]
@@ -404,7 +415,8 @@ def main() -> None:
             "",
             f"{datetime.date.today().isoformat()}, torch {torch.__version__}, Python "
             f"{platform.python_version()}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} intra-op threads, wall clock, no GPU.",
+            f"{torch.get_num_threads()} intra-op threads, {args.clock} clock, no GPU lent "
+            "to this task.",
             "",
             f"`{env}{cmd}`",
             "",

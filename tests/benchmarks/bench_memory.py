@@ -19,7 +19,9 @@ Markdown table): ``head``, ``layers`` and ``bf16``.
 ``layers``
     Recording chosen layers of a deep model: a 24-layer CharGPT (``--layers-*`` sizes) trained
     with SGD, each method alone in a fresh subprocess running ``--mem-reps`` steps through a
-    ``GradRecorder`` writing a store in a temporary directory (the writer thread included):
+    ``GradRecorder`` writing a store in a temporary directory (the writer thread included);
+    ``--mem-trials`` processes per method, the median shown with its range (peaks of one and
+    the same run vary by tens of MiB from process to process):
 
     - ``plain``: no recorder (the same imports and set-up);
     - ``1 of 24``: ``params="blocks.12.*"``; ``24 of 24``: ``params="blocks.*"``;
@@ -385,6 +387,27 @@ def layers_memory_child(method: str, args: argparse.Namespace) -> dict[str, Any]
     return {"extra": max(0, peak - before), "s": seconds, "payload": recorded * args.layers_B * 4}
 
 
+def _layers_trials(
+    method: str, args: argparse.Namespace, env: dict[str, str] | None
+) -> dict[str, Any] | None:
+    """``--mem-trials`` fresh processes of ``method``: the median peak extra (bytes) and its
+    range ("lo", "hi"), the median seconds per step, the payload. Peaks of the same run vary
+    by tens of MiB between processes (allocation order, heap layout), so one process is not
+    enough to tell a few MiB of recording apart."""
+    runs = [child_result(f"layers:{method}", args, env) for _ in range(args.mem_trials)]
+    done = [r for r in runs if r is not None]
+    if not done:
+        return None
+    extras = [int(r["extra"]) for r in done]
+    return {
+        "extra": int(statistics.median(extras)),
+        "lo": min(extras),
+        "hi": max(extras),
+        "s": statistics.median(float(r["s"]) for r in done),
+        "payload": done[0]["payload"],
+    }
+
+
 def _plain_of(method: str) -> str:
     """The plain run of the same kind as ``method`` ("1 of 24 frozen" -> "plain frozen")."""
     return " ".join(["plain", *(w for w in ("frozen", "checkpointed") if w in method)])
@@ -416,7 +439,7 @@ def layers_extra(
     n = args.layers_n
     names = methods or [f"1 of {n}", f"{n} of {n}"]
     runs = sorted(set(names) | {_plain_of(m) for m in names})
-    measured = {m: child_result(f"layers:{m}", args, env) for m in runs}
+    measured = {m: _layers_trials(m, args, env) for m in runs}
     return {m: e for m, e in _recording_extra(measured).items() if m in names}
 
 
@@ -428,10 +451,11 @@ def section_layers(args: argparse.Namespace) -> None:
     print(
         f"\n## layers: CharGPT {n} layers, d {args.layers_d}, T {args.layers_T}, "
         f"B {args.layers_B}, vocab {args.layers_V}; {per_layer / 1e6:.2f}M parameters per "
-        f"layer; {args.mem_reps} SGD steps per run; store on disk ({args.layers_dir or 'tmp'})"
+        f"layer; {args.mem_reps} SGD steps per run, median (range) of {args.mem_trials} "
+        f"processes; store on disk ({args.layers_dir or 'tmp'})"
     )
     measured = {
-        label: {m: child_result(f"layers:{m}", args, env) for m in names}
+        label: {m: _layers_trials(m, args, env) for m in names}
         for label, env in (("default", None), ("mmap", MMAP_ENV))
     }
     extra = {label: _recording_extra(runs) for label, runs in measured.items()}
@@ -445,7 +469,9 @@ def section_layers(args: argparse.Namespace) -> None:
         cells = []
         for label, runs in measured.items():
             r = runs[m]
-            cells.append(_mib(None if r is None else r["extra"]))
+            cells.append(
+                "-" if r is None else f"{_mib(r['extra'])} ({_mib(r['lo'])}-{_mib(r['hi'])})"
+            )
             if m.startswith("plain"):
                 cells += ["-", "-"]
                 continue
@@ -646,6 +672,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per method")
     parser.add_argument("--mem-reps", type=int, default=2, help="steps per memory subprocess")
+    parser.add_argument(
+        "--mem-trials", type=int, default=3, help="layers: processes per method (median)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--layers-n", type=int, default=24, help="layers: transformer blocks")
     parser.add_argument("--layers-d", type=int, default=192, help="layers: hidden size")
