@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from gradlog._tree import flatten
 from gradlog.backends.base import Backend, LossFn, PerDatumGrads
 from gradlog.errors import BackendError, InputError
 from gradlog.params import check_differentiable
@@ -32,27 +33,6 @@ class _LossModule(nn.Module):
 
     def forward(self, batch: Any) -> torch.Tensor:
         return self.loss_fn(self.model, batch)
-
-
-def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """Leaves of nested tuples/lists/dicts, and a function that rebuilds the structure."""
-    if isinstance(tree, (tuple, list)):
-        parts = [_flatten(t) for t in tree]
-        sizes = [len(leaves) for leaves, _ in parts]
-
-        def rebuild_seq(leaves: list[Any]) -> Any:
-            out, i = [], 0
-            for (_, rebuild), n in zip(parts, sizes):
-                out.append(rebuild(leaves[i : i + n]))
-                i += n
-            return type(tree)(out) if not hasattr(tree, "_fields") else type(tree)(*out)
-
-        return [leaf for leaves, _ in parts for leaf in leaves], rebuild_seq
-    if isinstance(tree, dict):
-        keys = list(tree)
-        leaves, rebuild_values = _flatten([tree[k] for k in keys])
-        return leaves, lambda ls: dict(zip(keys, rebuild_values(ls)))
-    return [tree], lambda ls: ls[0]
 
 
 class VmapBackend(Backend):
@@ -82,7 +62,7 @@ class VmapBackend(Backend):
         fixed = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
         fixed.update(dict(module.named_buffers()))
 
-        leaves, rebuild = _flatten(batch)
+        leaves, rebuild = flatten(batch)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not slots:
             raise InputError("rec.step(loss_fn, batch): batch holds no tensor to split by datum.")

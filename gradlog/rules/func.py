@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, widen
 
@@ -49,27 +50,6 @@ class LeafSpec:
     unsqueeze: bool = True
 
 
-def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """Leaves of nested tuples/lists/dicts (namedtuples kept), and their rebuilder."""
-    if isinstance(tree, (tuple, list)):
-        parts = [flatten(t) for t in tree]
-        sizes = [len(leaves) for leaves, _ in parts]
-
-        def rebuild_seq(leaves: list[Any]) -> Any:
-            out, i = [], 0
-            for (_, rebuild), n in zip(parts, sizes):
-                out.append(rebuild(leaves[i : i + n]))
-                i += n
-            return type(tree)(*out) if hasattr(tree, "_fields") else type(tree)(out)
-
-        return [leaf for leaves, _ in parts for leaf in leaves], rebuild_seq
-    if isinstance(tree, dict):
-        keys = list(tree)
-        leaves, rebuild_values = flatten([tree[k] for k in keys])
-        return leaves, lambda ls: dict(zip(keys, rebuild_values(ls)))
-    return [tree], lambda ls: ls[0]
-
-
 def active_randomness(module: nn.Module) -> list[str]:
     """Names of submodules (``""``: the module itself) that draw dropout masks in this mode."""
     found = []
@@ -92,7 +72,8 @@ def active_randomness(module: nn.Module) -> list[str]:
 def infer_specs(leaves: Sequence[Any], batch_size: int) -> list[LeafSpec | None]:
     """Generic split: a tensor whose first dimension is B is batched at 0; others are shared."""
     return [
-        LeafSpec(0) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch_size
+        LeafSpec(0)
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch_size
         else None
         for t in leaves
     ]
@@ -150,11 +131,13 @@ def func_grads(
         g = widen(g, wide)
         outs.append((j, d, g * cap.scale if cap.scale != 1 else g))
     if not outs:
-        return {k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
-                for k, p in params.items()}
+        return {
+            k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()
+        }
     diff = {k: p.detach() for k, p in params.items()}
-    fixed = {k: p.detach() for k, p in module.named_parameters(remove_duplicate=False)
-             if k not in diff}
+    fixed = {
+        k: p.detach() for k, p in module.named_parameters(remove_duplicate=False) if k not in diff
+    }
 
     def call(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]) -> list[Any]:
         full = list(leaves)
@@ -165,8 +148,9 @@ def func_grads(
         out = functional_call(module, {**fixed, **p}, tuple(a), kw)
         return flatten(out)[0]
 
-    def dot(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
-            gs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def dot(
+        p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         outputs = call(p, xs)
         total = torch.zeros((), dtype=gs[0].dtype, device=gs[0].device)
         for (j, d, _), g in zip(outs, gs):
@@ -199,7 +183,8 @@ def func_grads(
             log.warning(
                 "gradlog: torch.func.vmap cannot batch %s (%s); computing its per-datum "
                 "gradients with one small autograd.grad per datum instead.",
-                type(module).__name__, str(e).splitlines()[0][:200],
+                type(module).__name__,
+                str(e).splitlines()[0][:200],
             )
     return _loop(diff, xs, gs, batched, outs, call, B)
 
@@ -226,8 +211,9 @@ def _loop(
         ps = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
         with torch.enable_grad():
             outputs = call(ps, xb)
-            terms = [(outputs[j] * g.select(d, b).unsqueeze(d)).sum()
-                     for (j, d, _), g in zip(outs, gs)]
+            terms = [
+                (outputs[j] * g.select(d, b).unsqueeze(d)).sum() for (j, d, _), g in zip(outs, gs)
+            ]
             total = torch.stack(terms).sum()  # <out_j, G_j,b> summed over outputs
             found = torch.autograd.grad(total, list(ps.values()), allow_unused=True)
         for (k, p), gk in zip(ps.items(), found):
