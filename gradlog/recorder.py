@@ -112,6 +112,11 @@ class GradRecorder:
         overwrite: Replace an existing gradlog store at ``path``.
         metadata: JSON-serialisable user metadata stored with the run.
         vmap_randomness: ``torch.func.vmap`` randomness for the vmap backend.
+        batch_grad: ``"autograd"`` (default) keeps ``p.grad`` bitwise what it is without
+            gradlog. ``"sum"`` (hooks backend) sets the weight gradient of recorded
+            ``nn.Linear``/``Conv1D`` layers to ``sum_b w_b g_b`` of their per-datum gradients
+            instead of running autograd's own weight-gradient matmul: one matmul less per
+            layer (a recorded step ~10-25% cheaper), ``p.grad`` equal to float rounding.
         probes: ``(loss_fn, batch)`` of held-out examples whose per-datum gradients are
             recorded at every recorded step (same parameters, same storage), for influence
             exact in time (``run.influence``). ``loss_fn(model, batch)`` returns ``(P,)``
@@ -159,6 +164,7 @@ class GradRecorder:
         resume: bool = False,
         queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
         durable: bool = True,
+        batch_grad: str = "autograd",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -174,6 +180,7 @@ class GradRecorder:
             vmap_randomness=vmap_randomness,
             metadata=dict(metadata or {}),
             compression=compression,
+            batch_grad=batch_grad,
         )
         self.model = model
         self.path = path
@@ -237,6 +244,7 @@ class GradRecorder:
             self.params,
             batch_reduction=self.config.batch_reduction,
             randomness=self.config.vmap_randomness,
+            **({"batch_grad": "sum"} if self.config.batch_grad == "sum" else {}),
         )
         self._backend.attach()
         attrs = self._root_attrs()

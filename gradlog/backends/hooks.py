@@ -14,6 +14,10 @@ batch loss), so rules multiply by ``1 / w_b``. A module called several times (re
 weights) contributes once per call, summed. Errors inside the backward are kept and raised
 after it, so ``p.grad`` is never left half accumulated.
 
+``batch_grad="sum"``. Recorded ``nn.Linear``/``Conv1D`` layers then take their weight
+gradient from the sum of their per-datum gradients instead of autograd's own matmul
+(:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
+
 Chosen layers. Only modules owning recorded parameters are hooked (and only the recorded
 parameters get a gradient hook), so recording ``params="layers.40.*"`` of a deep model costs
 that layer's captured inputs (for Linear and LayerNorm the tensors autograd saves anyway) and
@@ -80,6 +84,7 @@ import torch
 from torch import nn
 
 from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads
+from gradlog.backends.fused import FusedLink, fusable, fuse_output
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.params import check_differentiable
 from gradlog.rules import GENERIC, RowGrads, Rule, active_randomness, find_rule
@@ -93,7 +98,11 @@ except ImportError:  # pragma: no cover - the memory module is optional for this
     _current_chunk = lambda: None  # noqa: E731
 
 
-__all__ = ["HooksBackend"]
+__all__ = ["BATCH_GRADS", "HooksBackend"]
+
+BATCH_GRADS = ("autograd", "sum")
+"""``p.grad`` of recorded Linear weights: autograd's own (bitwise), or the sum of the
+per-datum gradients (:mod:`gradlog.backends.fused`: one matmul less, float tolerance)."""
 
 _TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 _PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
@@ -136,6 +145,7 @@ class _Entry:
     names: dict[str, str]  # attribute path -> recorded parameter name
     params: tuple[nn.Parameter, ...]
     fallback: bool
+    fused: bool = False  # batch_grad="sum": the weight gradient is the sum of the records
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:
@@ -156,6 +166,7 @@ class _Call:
         "chunk",
         "done",
         "entry",
+        "fused",
         "grads",
         "handles",
         "hooked",
@@ -190,6 +201,7 @@ class _Call:
         self.via_consumers = False
         self.refusal: str | None = None  # why the rule cannot compute this call
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
+        self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
 
     def release(self) -> None:
         """Drop captured tensors and make the output hooks inert."""
@@ -213,8 +225,12 @@ class HooksBackend(Backend):
         *,
         batch_reduction: str,
         randomness: str,
+        batch_grad: str = "autograd",
     ) -> None:
         super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
+        if batch_grad not in BATCH_GRADS:
+            raise BackendError(f"batch_grad={batch_grad!r} is not one of {list(BATCH_GRADS)}.")
+        self.batch_grad = batch_grad
         self._entries: list[_Entry] = []
         self._sequence_first: list[str] = []  # modules with batch_first=False
         self._handles: list[Any] = []
@@ -264,6 +280,8 @@ class HooksBackend(Backend):
                 for e in self._entries
             ],
             "fallback": [e.name for e in self._entries if e.fallback],
+            "batch_grad": self.batch_grad,
+            "fused": [e.name for e in self._entries if e.fused],
         }
 
     def _plan(self) -> list[_Entry]:
@@ -295,19 +313,29 @@ class HooksBackend(Backend):
     def _entry(self, module: nn.Module, name: str, rule: Rule, names: dict[str, str],
                *, fallback: bool) -> _Entry:
         params = tuple(self.params[n] for n in dict.fromkeys(names.values()))
-        return _Entry(module, name, rule, names, params, fallback)
+        fused = (self.batch_grad == "sum" and not fallback and "weight" in names
+                 and rule.name in ("linear", "conv1d_gpt2") and fusable(module))
+        return _Entry(module, name, rule, names, params, fallback, fused)
 
     # -- capture (forward) ------------------------------------------------------------------
     def _on_forward(self, entry: _Entry, module: nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any], output: Any) -> None:
+                    kwargs: dict[str, Any], output: Any) -> Any:
         if self._recomputing or not torch.is_grad_enabled():
-            return
+            return None
+        if not any(p.requires_grad for p in entry.params):
+            return None
+        link: FusedLink | None = None
+        if entry.fused and not kwargs and _current_chunk() is None and not isinstance(
+                getattr(output, "grad_fn", None), torch.autograd.function.BackwardCFunction):
+            # (an output another context re-rooted, e.g. gradlog.sparse, keeps its own backward)
+            fused = fuse_output(module, args, output)
+            if fused is not None:
+                output, link = fused
         if _in_backward() and (not self._armed or _in_checkpoint_recompute()):
             # A checkpoint recompute: in a backward that is not recorded, or a non-reentrant
-            # one, whose outputs never receive gradients (the original call's do).
-            return
-        if not any(p.requires_grad for p in entry.params):
-            return
+            # one, whose outputs never receive gradients (the original call's do). It is
+            # re-rooted like the original call, which saved the same tensors.
+            return output if link is not None else None
         leaves = flatten(output)[0]
         call: _Call | None = None
         seen: set[int] = set()
@@ -323,7 +351,8 @@ class HooksBackend(Backend):
             call.handles.append(t.register_hook(functools.partial(self._on_output_grad, call, i)))
             call.hooked += 1
         if call is None:
-            return
+            return None
+        call.fused = link
         chunk = _current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
@@ -343,6 +372,7 @@ class HooksBackend(Backend):
         self._live.append(weakref.ref(call))
         if len(self._live) % 256 == 0:
             self._live = [r for r in self._live if r() is not None]
+        return output if link is not None else None
 
     # -- backward ---------------------------------------------------------------------------
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
@@ -474,6 +504,11 @@ class HooksBackend(Backend):
                     result = entry.rule.compute(entry.module, cap, entry.wanted)
             finally:
                 self._recomputing = False
+            weight = result.get("weight")
+            if call.fused is not None and rows is None and isinstance(weight, torch.Tensor):
+                # The call's batch weight gradient, read by FusedLinear.backward, which runs
+                # right after this output hook; before _add, which may add into the tensor.
+                call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
             narrow = _narrow_dtype(grads, entry.params)
             if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded

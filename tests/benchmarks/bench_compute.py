@@ -103,8 +103,16 @@ def methods(
     def reduce(raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return per_datum_losses(raw, mask, "mean")
 
-    for name in ("hooks", "vmap", "loop"):
-        backend = BACKENDS[name](model, params, batch_reduction="mean", randomness="different")
+    variants: list[tuple[str, str, dict[str, Any]]] = [
+        ("gradlog hooks", "hooks", {}),
+        ("gradlog hooks, batch_grad=sum", "hooks", {"batch_grad": "sum"}),
+        ("gradlog vmap", "vmap", {}),
+        ("gradlog loop", "loop", {}),
+    ]
+    for label, name, options in variants:
+        backend = BACKENDS[name](
+            model, params, batch_reduction="mean", randomness="different", **options
+        )
         if backend.needs_loss_fn:
 
             def step(be: Any = backend) -> Any:
@@ -117,7 +125,7 @@ def methods(
                 losses = reduce(token_losses(model, (x, y)), None)  # (B,)
                 return be.backward(losses, losses.mean())
 
-        out[f"gradlog {name}"] = (backend.attach, step, backend.detach)
+        out[label] = (backend.attach, step, backend.detach)
 
     try:
         from torch.nn.utils._per_sample_grad import call_for_per_sample_grads

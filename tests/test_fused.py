@@ -1,0 +1,205 @@
+"""``batch_grad="sum"``: the weight gradient of recorded Linear layers is the weighted sum of
+their per-datum gradients (gradlog.backends.fused), with autograd's own weight-gradient matmul
+skipped. Per-datum gradients are checked against the loop oracle and ``p.grad`` against a plain
+backward, float64; the skipped matmul is checked by counting FLOPs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradlog
+from gradlog.errors import ConfigError
+from gradlog.testing.zoo import gpt_batch, mlp, mlp_batch, per_token_ce, tiny_gpt
+
+D64 = torch.float64
+LossFn = Callable[[nn.Module], torch.Tensor]  # per-datum losses (B,)
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D`` (weight stored (d_in, d_out)), matched by class name."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class Reuse(nn.Module):
+    """A Linear called twice, an embedding tied to the (Linear) head, GPT-2 Conv1D layers,
+    and a frozen Linear with a LoRA-style adapter."""
+
+    def __init__(self, V: int = 7, d: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.mix = nn.Linear(d, d)
+        self.c_fc = Conv1D(2 * d, d)
+        self.c_proj = Conv1D(d, 2 * d)
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(d, 2, bias=False)
+        self.lora_b = nn.Linear(2, d, bias=False)
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)  # (B, T, d)
+        h = h + torch.tanh(self.mix(h))
+        h = h + torch.tanh(self.mix(h))  # the same module again
+        h = h + self.c_proj(F.gelu(self.c_fc(h)))
+        h = self.base(h) + self.lora_b(self.lora_a(h))
+        return self.head(h)  # (B, T, V)
+
+
+def _case(kind: str) -> tuple[nn.Module, LossFn]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = mlp()
+        x, y = mlp_batch(5)
+        return model, lambda m: F.cross_entropy(m(x), y, reduction="none")
+    if kind in ("gpt", "gpt_tied"):
+        model = tiny_gpt(tie_weights=kind == "gpt_tied")
+        x, y, mask = gpt_batch(5, 6)
+        return model, lambda m: gradlog.losses.per_datum_losses(per_token_ce(m(x), y), mask, "mean")
+    model = Reuse().to(D64)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 7, (4, 6), generator=gen)  # (B, T)
+    tgt = torch.randint(0, 7, (4, 6), generator=gen)  # (B, T)
+    return model, lambda m: per_token_ce(m(idx), tgt).mean(1)
+
+
+def _record(model: nn.Module, loss_fn: LossFn, path: Path, **options: Any) -> Any:
+    with gradlog.GradRecorder(model, path, dtype="float64", check_every=1, **options) as rec:
+        model.zero_grad(set_to_none=True)
+        rec.backward(loss_fn(model))
+    return gradlog.open(path)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt_tied", "reuse"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_records_match_the_oracle_and_p_grad_the_plain_backward(
+    tmp_path: Path, kind: str, reduction: str
+) -> None:
+    model, loss_fn = _case(kind)
+    plain = copy.deepcopy(model)
+    oracle = copy.deepcopy(model)
+    run = _record(model, loss_fn, tmp_path / "sum.gradlog", batch_grad="sum",
+                  batch_reduction=reduction)
+    want = _record(oracle, loss_fn, tmp_path / "loop.gradlog", backend="loop",
+                   batch_reduction=reduction)
+    described = run.attrs["backend"]
+    assert described["batch_grad"] == "sum" and described["fused"]
+    for name in want.param_names:
+        np.testing.assert_allclose(run.grads(name), want.grads(name), rtol=1e-9, atol=1e-15,
+                                   err_msg=name)
+    losses = loss_fn(plain)
+    (losses.mean() if reduction == "mean" else losses.sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def _flops(model: nn.Module, loss_fn: LossFn, path: Path, batch_grad: str) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with gradlog.GradRecorder(model, path, batch_grad=batch_grad, check_every=0) as rec:
+        losses = loss_fn(model)
+        with FlopCounterMode(display=False) as counter:
+            rec.backward(losses)
+    return int(counter.get_total_flops())
+
+
+def test_the_batch_weight_gradient_matmul_is_skipped(tmp_path: Path) -> None:
+    model, loss_fn = _case("gpt")
+    both = _flops(copy.deepcopy(model), loss_fn, tmp_path / "a.gradlog", "autograd")
+    fused = _flops(copy.deepcopy(model), loss_fn, tmp_path / "s.gradlog", "sum")
+    B, T = 5, 6
+    skipped = sum(
+        2 * B * T * m.in_features * m.out_features
+        for m in model.modules() if type(m) is nn.Linear
+    )
+    assert skipped > 0 and both - fused == skipped
+
+
+def test_steps_gradlog_does_not_record_train_as_without_it(tmp_path: Path) -> None:
+    model, loss_fn = _case("gpt")
+    plain = copy.deepcopy(model)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", batch_grad="sum"):
+        loss_fn(model).mean().backward()  # the user's own backward: gradlog records nothing
+    loss_fn(plain).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_autograd_still_accumulates_p_grad(tmp_path: Path) -> None:
+    """Post-accumulate hooks (what DDP's reducer and optimizers-in-backward use) fire once per
+    backward for every parameter, and micro-batches accumulate as usual."""
+    model, loss_fn = _case("gpt")
+    plain = copy.deepcopy(model)
+    fired: dict[str, int] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(
+            lambda _, n=name: fired.__setitem__(n, fired.get(n, 0) + 1))
+        for name, p in model.named_parameters()
+    ]
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", batch_grad="sum",
+                              dtype="float64", check_every=1) as rec:
+        rec.backward(loss_fn(model), step=0)
+        rec.backward(loss_fn(model), step=0)  # a second micro-batch of the same step
+    for h in handles:
+        h.remove()
+    assert fired == {name: 2 for name, _ in model.named_parameters()}
+    for _ in range(2):
+        loss_fn(plain).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    assert gradlog.open(tmp_path / "r.gradlog").steps.to_pylist()[0]["n_micro"] == 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks(tmp_path: Path, reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2)).to(D64)
+    x = torch.randn(3, 5, 4, dtype=D64, requires_grad=reentrant)
+
+    def loss_fn(m: nn.Module) -> torch.Tensor:
+        h = checkpoint(m[:4], x, use_reentrant=reentrant)
+        return m[4](h).pow(2).mean((1, 2))
+
+    want = _record(copy.deepcopy(model), lambda m: m(x).pow(2).mean((1, 2)),
+                   tmp_path / "plain.gradlog", backend="loop")
+    run = _record(model, loss_fn, tmp_path / "ckpt.gradlog", batch_grad="sum")
+    for name in want.param_names:
+        np.testing.assert_allclose(run.grads(name), want.grads(name), rtol=1e-10, err_msg=name)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="batch_grad='sum' applies to the hooks backend"):
+        gradlog.GradRecorder(mlp(), "unused.gradlog", backend="vmap", batch_grad="sum")
+    with pytest.raises(ConfigError, match="batch_grad='exact' is not one of"):
+        gradlog.GradRecorder(mlp(), "unused.gradlog", batch_grad="exact")
+
+
+def test_the_default_keeps_its_config_hash() -> None:
+    """Stores recorded before the option existed resume: the default is not hashed."""
+    from gradlog.config import RecorderConfig
+
+    assert "batch_grad" not in RecorderConfig().to_json()
+    assert RecorderConfig(batch_grad="sum").to_json()["batch_grad"] == "sum"
