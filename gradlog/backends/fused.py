@@ -72,7 +72,7 @@ class FusedLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x:
             w = weight.t() if ctx.transposed else weight  # (d_out, d_in)
-            grad_x = grad.matmul(w)  # (..., d_in)
+            grad_x = g.mm(w).view(*grad.shape[:-1], w.shape[1])  # (..., d_in)
         if need_w:
             grad_w, link.weight_grad = link.weight_grad, None
             if grad_w is None:  # a backward gradlog does not record: the batch matmul

@@ -6,7 +6,8 @@ and a GELU MLP, final LayerNorm, untied head; small: vocab 512, d 128, 2 layers,
 medium: d 256, 4 layers, T 128, B 32), float32, per-token cross entropy averaged per datum,
 mean over the batch.
 
-What is timed. Each repetition runs a plain step (zero_grad, forward, ``losses.mean()
+What is timed. Methods take turns (round robin), each on its own copy of the model. Each
+repetition of a method runs a plain step (zero_grad, forward, ``losses.mean()
 .backward()``, no gradlog hook installed) and right after it one step of the method (zero_grad,
 forward, per-datum gradients of every parameter computed and left in memory, ``p.grad``
 where the method gives it). Nothing is written to disk: this is compute only. The table shows
@@ -180,34 +181,48 @@ def _timed(step: Step) -> float:
     return elapsed
 
 
-def time_method(size: str, name: str, reps: int) -> dict[str, float] | str:
-    """Median paired ratio and median times (s) of method ``name`` against the plain step."""
-    model, x, y = build(size)
-    table = methods(model, x, y)
-    _, plain, _ = table["plain fwd+bwd"]  # type: ignore[misc]
-    entry = table[name]
-    if isinstance(entry, str):
-        return entry
-    setup, step, teardown = entry
-    ratios, base, times = [], [], []
-    for rep in range(reps + 2):  # two warm-up pairs
-        t0 = _timed(plain)
-        setup()
-        try:
-            t1 = _timed(step)
-        finally:
-            teardown()
-        if rep >= 2:
-            ratios.append(t1 / t0)
-            base.append(t0)
-            times.append(t1)
-    return {
-        "ratio": statistics.median(ratios),
-        "plain_s": statistics.median(base),
-        "method_s": statistics.median(times),
-        "min_ratio": min(ratios),
-        "max_ratio": max(ratios),
-    }
+def time_methods(size: str, names: list[str], reps: int, loop_reps: int) -> dict[str, Any]:
+    """Median paired ratio and median times (s) of each method against a plain step.
+
+    Methods take turns (round robin, rotating the order every repetition), each with its own
+    copy of the model and a plain step of that copy right before its step, so that load from
+    other processes on a shared machine falls on every method alike."""
+    tables = {name: methods(*build(size)) for name in names}
+    rows: dict[str, dict[str, list[float]]] = {
+        n: {"ratio": [], "plain": [], "method": []} for n in names}
+    out: dict[str, Any] = {}
+    for rep in range(reps + 2):  # two warm-up rounds
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            entry = tables[name][name]
+            if isinstance(entry, str):
+                out[name] = entry
+                continue
+            if name == "gradlog loop" and rep >= loop_reps + 2:
+                continue
+            _, plain, _ = tables[name]["plain fwd+bwd"]  # type: ignore[misc]
+            setup, step, teardown = entry
+            t0 = _timed(plain)
+            setup()
+            try:
+                t1 = _timed(step)
+            finally:
+                teardown()
+            if rep >= 2:
+                rows[name]["ratio"].append(t1 / t0)
+                rows[name]["plain"].append(t0)
+                rows[name]["method"].append(t1)
+    for name, r in rows.items():
+        if name in out:
+            continue
+        out[name] = {
+            "ratio": statistics.median(r["ratio"]),
+            "plain_s": statistics.median(r["plain"]),
+            "method_s": statistics.median(r["method"]),
+            "min_ratio": min(r["ratio"]),
+            "max_ratio": max(r["ratio"]),
+        }
+    return out
 
 
 def _status_bytes(field: str) -> int:
@@ -322,9 +337,9 @@ def main() -> None:
             "| extra memory MiB | vs plain |"
         )
         print("|---|---|---|---|---|---|---|")
+        timings = time_methods(size, names, args.reps, args.loop_reps)
         for name in names:
-            reps = min(args.reps, args.loop_reps) if name == "gradlog loop" else args.reps
-            timing = time_method(size, name, reps)
+            timing = timings[name]
             if isinstance(timing, str):
                 print(f"| {name} | - | - | - | - | - | {timing} |")
                 continue

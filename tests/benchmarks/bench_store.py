@@ -444,12 +444,21 @@ def main() -> None:
         help="steps of the read-benchmark store, per size",
     )
     parser.add_argument("--overlap-steps", type=int, default=4)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of the compute (e.g. 1 on a 2-core machine, leaving a "
+        "core to the writer as a GPU node's spare cores would)",
+    )
     parser.add_argument("--backend", default="hooks", help="backend of the overlap benchmark")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (the disk)")
     parser.add_argument("--skip", default="", help="comma-separated: codecs,reads,overlap,zarr")
     parser.add_argument("--no-results", action="store_true", help="do not append RESULTS.md")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     read_steps = dict(item.split(":") for item in args.read_steps.split(","))
     base = Path(tempfile.mkdtemp(prefix="bench_store_", dir=args.dir))
     say(
