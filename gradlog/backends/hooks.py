@@ -83,13 +83,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from gradlog._tree import flatten, leaves
 from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fusable, fuse_output
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.params import check_differentiable
 from gradlog.rules import GENERIC, RowGrads, Rule, active_randomness, find_rule
 from gradlog.rules.base import Capture, RuleResult
-from gradlog.rules.func import flatten
 
 _current_chunk: Callable[[], Any]  # rows of chunked_linear_loss's head calls (gradlog.memory)
 try:
@@ -187,7 +187,7 @@ class _Call:
         self.args: tuple[Any, ...] | None = args
         self.kwargs: dict[str, Any] | None = kwargs
         self.versions = tuple(t._version if isinstance(t, torch.Tensor) else None
-                              for t in flatten((args, kwargs))[0])
+                              for t in leaves((args, kwargs)))
         self.grads: list[torch.Tensor | None] = [None] * n_leaves
         self.handles: list[Any] = []
         self.hooked = 0
@@ -336,15 +336,15 @@ class HooksBackend(Backend):
             # one, whose outputs never receive gradients (the original call's do). It is
             # re-rooted like the original call, which saved the same tensors.
             return output if link is not None else None
-        leaves = flatten(output)[0]
+        outputs = leaves(output)
         call: _Call | None = None
         seen: set[int] = set()
-        for i, t in enumerate(leaves):
+        for i, t in enumerate(outputs):
             if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in seen:
                 continue
             seen.add(id(t))  # an output returned twice has one gradient: hook it once
             if call is None:
-                call = _Call(entry, args, kwargs, len(leaves), i, t.shape)
+                call = _Call(entry, args, kwargs, len(outputs), i, t.shape)
                 if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
                     tags = cast(dict[str, Any], t.grad_fn.metadata)
                     tags.setdefault(_TAG, []).append((t.output_nr, call))
@@ -572,7 +572,7 @@ class HooksBackend(Backend):
         self._covered.update(entry.names.values())
 
     def _check_versions(self, call: _Call) -> None:
-        now = flatten((call.args, call.kwargs))[0]
+        now = leaves((call.args, call.kwargs))
         for t, version in zip(now, call.versions):
             if isinstance(t, torch.Tensor) and version is not None and t._version != version:
                 raise BackendError(
@@ -766,9 +766,9 @@ class HooksBackend(Backend):
             per = per * factor
         args, kwargs = call.args, call.kwargs
         if expand:
-            leaves, rebuild = flatten((call.args, call.kwargs))
+            parts, rebuild = flatten((call.args, call.kwargs))
             args, kwargs = rebuild([batched(t) if isinstance(t, torch.Tensor) else t
-                                    for t in leaves])
+                                    for t in parts])
         grads: list[torch.Tensor | None] = [None] * len(call.grads)
         grads[call.primary] = per
         self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)
@@ -808,8 +808,8 @@ def _chunk_as_datums(
         full[offset : offset + n_rows] = t
         return full.view(last - first, per, *t.shape[1:])  # (datums, T, ...)
 
-    leaves, rebuild = flatten((args, kwargs))
-    new_args, new_kwargs = rebuild([as_datums(t) for t in leaves])
+    parts, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([as_datums(t) for t in parts])
     return last - first, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
 
 
@@ -824,8 +824,8 @@ def _batch_first(
             return t.movedim(bd, 0)
         return t
 
-    leaves, rebuild = flatten((args, kwargs))
-    new_args, new_kwargs = rebuild([first(t) for t in leaves])
+    parts, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([first(t) for t in parts])
     return new_args, new_kwargs, [first(g) for g in grads]
 
 
@@ -925,12 +925,15 @@ def _find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, in
         for slot, (child, output_nr) in enumerate(node.next_functions):
             if child is None:
                 continue
-            if id(child) not in seen:
-                seen.add(id(child))
+            key = id(child)
+            if key not in seen:
+                seen.add(key)
                 keep.append(child)
                 stack.append(child)
-                tags[id(child)] = child.metadata.get(_TAG, [])
-            for nr, call in tags[id(child)]:
+                tagged = child.metadata.get(_TAG)
+                if tagged:
+                    tags[key] = tagged
+            for nr, call in tags.get(key, ()):
                 if nr == output_nr and id(call) in wanted:
                     found.setdefault(id(call), []).append((node, slot))
     return found
