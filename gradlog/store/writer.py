@@ -34,7 +34,6 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -54,6 +53,7 @@ from gradlog.errors import (
     StoreWriteError,
 )
 from gradlog.store import format as fmt
+from gradlog.store import fs as sfs
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import (
     StorageDtype,
@@ -62,6 +62,7 @@ from gradlog.store.dtypes import (
     to_storage_numpy,
     to_storage_torch,
 )
+from gradlog.store.fs import StorePath
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "ParamSpec", "StoreWriter"]
 
@@ -96,40 +97,18 @@ class ParamSpec:
 
 
 # -- file primitives (module level, so that fault tests can replace them) ---------------------
-def _write_file(path: Path, buffers: list[Any]) -> int:
-    """Create or truncate ``path`` and write ``buffers`` in order; returns the bytes written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        views = [memoryview(b).cast("B") for b in buffers]
-        total = 0
-        while views:
-            batch = views[:1024]  # IOV_MAX on Linux
-            expected = sum(len(v) for v in batch)
-            written = os.writev(fd, batch)
-            total += written
-            if written == expected:  # the common case: everything went out
-                del views[: len(batch)]
-                continue
-            while written >= len(views[0]):  # a short write: resume inside a buffer
-                written -= len(views.pop(0))
-            views[0] = views[0][written:]
-        return total
-    finally:
-        os.close(fd)
+def _write_file(path: StorePath, buffers: list[Any]) -> int:
+    """Create or truncate ``path`` and write ``buffers`` in order; returns the bytes written
+    (one ``writev`` locally, one PUT on object storage: :mod:`gradlog.store.fs`)."""
+    return sfs.write_buffers(path, buffers)
 
 
-def _write_parquet_atomic(table: Any, path: Path) -> None:
-    import pyarrow.parquet as pq
-
-    tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+def _write_parquet_atomic(table: Any, path: StorePath) -> None:
+    sfs.write_parquet_atomic(table, path)
 
 
-def _write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(value, separators=(",", ":")), encoding="utf-8")
-    os.replace(tmp, path)
+def _write_json_atomic(path: StorePath, value: Any) -> None:
+    sfs.write_bytes_atomic(path, json.dumps(value, separators=(",", ":")).encode("utf-8"))
 
 
 def _fsync_path(path: Path) -> None:
@@ -163,7 +142,7 @@ def _syncfs(root: Path) -> bool:
     return True
 
 
-def _is_store(path: Path) -> bool:
+def _is_store(path: StorePath) -> bool:
     try:
         meta = json.loads((path / "zarr.json").read_text())
     except (OSError, ValueError):
@@ -171,8 +150,10 @@ def _is_store(path: Path) -> bool:
     return isinstance(meta, dict) and meta.get("attributes", {}).get("format") == fmt.FORMAT_NAME
 
 
-def _inside(root: Path, path: Path) -> bool:
+def _inside(root: StorePath, path: StorePath) -> bool:
     """Whether ``path`` resolves (symlinks followed) to ``root`` or below it."""
+    if not isinstance(root, Path) or not isinstance(path, Path):
+        return True  # an ObjectPath cannot leave its store (gradlog.store.fs); no links
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
     return real == real_root or real.startswith(real_root + os.sep)
@@ -289,7 +270,7 @@ class StoreWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | StorePath,
         *,
         attrs: Mapping[str, Any],
         specs: Mapping[str, ParamSpec],
@@ -311,7 +292,7 @@ class StoreWriter:
                 f"queue_bytes={queue_bytes!r} must be a positive int (bytes), or None for one "
                 "batch's gradients."
             )
-        self.path = Path(path)
+        self.path: StorePath = sfs.store_path(path)
         self.specs = dict(specs)
         self.durable = durable
         self._dtypes: dict[str, StorageDtype] = {
@@ -332,8 +313,8 @@ class StoreWriter:
         self._steps_schema = fmt.steps_schema()
         self._write_seconds = 0.0  # writer-thread time of the step being written
         self._closed = False
-        self._unsynced: set[Path] = set()  # written since the last sync (fsync fallback)
-        self._unsynced_markers: list[Path] = []  # commit markers not yet synced
+        self._unsynced: set[StorePath] = set()  # written since the last sync (fsync fallback)
+        self._unsynced_markers: list[StorePath] = []  # commit markers not yet synced
 
         resumed = False
         if resume and self.path.exists() and _is_store(self.path):
@@ -375,11 +356,15 @@ class StoreWriter:
                         f"{self.path} is a symbolic link; refusing to delete what it points "
                         "to. Pass the store's real path."
                     )
-                shutil.rmtree(self.path)
+                sfs.remove_tree(self.path)
         root = dict(attrs)
         root["params"] = {name: spec.to_json() for name, spec in self.specs.items()}
-        group = zarr.open_group(str(self.path), mode="w", zarr_format=3, attributes=root)
-        group.create_group(fmt.GRADS_GROUP)
+        if sfs.is_object(self.path):  # a group is its zarr.json; one PUT each
+            sfs.write_bytes_atomic(self.path / "zarr.json", _group_json(root))
+            sfs.write_bytes_atomic(self.path / fmt.GRADS_GROUP / "zarr.json", _group_json({}))
+        else:
+            group = zarr.open_group(str(self.path), mode="w", zarr_format=3, attributes=root)
+            group.create_group(fmt.GRADS_GROUP)
         (self.path / fmt.INDEX_DIR).mkdir()
         (self.path / fmt.STEPS_DIR).mkdir()
 
@@ -457,7 +442,7 @@ class StoreWriter:
         # Discard what the crash left: uncommitted index parts and temporaries. Their rows are
         # past the committed ones and will be overwritten.
         for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR):
-            for entry in os.listdir(self.path / sub):
+            for entry in sfs.listdir(self.path / sub):
                 parsed = fmt.parse_part_name(entry)
                 stale = entry.startswith(".") or (
                     sub == fmt.INDEX_DIR
@@ -468,7 +453,7 @@ class StoreWriter:
                     (self.path / sub / entry).unlink()
 
     # -- arrays ---------------------------------------------------------------------------------
-    def _array_dir(self, name: str) -> Path:
+    def _array_dir(self, name: str) -> StorePath:
         return self.path / fmt.array_path(name)
 
     def _make_layouts(self, batch: int) -> None:
@@ -682,7 +667,7 @@ class StoreWriter:
         step = int(row["step"])
         what = f"the commit of step {step}"
 
-        def mark(written: set[Path], seconds: float) -> None:
+        def mark(written: set[StorePath], seconds: float) -> None:
             import pyarrow as pa
 
             t0 = time.perf_counter()
@@ -754,7 +739,7 @@ class StoreWriter:
             if not directory.is_dir() or not _inside(self.path, directory):
                 continue
             first_gone = -(-rows // layout.rows_per_shard)
-            for entry in os.listdir(directory):
+            for entry in sfs.listdir(directory):
                 shard = layout.shard_of_key(entry)
                 if shard is not None and shard >= first_gone:
                     (directory / entry).unlink()
@@ -773,24 +758,35 @@ def _drainer(*workers: _Worker | None) -> Callable[[], None]:
     return drain
 
 
-def _sync(root: Path, written: set[Path]) -> None:
+def _sync(root: StorePath, written: set[StorePath]) -> None:
     """Make ``written`` (files and the directories holding them) durable: one ``syncfs`` of
-    the store's file system on Linux, else an ``fsync`` of each."""
+    the store's file system on Linux, else an ``fsync`` of each. Nothing on object storage:
+    a PUT is durable once it returned."""
+    if not isinstance(root, Path):
+        return
     if _syncfs(root):
         return
-    for path in sorted(written, key=lambda p: len(p.parts), reverse=True):
+    local = [p for p in written if isinstance(p, Path)]
+    for path in sorted(local, key=lambda p: len(p.parts), reverse=True):
         _fsync_path(path)
-    for directory in {p.parent for p in written}:
+    for directory in {p.parent for p in local}:
         _fsync_path(directory)
 
 
-def _read_layout(meta_file: Path) -> tuple[ShardLayout, int]:
+def _read_layout(meta_file: StorePath) -> tuple[ShardLayout, int]:
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreFormatError(f"{meta_file} is not valid JSON: {e}") from None
     layout = ShardLayout.from_metadata(meta, str(meta_file))
     return layout, int(meta["shape"][0])
+
+
+def _group_json(attributes: Mapping[str, Any]) -> bytes:
+    """A Zarr v3 group's ``zarr.json`` (what zarr-python writes for one)."""
+    meta = {"attributes": dict(attributes), "zarr_format": 3, "consolidated_metadata": None,
+            "node_type": "group"}
+    return json.dumps(meta, indent=2).encode("utf-8")
 
 
 def _check_same_config(stored: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
