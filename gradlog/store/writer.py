@@ -63,6 +63,7 @@ from gradlog.store.dtypes import (
     to_storage_torch,
 )
 from gradlog.store.fs import StorePath
+from gradlog.store.ranks import RANKS_DIR, merge_rows, rank_part, wait_for_ranks
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "ParamSpec", "StoreWriter"]
 
@@ -72,6 +73,8 @@ batch is written while the next is computed (see :class:`StoreWriter`)."""
 
 _GROWTH = 2  # arrays' record axes grow geometrically: a metadata rewrite per doubling
 _FIRST_SHARDS = 256  # the first declaration covers 256 shards: no rewrite for 256 calls
+RANK_COMMIT_TIMEOUT_S = 600.0
+"""How long rank 0 waits for the other ranks' parts of a step before failing (distributed)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,10 @@ class StoreWriter:
             process. Without it, steps are safe against process crashes only.
         compression: ``"none"``, ``"lz4"`` or ``"zstd"``; default: the dtype's
             (:func:`~gradlog.store.dtypes.default_compression`).
+        rank, world_size: Recording by ``world_size`` ranks into one store
+            (:mod:`gradlog.store.ranks`): rank 0 creates or resumes the store and commits
+            steps; every other rank joins it once rank 0 is done (never creates, deletes or
+            rewrites metadata) and writes its own rows, index parts and rank parts.
     """
 
     def __init__(
@@ -279,6 +286,8 @@ class StoreWriter:
         queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
         durable: bool = True,
         compression: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if overwrite and resume:
             raise StoreExistsError(
@@ -293,6 +302,8 @@ class StoreWriter:
                 "batch's gradients."
             )
         self.path: StorePath = sfs.store_path(path)
+        self.rank = rank
+        self.world_size = world_size
         self.specs = dict(specs)
         self.durable = durable
         self._dtypes: dict[str, StorageDtype] = {
@@ -317,11 +328,21 @@ class StoreWriter:
         self._unsynced_markers: list[StorePath] = []  # commit markers not yet synced
 
         resumed = False
-        if resume and self.path.exists() and _is_store(self.path):
+        if rank > 0:  # rank 0 created or resumed the store before this rank started
+            if not _is_store(self.path):
+                raise StoreWriteError(
+                    f"rank {rank}: {self.path} is not a gradlog store though rank 0 opened it; "
+                    "every rank must record into the same path, on storage they all see."
+                )
+            self._resume(attrs, cleanup=False)
+            resumed = True
+        elif resume and self.path.exists() and _is_store(self.path):
             self._resume(attrs)
             resumed = True
         if not resumed:
             self._create(attrs, overwrite)
+        if world_size > 1 and rank == 0:
+            (self.path / RANKS_DIR).mkdir(exist_ok=True)
         self._worker = _Worker(capacity=queue_bytes or 0, name=f"gradlog-writer:{self.path.name}")
         self._worker.start()
         self._syncer: _Worker | None = None  # syncs and commits, behind the writer (durable)
@@ -368,7 +389,9 @@ class StoreWriter:
         (self.path / fmt.INDEX_DIR).mkdir()
         (self.path / fmt.STEPS_DIR).mkdir()
 
-    def _resume(self, attrs: Mapping[str, Any]) -> None:
+    def _resume(self, attrs: Mapping[str, Any], cleanup: bool = True) -> None:
+        """Continue after the last committed step; ``cleanup`` (not for ranks > 0, which join
+        a store rank 0 just cleaned) deletes what uncommitted steps left."""
         from gradlog.store.reader import Run
 
         run = Run(self.path)
@@ -439,16 +462,22 @@ class StoreWriter:
             for m in range(n)
         }
         self.last_committed = self.last_step
+        if not cleanup:
+            return
         # Discard what the crash left: uncommitted index parts and temporaries. Their rows are
-        # past the committed ones and will be overwritten.
-        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR):
+        # past the committed ones and will be overwritten. Rank parts of uncommitted steps go
+        # too: a step recorded again must not be committed on a crashed attempt's part.
+        done = {int(s) for s in steps.column("step").to_pylist()}
+        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, RANKS_DIR):
+            if sub == RANKS_DIR and not (self.path / sub).is_dir():
+                continue  # recorded by one process
             for entry in sfs.listdir(self.path / sub):
                 parsed = fmt.parse_part_name(entry)
                 stale = entry.startswith(".") or (
                     sub == fmt.INDEX_DIR
                     and parsed is not None
                     and (parsed[0], parsed[1] or 0) not in committed
-                )
+                ) or (sub == RANKS_DIR and parsed is not None and parsed[0] not in done)
                 if stale and (self.path / sub / entry).is_file():
                     (self.path / sub / entry).unlink()
 
@@ -467,6 +496,8 @@ class StoreWriter:
         for name, layout in self._layouts.items():
             directory = self._array_dir(name)
             directory.mkdir(parents=True, exist_ok=True)
+            if self.rank > 0:
+                continue  # rank 0 writes the metadata, before it commits these rows
             _write_json_atomic(directory / "zarr.json", layout.metadata(rows))
             self._unsynced.add(directory / "zarr.json")
         self._capacity = rows
@@ -510,8 +541,13 @@ class StoreWriter:
         lr: float | None,
         grads: Mapping[str, Any],
         norms: Mapping[str, np.ndarray],
+        plan: list[int] | None = None,
     ) -> tuple[int, int]:
         """Queue the records of one backward call; returns their row range ``[start, stop)``.
+
+        ``plan``: with several ranks, the batch sizes of every rank's call of this round
+        (the same list on every rank); each rank's rows follow those of the ranks before it,
+        each rank's call starting at a shard boundary, so ranks write disjoint shard files.
 
         ``grads`` maps every parameter to its per-datum gradients ``(B, *shape)``: numpy
         arrays or torch tensors (CUDA tensors are rounded on the device and copied to pinned
@@ -525,13 +561,16 @@ class StoreWriter:
         if self._closed:
             raise GradlogError("this StoreWriter is closed.")
         batch = len(datum_ids)
+        sizes = plan if plan is not None else [batch]
         if not self._layouts:
-            self._make_layouts(batch)
-        start = self._next_row
+            self._make_layouts(max(sizes))
+        c = next(iter(self._layouts.values())).rows_per_shard
+        spans = [-(-b // c) * c for b in sizes]  # each call starts at a shard boundary
+        start = self._next_row + sum(spans[: self.rank])
         stop = start + batch
-        rows_per_shard = next(iter(self._layouts.values())).rows_per_shard
-        self._next_row = -(-stop // rows_per_shard) * rows_per_shard
-        self.n_rows = stop
+        round_end = self._next_row + sum(spans[:-1]) + sizes[-1]  # the last rank's stop
+        self._next_row += sum(spans)
+        self.n_rows = round_end
 
         payload, event, nbytes = self._stage(grads)
         if self._worker.capacity == 0:  # queue_bytes=None: one batch
@@ -544,7 +583,7 @@ class StoreWriter:
         }
 
         def run() -> None:
-            self._write_call(step, micro, start, batch, lr, payload, event, index)
+            self._write_call(step, micro, start, batch, lr, payload, event, index, round_end)
 
         self._worker.put(_Task(f"step {step} (micro-batch {micro})", run, nbytes))
         self._raise_if_failed()
@@ -603,6 +642,7 @@ class StoreWriter:
         payload: dict[str, Any],
         event: Any,
         index: dict[str, Any],
+        round_end: int,
     ) -> None:
         """Writer thread: the shards of one backward call, then its index part."""
         import pyarrow as pa
@@ -613,9 +653,9 @@ class StoreWriter:
         if self._syncer is not None and self._syncer.error is not None:
             return  # a commit failed: nothing more is written (the caller sees that error)
         stop = start + batch
-        if stop > self._capacity:
+        if round_end > self._capacity:  # every rank tracks it; rank 0 alone writes metadata
             first = _FIRST_SHARDS * next(iter(self._layouts.values())).rows_per_shard
-            self._set_rows(max(stop, _GROWTH * self._capacity, first))
+            self._set_rows(max(round_end, _GROWTH * self._capacity, first))
         for name, layout in self._layouts.items():
             rows = self._host_rows(name, payload.pop(name), event is not None)
             if rows.shape != (batch, *layout.row_shape):
@@ -674,8 +714,16 @@ class StoreWriter:
             if self.durable:  # the step's data reach the disk before its commit marker exists
                 _sync(self.path, written)
             row["time_write_s"] = seconds + time.perf_counter() - t0
+            if self.rank > 0:  # this rank's share; rank 0 commits the step
+                marker = rank_part(self.path, step, self.rank)
+            else:
+                marker = self.path / fmt.STEPS_DIR / fmt.step_part_name(step)
+                if self.world_size > 1:
+                    others = wait_for_ranks(
+                        self.path, step, self.world_size, RANK_COMMIT_TIMEOUT_S
+                    )
+                    row.update(merge_rows(row, others))
             table = pa.Table.from_pylist([row], schema=self._steps_schema)
-            marker = self.path / fmt.STEPS_DIR / fmt.step_part_name(step)
             _write_parquet_atomic(table, marker)
             # The marker becomes durable with the next sync (or the one at close): a power
             # loss can only lose it, leaving its step uncommitted, never half there.
@@ -724,7 +772,7 @@ class StoreWriter:
         if self._syncer is not None:
             self._syncer.join()
         self._raise_if_failed()
-        if self._layouts and self._capacity != self.n_rows:
+        if self._layouts and self._capacity != self.n_rows and self.rank == 0:
             self._set_rows(self.n_rows)
             self._remove_shards_past(self.n_rows)
         if self.durable:  # the last commit markers, the trimmed metadata

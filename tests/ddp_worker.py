@@ -1,0 +1,74 @@
+"""One rank of the distributed-recording tests (tests/test_distributed.py): run as a script.
+
+Usage: python ddp_worker.py RANK WORLD PORT STORE STEPS [crash_at_step] [resume]
+Trains the shared tiny model under DDP (gloo, CPU) on rank RANK's share of a fixed global
+batch per step, recording into STORE. With crash_at_step, rank 1 dies (os._exit) inside that
+step, after its backward and before the step ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def model_and_data(steps: int, global_batch: int = 8) -> tuple[nn.Module, list]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for s in range(steps):
+        x = torch.randn(global_batch, 5, generator=g)
+        y = torch.randint(0, 3, (global_batch,), generator=g)
+        ids = torch.arange(s * global_batch, (s + 1) * global_batch)
+        data.append((x, y, ids))
+    return model, data
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store, steps = sys.argv[4], int(sys.argv[5])
+    crash_at = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "-" else None
+    resume = len(sys.argv) > 7 and sys.argv[7] == "resume"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    import gradlog
+    import gradlog.store.writer as writer
+
+    writer.RANK_COMMIT_TIMEOUT_S = 5.0  # a crashed rank fails the commit quickly
+    model, data = model_and_data(steps)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    first = 0
+    if resume:  # replay the committed steps' updates, unrecorded
+        steps_done = gradlog.open(store).steps.column("step").to_pylist()
+        first = max(steps_done) + 1 if steps_done else 0
+        for x, y, _ in data[:first]:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
+            opt.step()
+    try:
+        with gradlog.GradRecorder(ddp, store, check_every=1, resume=resume) as rec:
+            for step in range(first, steps):
+                x, y, ids = data[step]
+                mine = slice(rank, None, world)
+                opt.zero_grad()
+                losses = nn.functional.cross_entropy(ddp(x[mine]), y[mine], reduction="none")
+                rec.backward(losses, datum_ids=ids[mine], step=step)
+                if crash_at == step and rank == 1:
+                    os._exit(3)
+                opt.step()
+    finally:
+        if crash_at is None:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
