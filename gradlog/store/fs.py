@@ -363,7 +363,11 @@ def open_ranges(path: StorePath) -> Iterator[_Ranges]:
     if isinstance(path, ObjectPath):
         fs, key = path.fs, path.path
         size = int(fs.size(key))
-        yield _Ranges(size, lambda n, off: bytes(fs.cat_file(key, off, off + n)) if n else b"")
+
+        def get(n: int, off: int) -> bytes:  # keywords: s3fs's third positional is version_id
+            return bytes(fs.cat_file(key, start=off, end=off + n)) if n else b""
+
+        yield _Ranges(size, get)
         return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
