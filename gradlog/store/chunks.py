@@ -328,7 +328,8 @@ class ShardLayout:
             encoded = memoryview(data)[offset : offset + length] if whole else file.pread(
                 length, offset
             )
-            self.decode_row(encoded, chunk_where, out[k])
+            # a view even for scalar parameters (out[k] would be a numpy scalar, a copy)
+            self.decode_row(encoded, chunk_where, out[k : k + 1].reshape(out.shape[1:]))
 
 
 def _int_list(value: Any) -> TypeGuard[list[int]]:
