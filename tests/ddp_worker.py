@@ -8,6 +8,7 @@ step, after its backward and before the step ends.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -30,6 +31,16 @@ def model_and_data(steps: int, global_batch: int = 8) -> tuple[nn.Module, list]:
     return model, data
 
 
+def micro_batches(
+    step: int, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The global batch's backward calls at ``step``: step 1 accumulates two micro-batches."""
+    if step != 1:
+        return [(x, y, ids)]
+    half = len(ids) // 2
+    return [(x[:half], y[:half], ids[:half]), (x[half:], y[half:], ids[half:])]
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     store, steps = sys.argv[4], int(sys.argv[5])
@@ -50,18 +61,25 @@ def main() -> None:
     if resume:  # replay the committed steps' updates, unrecorded
         steps_done = gradlog.open(store).steps.column("step").to_pylist()
         first = max(steps_done) + 1 if steps_done else 0
-        for x, y, _ in data[:first]:
+        for step in range(first):
             opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
+            calls = micro_batches(step, *data[step])
+            for k, (x, y, _) in enumerate(calls):
+                with ddp.no_sync() if k < len(calls) - 1 else contextlib.nullcontext():
+                    nn.functional.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
             opt.step()
     try:
         with gradlog.GradRecorder(ddp, store, check_every=1, resume=resume) as rec:
             for step in range(first, steps):
-                x, y, ids = data[step]
-                mine = slice(rank, None, world)
                 opt.zero_grad()
-                losses = nn.functional.cross_entropy(ddp(x[mine]), y[mine], reduction="none")
-                rec.backward(losses, datum_ids=ids[mine], step=step)
+                calls = micro_batches(step, *data[step])
+                for k, (x, y, ids) in enumerate(calls):
+                    mine = slice(rank, None, world)
+                    # gradient accumulation: only the last call all-reduces
+                    with ddp.no_sync() if k < len(calls) - 1 else contextlib.nullcontext():
+                        out = ddp(x[mine])
+                        losses = nn.functional.cross_entropy(out, y[mine], reduction="none")
+                        rec.backward(losses, datum_ids=ids[mine], step=step)
                 if crash_at == step and rank == 1:
                     os._exit(3)
                 opt.step()

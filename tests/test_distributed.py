@@ -18,7 +18,7 @@ from gradlog.store.verify import verify
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
-from ddp_worker import model_and_data  # noqa: E402
+from ddp_worker import micro_batches, model_and_data  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
@@ -60,10 +60,11 @@ def _single_process(path: Path, steps: int) -> gradlog.Run:
     model, data = model_and_data(steps)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradlog.GradRecorder(model, path, check_every=1) as rec:
-        for step, (x, y, ids) in enumerate(data):
+        for step, batch in enumerate(data):
             opt.zero_grad()
-            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-            rec.backward(losses, datum_ids=ids, step=step)
+            for x, y, ids in micro_batches(step, *batch):
+                losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+                rec.backward(losses, datum_ids=ids, step=step)
             opt.step()
     return gradlog.open(path)
 
@@ -110,8 +111,10 @@ def test_two_ranks_record_what_one_process_records(tmp_path: Path) -> None:
     assert report.ok, [c.problems for c in report.checks]
     run = gradlog.open(store)
     assert run.attrs["backend"]["distributed"] == {"world_size": 2, "torch_backend": "gloo"}
-    # each rank's call is one micro-batch of the step: rank r's m-th call is m * 2 + r
-    assert sorted(set(run.datums.column("micro").to_pylist())) == [0, 1]
+    # each rank's call is one micro-batch of the step: rank r's m-th call is m * 2 + r;
+    # step 1 accumulates two calls per rank (the first under DDP.no_sync())
+    assert run.steps.column("n_micro").to_pylist() == [2, 4, 2]
+    assert sorted(set(run.records(step=1).column("micro").to_pylist())) == [0, 1, 2, 3]
     _assert_same_records(run, _single_process(tmp_path / "one.gradlog", 3))
 
 
