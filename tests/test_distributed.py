@@ -130,3 +130,35 @@ def test_rank_crash_keeps_earlier_steps_and_resumes(tmp_path: Path) -> None:
     report = verify(store)
     assert report.ok, [c.problems for c in report.checks]
     _assert_same_records(gradlog.open(store), _single_process(tmp_path / "one.gradlog", 4))
+
+
+def test_one_rank_process_group_records_like_one_process(tmp_path: Path) -> None:
+    """distributed=True in a one-rank gloo group (in this process): the collectives, the row
+    plan and counter-numbered ids run, and the store equals a plain recording."""
+    import torch.distributed as dist
+
+    store = tmp_path / "store"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        for name, distributed in (("ddp", True), ("plain", False)):
+            model, data = model_and_data(2)
+            wrapped = nn.parallel.DistributedDataParallel(model) if distributed else model
+            with gradlog.GradRecorder(wrapped, store / name, distributed=distributed,
+                                      check_every=1) as rec:
+                for x, y, _ in data:
+                    rec.backward(nn.functional.cross_entropy(wrapped(x), y, reduction="none"))
+    finally:
+        dist.destroy_process_group()
+    got, want = gradlog.open(store / "ddp"), gradlog.open(store / "plain")
+    assert got.attrs["backend"]["distributed"] == {"world_size": 1, "torch_backend": "gloo"}
+    assert got.datums.equals(want.datums)  # counter ids, rows, weights, norms
+    for name in want.param_names:
+        np.testing.assert_array_equal(got.grads(name), want.grads(name))
+
+
+def test_distributed_true_needs_a_process_group() -> None:
+    from gradlog.errors import InputError
+
+    with pytest.raises(InputError, match="init_process_group"):
+        gradlog.GradRecorder(nn.Linear(2, 1), "unused.gradlog", distributed=True).open()

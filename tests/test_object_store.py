@@ -219,3 +219,20 @@ def test_probes_on_object_storage_are_refused(memory_url: str) -> None:
         model, memory_url, probes=probes
     ) as rec:
         rec.backward(model(torch.randn(4, 3)).sum(1))
+
+
+def test_overwrite_replaces_only_a_gradlog_store(memory_url: str) -> None:
+    from gradlog.errors import StoreExistsError
+
+    model = nn.Linear(3, 2)
+    for batch in (4, 2):
+        with gradlog.GradRecorder(model, memory_url, overwrite=True) as rec:
+            rec.backward(model(torch.randn(batch, 3)).sum(1))
+    assert gradlog.open(memory_url).datums.num_rows == 2
+    with pytest.raises(StoreExistsError, match="already holds a gradlog run"):
+        gradlog.GradRecorder(model, memory_url).open()
+    foreign = memory_url.rsplit("/", 1)[0] + "/foreign"
+    fsspec.filesystem("memory").pipe_file(foreign.removeprefix("memory://") + "/data.bin", b"x")
+    with pytest.raises(StoreExistsError, match="not a gradlog store"):
+        gradlog.GradRecorder(model, foreign, overwrite=True).open()
+    assert fsspec.filesystem("memory").cat_file(foreign.removeprefix("memory://") + "/data.bin")
