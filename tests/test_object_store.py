@@ -145,6 +145,10 @@ def test_record_read_verify(url: str, local_oracle: gradlog.Run) -> None:
     run = gradlog.open(url)
     assert isinstance(run.path, ObjectPath) and str(run.path).endswith("/run.gradlog")
     _assert_same_run(run, local_oracle)
+    np.testing.assert_array_equal(run.similarity("0.weight", kind="cosine"),
+                                  local_oracle.similarity("0.weight", kind="cosine"))
+    assert run.stats("2.weight", step=range(1, 4)) == local_oracle.stats("2.weight",
+                                                                         step=range(1, 4))
     report = verify(url)
     assert report.ok, [c.problems for c in report.checks]
     result = CliRunner().invoke(app, ["verify", url])

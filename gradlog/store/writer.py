@@ -24,6 +24,10 @@ each parquet file is written under a temporary name and renamed into place. With
 (the default) a second thread syncs the step (one ``syncfs``) before writing its steps part,
 while the writer thread goes on with the next step. A reader sees only committed steps, so a
 crash leaves a consistent prefix, and ``resume=True`` continues after it.
+
+Files are written through :mod:`gradlog.store.fs` (a local directory, or an fsspec URL where
+each file is one PUT); several ranks of a torch.distributed run share one store through
+:mod:`gradlog.store.ranks` (``rank``/``world_size``: rank 0 creates and commits).
 """
 
 from __future__ import annotations
