@@ -82,10 +82,18 @@ class Distributed:
                 "nothing was recorded."
             )
 
-    def barrier(self) -> None:
+    def all_ok(self, error: BaseException | None) -> None:
+        """A barrier that also tells every rank whether every rank joined the store; ranks
+        whose own join worked raise when another's failed, instead of waiting for it."""
         import torch.distributed as dist
 
-        dist.barrier()
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is None and int(flag.item()):
+            raise GradlogError(
+                f"rank {self.rank}: another rank could not join the store (see its error); "
+                "nothing was recorded."
+            )
 
     def describe(self) -> dict[str, Any]:
         """Facts stored in the root attributes' ``backend`` object."""

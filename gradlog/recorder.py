@@ -311,9 +311,18 @@ class GradRecorder:
                 dist.agree(e)
                 raise
         dist.agree(None)
-        if dist.rank > 0:
-            writer = make()
-        dist.barrier()  # every rank joined before any writes (rank 0 cleaned a resumed store)
+        try:
+            if dist.rank > 0:
+                writer = make()
+        except BaseException as e:
+            dist.all_ok(e)
+            raise
+        try:  # every rank joined before any writes (rank 0 cleaned a resumed store)
+            dist.all_ok(None)
+        except GradlogError:
+            if writer is not None:
+                writer.close()
+            raise
         assert writer is not None
         return writer
 

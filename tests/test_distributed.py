@@ -31,7 +31,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ranks(store: Path, steps: int, *extra: str, world: int = 2) -> list[int]:
+def _run_ranks(store: Path, steps: int, *extra: str, world: int = 2,
+               logs: list[str] | None = None) -> list[int]:
     """Run every rank's process; returns their exit codes (logs shown on failure)."""
     port = _free_port()
     procs = [
@@ -51,6 +52,8 @@ def _run_ranks(store: Path, steps: int, *extra: str, world: int = 2) -> list[int
             p.kill()
             out, _ = p.communicate()
         codes.append(p.returncode)
+        if logs is not None:
+            logs.append(out.decode(errors="replace"))
         print(f"--- rank {r} (exit {p.returncode})\n{out.decode(errors='replace')[-3000:]}")
     return codes
 
@@ -162,3 +165,12 @@ def test_distributed_true_needs_a_process_group() -> None:
 
     with pytest.raises(InputError, match="init_process_group"):
         gradlog.GradRecorder(nn.Linear(2, 1), "unused.gradlog", distributed=True).open()
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_join_fails_every_rank(tmp_path: Path) -> None:
+    logs: list[str] = []
+    codes = _run_ranks(tmp_path / "ddp.gradlog", 2, "-", "mismatch", logs=logs)
+    assert codes[0] != 0 and codes[1] != 0  # nobody waits for the other
+    assert "another rank could not join the store" in logs[0]
+    assert "StoreResumeError" in logs[1] and "config_hash" in logs[1]
