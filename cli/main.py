@@ -24,6 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+_RUN_HELP = "Path of a gradlog store, or an fsspec URL (s3://bucket/run.gradlog, ...)."
 err_console = Console(stderr=True)
 
 
@@ -131,7 +132,7 @@ def train(
 
 @app.command()
 def info(
-    run_path: Annotated[Path, typer.Argument(metavar="RUN", help="Path of a gradlog store.")],
+    run_path: Annotated[str, typer.Argument(metavar="RUN", help=_RUN_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Summarise a store: format, configuration, parameters, steps, records, bytes."""
@@ -218,7 +219,7 @@ def _selector(text: str | None, what: str) -> Any:
         ) from None
 
 
-def _open_run(run_path: Path) -> Any:
+def _open_run(run_path: str) -> Any:
     import gradlog
 
     try:
@@ -258,7 +259,7 @@ def _progress() -> bool:
     return sys.stderr.isatty()
 
 
-RunArg = Annotated[Path, typer.Argument(metavar="RUN", help="Path of a gradlog store.")]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help=_RUN_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 StepOpt = Annotated[str | None, typer.Option("--step", "-s", help=f"Steps: {_SELECTOR_HELP}.")]
 DatumOpt = Annotated[
@@ -512,7 +513,7 @@ def plot(
 
 @app.command()
 def verify(
-    run_path: Annotated[Path, typer.Argument(metavar="RUN", help="Path of a gradlog store.")],
+    run_path: Annotated[str, typer.Argument(metavar="RUN", help=_RUN_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Check a store end to end: commit log, index, arrays, every chunk's checksum, schemas.

@@ -22,6 +22,7 @@ from gradlog._version import __version__
 from gradlog.backends import BACKENDS, Backend, LossFn, PerDatumGrads
 from gradlog.backends.base import LOW_PRECISION_RTOL
 from gradlog.config import RecorderConfig
+from gradlog.distributed import Distributed, detect
 from gradlog.errors import (
     GradientCheckError,
     GradlogError,
@@ -139,6 +140,12 @@ class GradRecorder:
             computed (about two batches of gradients in memory at most).
         durable: ``fsync`` each step's data before committing it, so committed steps survive
             power loss, not only a crash of the process.
+        distributed: Record every rank of a torch.distributed run into the one store at
+            ``path`` (:mod:`gradlog.distributed`). ``None`` (default): when the model is a
+            ``DistributedDataParallel`` and the process group has several ranks. Every rank
+            opens the recorder with the same arguments; ``datum_ids`` are global (e.g. from
+            ``DistributedSampler``); weights are such that ``sum_b w_b g_b`` over all ranks'
+            records equals the all-reduced ``p.grad``. ``False``: this process alone.
     """
 
     def __init__(
@@ -165,6 +172,7 @@ class GradRecorder:
         queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
         durable: bool = True,
         batch_grad: str = "autograd",
+        distributed: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -189,6 +197,8 @@ class GradRecorder:
         self.resume = resume
         self.queue_bytes = queue_bytes
         self.durable = durable
+        self._distributed = distributed
+        self._dist: Distributed | None = None  # set by open()
         self._committed_through: int | None = None  # last step already in a resumed store
         self.params = select_params(model, self.config.params)
         self._backend: Backend | None = None
@@ -224,6 +234,8 @@ class GradRecorder:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc is not None and self._dist is not None:
+            self._pending = None  # other ranks may not have finished this step: not committed
         self.close()
 
     def open(self) -> None:
@@ -255,16 +267,15 @@ class GradRecorder:
         if self._sparse:
             attrs["backend"]["sparse_backprop"] = self._sparse
         try:
-            self._writer = StoreWriter(
-                self.path,
-                attrs=attrs,
-                specs=specs,
-                overwrite=self.overwrite,
-                resume=self.resume,
-                queue_bytes=self.queue_bytes,
-                durable=self.durable,
-                compression=self.config.compression,
-            )
+            self._dist = detect(self.model, self._distributed)
+            if self._dist is not None:
+                attrs["backend"]["distributed"] = self._dist.describe()
+                if self._probes is not None:
+                    raise InputError(
+                        "probes are not supported under torch.distributed yet: record them "
+                        "in a separate single-process run, or pass distributed=False."
+                    )
+            self._writer = self._open_writer(attrs, specs)
         except BaseException:
             self._backend.detach()
             self._backend = None
@@ -278,6 +289,50 @@ class GradRecorder:
             _fmt_bytes(self.bytes_per_record),
             self.path,
         )
+
+    def _open_writer(self, attrs: dict[str, Any], specs: dict[str, ParamSpec]) -> StoreWriter:
+        """The store writer; under torch.distributed rank 0 creates (or resumes) the store
+        before the other ranks join it."""
+        dist = self._dist
+
+        def make() -> StoreWriter:
+            return StoreWriter(
+                self.path,
+                attrs=attrs,
+                specs=specs,
+                overwrite=self.overwrite,
+                resume=self.resume,
+                queue_bytes=self.queue_bytes,
+                durable=self.durable,
+                compression=self.config.compression,
+                rank=0 if dist is None else dist.rank,
+                world_size=1 if dist is None else dist.world_size,
+            )
+
+        if dist is None:
+            return make()
+        writer = None
+        if dist.rank == 0:
+            try:
+                writer = make()
+            except BaseException as e:
+                dist.agree(e)
+                raise
+        dist.agree(None)
+        try:
+            if dist.rank > 0:
+                writer = make()
+        except BaseException as e:
+            dist.all_ok(e)
+            raise
+        try:  # every rank joined before any writes (rank 0 cleaned a resumed store)
+            dist.all_ok(None)
+        except GradlogError:
+            if writer is not None:
+                writer.close()
+            raise
+        assert writer is not None
+        return writer
 
     def close(self) -> None:
         """Commit the last step, remove hooks and finish the store (``with`` does this)."""
@@ -484,6 +539,12 @@ class GradRecorder:
                     "taken for a datum; please report this with the model."
                 )
         weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
+        sizes = [batch]  # every rank's batch (in rank order)
+        offset = 0  # counter-numbered datum ids of the ranks before this one
+        if self._dist is not None:
+            sizes = self._dist.batch_sizes(batch)
+            offset = sum(sizes[: self._dist.rank])
+            weight /= self._dist.world_size  # DDP averages p.grad over ranks
         if check:
             self._self_check(before, grads, weight)
         if self._probes is not None and self._pending is None:  # once per step, at micro 0
@@ -493,9 +554,11 @@ class GradRecorder:
         ids = (
             _ids_to_numpy(datum_ids, batch)
             if datum_ids is not None
-            else np.arange(self._next_datum, self._next_datum + batch, dtype=np.int64)
+            else np.arange(self._next_datum + offset, self._next_datum + offset + batch,
+                           dtype=np.int64)
         )
-        self._next_datum = max(self._next_datum, int(ids.max()) + 1)
+        counted = self._next_datum + (sum(sizes) if datum_ids is None else 0)  # every rank's
+        self._next_datum = max(counted, int(ids.max()) + 1)
         if lr is None and self.optimizer is not None:
             lr = float(self.optimizer.param_groups[0]["lr"])
         host = {n: g.detach() for n, g in grads.items()}  # rounded and written by the writer
@@ -505,6 +568,8 @@ class GradRecorder:
         }
         loss_np = losses.detach().double().cpu().numpy()
         micro = 0 if self._pending is None else self._pending["n_micro"]
+        if self._dist is not None:  # rank r's m-th call: micro-batch m * world_size + r
+            micro = micro * self._dist.world_size + self._dist.rank
         start, stop = self._writer.append(
             step=step,
             micro=micro,
@@ -514,6 +579,7 @@ class GradRecorder:
             lr=None if lr is None else float(lr),
             grads=host,
             norms=norms,
+            plan=sizes if self._dist is not None else None,
         )
         t2 = time.perf_counter()
 
@@ -640,7 +706,13 @@ class GradRecorder:
     ) -> None:
         self._n_checked += 1
         results = []  # (name, error, own scale, dtype)
-        for name, p in self.params.items():
+        totals = [grads[name].detach().sum(0) * weight for name in self.params]
+        if self._dist is not None:  # this rank holds its own records only
+            if self._dist.syncing():
+                totals = self._dist.sum_over_ranks(totals)
+            else:  # DDP.no_sync(): p.grad is this rank's own, not yet averaged
+                totals = [t * self._dist.world_size for t in totals]
+        for name, p, total in zip(self.params, self.params.values(), totals):
             if p.grad is None:
                 raise GradientCheckError(
                     f"{name!r} has no .grad after the backward, though it is recorded: the loss "
@@ -648,7 +720,6 @@ class GradRecorder:
                 )
             prior = before[name]
             delta = p.grad.detach() - (0 if prior is None else prior)
-            total = grads[name].detach().sum(0) * weight
             err = float(torch.linalg.vector_norm((delta - total).double()))
             results.append((name, err, float(torch.linalg.vector_norm(delta.double())), p.dtype))
         # Rounding error follows the size of the intermediate values, not of the result: a

@@ -92,7 +92,6 @@ def _read_sorted(array: Any, rows: np.ndarray, dtype: Any) -> np.ndarray:
     a per-shard block): measured, it makes scans about 2x faster on CPU. Other arrays go
     through ``GradArray.read``.
     """
-    import os
 
     from gradlog.store.dtypes import from_storage
 
@@ -106,7 +105,7 @@ def _read_sorted(array: Any, rows: np.ndarray, dtype: Any) -> np.ndarray:
         shard = int(shards[a])
         key = layout.shard_key(shard)
         layout.read_rows(
-            os.path.join(array.directory, key),
+            array.directory / key,
             shard,
             (rows[a:b] - shard * layout.rows_per_shard).tolist(),
             stored[a:b],

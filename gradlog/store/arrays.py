@@ -13,8 +13,6 @@ Imports no torch.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +21,7 @@ from gradlog.errors import StoreCorruptError, StoreFormatError
 from gradlog.store import format as fmt
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import StorageDtype, from_storage, storage_dtype
+from gradlog.store.fs import StorePath
 
 __all__ = ["GradArray"]
 
@@ -41,7 +40,7 @@ class GradArray:
         StoreFormatError: it is malformed or disagrees with the spec.
     """
 
-    def __init__(self, root: Path, name: str, spec: dict[str, Any], version: int) -> None:
+    def __init__(self, root: StorePath, name: str, spec: dict[str, Any], version: int) -> None:
         self.root = root
         self.name = name
         self.shape = tuple(int(d) for d in spec["shape"])
@@ -120,7 +119,7 @@ class GradArray:
             key = layout.shard_key(shard)
             block = np.empty((len(group), *self.shape), dtype=layout.array_dtype)
             layout.read_rows(
-                os.path.join(self.directory, key),
+                self.directory / key,
                 shard,
                 positions,
                 block,

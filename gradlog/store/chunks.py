@@ -22,7 +22,6 @@ Imports no torch; numcodecs is imported only for compressed arrays.
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import crc32c
 import numpy as np
 
 from gradlog.errors import StoreCorruptError, StoreFormatError
+from gradlog.store.fs import StorePath, open_ranges
 
 __all__ = ["INNER_ROWS", "MISSING", "ShardLayout", "crc32c_bytes"]
 
@@ -280,63 +280,56 @@ class ShardLayout:
         Blosc().decode(body, out=out.reshape(-1).view(np.uint8))
 
     def read_rows(
-        self, path: str, shard: int, positions: Sequence[int], out: np.ndarray, where: str
+        self, path: StorePath, shard: int, positions: Sequence[int], out: np.ndarray, where: str
     ) -> None:
         """Read rows ``positions`` (within the shard) of shard file ``path`` into ``out``.
 
-        Reads the whole file when most of its rows are wanted, else the index and each row.
+        Reads the whole file when most of its rows are wanted, else the index and each row
+        (``pread`` locally, ranged GETs on object storage: :mod:`gradlog.store.fs`).
 
         Raises:
             StoreCorruptError: the file is missing, truncated or fails a checksum, or a wanted
                 row is not in it.
         """
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            with open_ranges(path) as file:
+                self._read_rows(file, shard, positions, out, where)
         except FileNotFoundError:
             raise StoreCorruptError(
                 f"{where}: shard file {path} is missing, though committed records live in it."
             ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < self.index_bytes:
-                raise StoreCorruptError(f"{where}: the shard is truncated ({size} bytes).")
-            whole = 2 * len(positions) >= self.rows_per_shard
-            if whole:
-                data = _pread_all(fd, size, 0)
-                index = self.decode_index(data[size - self.index_bytes :], where)
-            else:
-                index = self.decode_index(
-                    _pread_all(fd, self.index_bytes, size - self.index_bytes), where
-                )
-            limit = size - self.index_bytes
-            for k, pos in enumerate(positions):
-                offset, length = (int(v) for v in index[pos])
-                row = shard * self.rows_per_shard + pos
-                chunk_where = f"{where}, inner chunk {pos} (record row {row})"
-                if offset == int(MISSING) and length == int(MISSING):
-                    raise StoreCorruptError(
-                        f"{chunk_where}: the shard does not hold this committed record."
-                    )
-                if offset + length > limit or length < 4:
-                    raise StoreCorruptError(
-                        f"{chunk_where}: the index points outside the shard (offset {offset}, "
-                        f"length {length}, {limit} data bytes)."
-                    )
-                encoded = (
-                    memoryview(data)[offset : offset + length]
-                    if whole
-                    else _pread_all(fd, length, offset)
-                )
-                self.decode_row(encoded, chunk_where, out[k])
-        finally:
-            os.close(fd)
 
-
-def _pread_all(fd: int, length: int, offset: int) -> bytes:
-    data = os.pread(fd, length, offset)
-    if len(data) != length:  # a short read at the end of a truncated file
-        raise StoreCorruptError(f"read {len(data)} of {length} bytes at offset {offset}.")
-    return data
+    def _read_rows(
+        self, file: Any, shard: int, positions: Sequence[int], out: np.ndarray, where: str
+    ) -> None:
+        size = file.size
+        if size < self.index_bytes:
+            raise StoreCorruptError(f"{where}: the shard is truncated ({size} bytes).")
+        whole = 2 * len(positions) >= self.rows_per_shard
+        if whole:
+            data = file.pread(size, 0)
+            index = self.decode_index(data[size - self.index_bytes :], where)
+        else:
+            index = self.decode_index(file.pread(self.index_bytes, size - self.index_bytes), where)
+        limit = size - self.index_bytes
+        for k, pos in enumerate(positions):
+            offset, length = (int(v) for v in index[pos])
+            row = shard * self.rows_per_shard + pos
+            chunk_where = f"{where}, inner chunk {pos} (record row {row})"
+            if offset == int(MISSING) and length == int(MISSING):
+                raise StoreCorruptError(
+                    f"{chunk_where}: the shard does not hold this committed record."
+                )
+            if offset + length > limit or length < 4:
+                raise StoreCorruptError(
+                    f"{chunk_where}: the index points outside the shard (offset {offset}, "
+                    f"length {length}, {limit} data bytes)."
+                )
+            encoded = memoryview(data)[offset : offset + length] if whole else file.pread(
+                length, offset
+            )
+            # a view even for scalar parameters (out[k] would be a numpy scalar, a copy)
+            self.decode_row(encoded, chunk_where, out[k : k + 1].reshape(out.shape[1:]))
 
 
 def _int_list(value: Any) -> TypeGuard[list[int]]:

@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from gradlog.errors import StoreCorruptError, StoreFormatError
+from gradlog.errors import GradlogError, StoreCorruptError, StoreFormatError
 from gradlog.store import format as fmt
+from gradlog.store import fs as sfs
 from gradlog.store.dtypes import StorageDtype, from_storage, storage_dtype
+from gradlog.store.fs import StorePath
 
 __all__ = [
     "PROBES_GROUP",
@@ -71,7 +73,7 @@ def probe_index_schema(params: Sequence[str]) -> Any:
     return pa.schema(fields)
 
 
-def read_probe_ids(path: Path) -> list[int] | None:
+def read_probe_ids(path: StorePath) -> list[int] | None:
     """The probe ids of the store at ``path`` (in probe batch order), or None without probes."""
     meta_file = path / PROBES_GROUP / "zarr.json"
     if not meta_file.is_file():
@@ -93,21 +95,20 @@ def read_probe_ids(path: Path) -> list[int] | None:
     return ids
 
 
-def read_probe_index(path: Path, params: Sequence[str], committed: Any) -> Any:
+def read_probe_index(path: StorePath, params: Sequence[str], committed: Any) -> Any:
     """Probe index rows of the committed steps (pyarrow table, in row order)."""
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     schema = probe_index_schema(params)
     directory = path / PROBE_INDEX_DIR
     tables = []
     if directory.is_dir():
-        for entry in sorted(os.listdir(directory)):
+        for entry in sorted(sfs.listdir(directory)):
             if not _PROBE_PART.match(entry):
                 continue  # temporaries (dot files) and foreign files
             try:
-                tables.append(pq.read_table(directory / entry, schema=schema))
+                tables.append(sfs.read_parquet(directory / entry, schema=schema))
             except (OSError, pa.ArrowInvalid) as e:
                 raise StoreFormatError(f"{directory / entry} is not a valid part: {e}") from None
     table = pa.concat_tables(tables) if tables else schema.empty_table()
@@ -150,7 +151,7 @@ class ProbeArray:
         StoreFormatError: the array's metadata disagrees with the parameter's spec.
     """
 
-    def __init__(self, root: Path, name: str, spec: Mapping[str, Any]) -> None:
+    def __init__(self, root: StorePath, name: str, spec: Mapping[str, Any]) -> None:
         import zarr
 
         self.where = f"{root}: probe array {probe_array_path(name)} of {name!r}"
@@ -210,7 +211,7 @@ class ProbeWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | StorePath,
         specs: Mapping[str, tuple[tuple[int, ...], str]],
         probe_ids: Sequence[int],
         *,
@@ -218,7 +219,13 @@ class ProbeWriter:
     ) -> None:
         import zarr
 
-        self.path = Path(path)
+        store = sfs.store_path(path)
+        if not isinstance(store, Path):
+            raise GradlogError(
+                f"probes are not supported yet for stores on object storage ({path}); record "
+                "into a local directory and copy it, or record without probes."
+            )
+        self.path = store
         self.specs = dict(specs)
         self.dtypes = {name: storage_dtype(dtype) for name, (_, dtype) in self.specs.items()}
         self.probe_ids = np.asarray(probe_ids, dtype=np.int64)

@@ -11,20 +11,21 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from gradlog.errors import NotAStoreError, SelectionError, StoreFormatError
 from gradlog.store import format as fmt
+from gradlog.store import fs as sfs
+from gradlog.store.fs import StorePath
 
 __all__ = ["Run", "Trajectory"]
 
 Selector = int | Sequence[int] | range | slice | None
 
 
-def _read_root_attrs(path: Path) -> dict[str, Any]:
+def _read_root_attrs(path: StorePath) -> dict[str, Any]:
     meta_file = path / "zarr.json"
     if not path.exists():
         raise NotAStoreError(f"{path} does not exist. Record a run first (gradlog train).")
@@ -46,20 +47,21 @@ def _read_root_attrs(path: Path) -> dict[str, Any]:
     return attrs
 
 
-def _read_parts(directory: Path, schema: Any) -> Any:
+def _read_parts(directory: StorePath, schema: Any) -> Any:
     import pyarrow as pa
     import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
 
     names = []
     if directory.is_dir():
         # temporaries (dot files) and foreign files are not parts
-        names = [e for e in sorted(os.listdir(directory)) if fmt.parse_part_name(e) is not None]
+        names = [e for e in sorted(sfs.listdir(directory)) if fmt.parse_part_name(e) is not None]
     if not names:
         return schema.empty_table()
     try:  # one multi-threaded scan: ~1.5x faster than a read per file
-        paths = [str(directory / name) for name in names]
-        table = ds.dataset(paths, format="parquet", schema=schema).to_table()
+        paths = [sfs.arrow_path(directory / name) for name in names]
+        table = ds.dataset(
+            paths, format="parquet", schema=schema, filesystem=sfs.arrow_filesystem(directory)
+        ).to_table()
         # a part lacking a column reads as nulls here: let the per-file read name it
         if not any(table.column(f.name).null_count for f in schema if not f.nullable):
             return table
@@ -68,7 +70,7 @@ def _read_parts(directory: Path, schema: Any) -> Any:
     tables = []
     for entry in names:
         try:
-            table = pq.read_table(directory / entry, schema=schema)
+            table = sfs.read_parquet(directory / entry, schema=schema)
         except FileNotFoundError:
             continue  # an uncommitted part that a resuming writer just discarded
         except (OSError, pa.ArrowInvalid) as e:
@@ -118,9 +120,10 @@ class Run:
         attrs: The root attributes (format, versions, config, parameter specs).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Open the store at ``path``; see :func:`gradlog.open` for the errors raised."""
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str] | StorePath) -> None:
+        """Open the store at ``path`` (a directory or an fsspec URL such as
+        ``s3://bucket/run.gradlog``); see :func:`gradlog.open` for the errors raised."""
+        self.path: StorePath = sfs.store_path(path)
         self.attrs = _read_root_attrs(self.path)
         self._specs: dict[str, dict[str, Any]] = self.attrs["params"]
 

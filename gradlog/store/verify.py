@@ -31,13 +31,14 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gradlog.errors import GradlogError
 from gradlog.store import format as fmt
+from gradlog.store import fs as sfs
+from gradlog.store.fs import StorePath
 
 __all__ = ["Check", "Report", "verify"]
 
@@ -61,7 +62,7 @@ class Check:
 class Report:
     """What :func:`verify` found."""
 
-    path: Path
+    path: StorePath
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -75,7 +76,7 @@ class Report:
         return next(c for c in self.checks if c.name == name)
 
 
-def verify(path: str | os.PathLike[str], *, max_problems: int = 50) -> Report:
+def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) -> Report:
     """Check the store at ``path``; see the module docstring for what is checked.
 
     Args:
@@ -87,7 +88,7 @@ def verify(path: str | os.PathLike[str], *, max_problems: int = 50) -> Report:
     """
     from gradlog.store.reader import Run
 
-    root = Path(path)
+    root = sfs.store_path(path)
     report = Report(root)
     check = Check("root")
     report.checks.append(check)
@@ -136,19 +137,20 @@ def _check_root(attrs: dict[str, Any], check: Check) -> None:
 
 
 # -- commit log -------------------------------------------------------------------------------
-def _check_commit_log(root: Path, report: Report) -> tuple[dict[int, dict[str, Any]], list[Any]]:
-    import pyarrow.parquet as pq
+def _check_commit_log(
+    root: StorePath, report: Report
+) -> tuple[dict[int, dict[str, Any]], list[Any]]:
 
     check = Check("commit log")
     report.checks.append(check)
     directory = root / fmt.STEPS_DIR
     steps: dict[int, dict[str, Any]] = {}
     rows: list[Any] = []
-    if not directory.is_dir():
+    if not directory.is_dir() and not sfs.is_object(root):  # object stores: no empty dirs
         check.problems.append(f"{directory} is missing: the store has no commit log.")
         return steps, rows
     schema = fmt.steps_schema()
-    for entry in sorted(os.listdir(directory)):
+    for entry in sorted(sfs.listdir(directory)):
         if entry.startswith("."):
             report.notes.append(f"temporary {fmt.STEPS_DIR}/{entry} (an interrupted commit)")
             continue
@@ -157,7 +159,7 @@ def _check_commit_log(root: Path, report: Report) -> tuple[dict[int, dict[str, A
             check.problems.append(f"{fmt.STEPS_DIR}/{entry} is not a steps part name.")
             continue
         try:
-            table = pq.read_table(directory / entry, schema=schema)
+            table = sfs.read_parquet(directory / entry, schema=schema)
         except Exception as e:
             check.problems.append(f"{fmt.STEPS_DIR}/{entry} does not read: {e}")
             continue
@@ -183,19 +185,18 @@ def _check_commit_log(root: Path, report: Report) -> tuple[dict[int, dict[str, A
 
 # -- index ------------------------------------------------------------------------------------
 def _check_index(
-    root: Path, attrs: dict[str, Any], steps: dict[int, dict[str, Any]], report: Report
+    root: StorePath, attrs: dict[str, Any], steps: dict[int, dict[str, Any]], report: Report
 ) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
 
     check = Check("index")
     report.checks.append(check)
     directory = root / fmt.INDEX_DIR
     schema = fmt.index_schema(list(attrs["params"]))
     parts: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    if not directory.is_dir():
+    if not directory.is_dir() and not sfs.is_object(root):
         check.problems.append(f"{directory} is missing.")
         return []
-    for entry in sorted(os.listdir(directory)):
+    for entry in sorted(sfs.listdir(directory)):
         if entry.startswith("."):
             report.notes.append(f"temporary {fmt.INDEX_DIR}/{entry} (an interrupted write)")
             continue
@@ -208,7 +209,7 @@ def _check_index(
             report.notes.append(f"uncommitted {fmt.INDEX_DIR}/{entry} (ignored by readers)")
             continue
         try:
-            table = pq.read_table(directory / entry, schema=schema)
+            table = sfs.read_parquet(directory / entry, schema=schema)
         except Exception as e:
             check.problems.append(f"{fmt.INDEX_DIR}/{entry} does not read: {e}")
             continue

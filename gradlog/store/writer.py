@@ -24,6 +24,10 @@ each parquet file is written under a temporary name and renamed into place. With
 (the default) a second thread syncs the step (one ``syncfs``) before writing its steps part,
 while the writer thread goes on with the next step. A reader sees only committed steps, so a
 crash leaves a consistent prefix, and ``resume=True`` continues after it.
+
+Files are written through :mod:`gradlog.store.fs` (a local directory, or an fsspec URL where
+each file is one PUT); several ranks of a torch.distributed run share one store through
+:mod:`gradlog.store.ranks` (``rank``/``world_size``: rank 0 creates and commits).
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -54,6 +57,7 @@ from gradlog.errors import (
     StoreWriteError,
 )
 from gradlog.store import format as fmt
+from gradlog.store import fs as sfs
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import (
     StorageDtype,
@@ -62,6 +66,8 @@ from gradlog.store.dtypes import (
     to_storage_numpy,
     to_storage_torch,
 )
+from gradlog.store.fs import StorePath
+from gradlog.store.ranks import RANKS_DIR, merge_rows, rank_part, wait_for_ranks
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "ParamSpec", "StoreWriter"]
 
@@ -71,6 +77,8 @@ batch is written while the next is computed (see :class:`StoreWriter`)."""
 
 _GROWTH = 2  # arrays' record axes grow geometrically: a metadata rewrite per doubling
 _FIRST_SHARDS = 256  # the first declaration covers 256 shards: no rewrite for 256 calls
+RANK_COMMIT_TIMEOUT_S = 600.0
+"""How long rank 0 waits for the other ranks' parts of a step before failing (distributed)."""
 
 
 @dataclass(frozen=True)
@@ -96,40 +104,18 @@ class ParamSpec:
 
 
 # -- file primitives (module level, so that fault tests can replace them) ---------------------
-def _write_file(path: Path, buffers: list[Any]) -> int:
-    """Create or truncate ``path`` and write ``buffers`` in order; returns the bytes written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        views = [memoryview(b).cast("B") for b in buffers]
-        total = 0
-        while views:
-            batch = views[:1024]  # IOV_MAX on Linux
-            expected = sum(len(v) for v in batch)
-            written = os.writev(fd, batch)
-            total += written
-            if written == expected:  # the common case: everything went out
-                del views[: len(batch)]
-                continue
-            while written >= len(views[0]):  # a short write: resume inside a buffer
-                written -= len(views.pop(0))
-            views[0] = views[0][written:]
-        return total
-    finally:
-        os.close(fd)
+def _write_file(path: StorePath, buffers: list[Any]) -> int:
+    """Create or truncate ``path`` and write ``buffers`` in order; returns the bytes written
+    (one ``writev`` locally, one PUT on object storage: :mod:`gradlog.store.fs`)."""
+    return sfs.write_buffers(path, buffers)
 
 
-def _write_parquet_atomic(table: Any, path: Path) -> None:
-    import pyarrow.parquet as pq
-
-    tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+def _write_parquet_atomic(table: Any, path: StorePath) -> None:
+    sfs.write_parquet_atomic(table, path)
 
 
-def _write_json_atomic(path: Path, value: Any) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(value, separators=(",", ":")), encoding="utf-8")
-    os.replace(tmp, path)
+def _write_json_atomic(path: StorePath, value: Any) -> None:
+    sfs.write_bytes_atomic(path, json.dumps(value, separators=(",", ":")).encode("utf-8"))
 
 
 def _fsync_path(path: Path) -> None:
@@ -163,7 +149,7 @@ def _syncfs(root: Path) -> bool:
     return True
 
 
-def _is_store(path: Path) -> bool:
+def _is_store(path: StorePath) -> bool:
     try:
         meta = json.loads((path / "zarr.json").read_text())
     except (OSError, ValueError):
@@ -171,8 +157,10 @@ def _is_store(path: Path) -> bool:
     return isinstance(meta, dict) and meta.get("attributes", {}).get("format") == fmt.FORMAT_NAME
 
 
-def _inside(root: Path, path: Path) -> bool:
+def _inside(root: StorePath, path: StorePath) -> bool:
     """Whether ``path`` resolves (symlinks followed) to ``root`` or below it."""
+    if not isinstance(root, Path) or not isinstance(path, Path):
+        return True  # an ObjectPath cannot leave its store (gradlog.store.fs); no links
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
     return real == real_root or real.startswith(real_root + os.sep)
@@ -285,11 +273,15 @@ class StoreWriter:
             process. Without it, steps are safe against process crashes only.
         compression: ``"none"``, ``"lz4"`` or ``"zstd"``; default: the dtype's
             (:func:`~gradlog.store.dtypes.default_compression`).
+        rank, world_size: Recording by ``world_size`` ranks into one store
+            (:mod:`gradlog.store.ranks`): rank 0 creates or resumes the store and commits
+            steps; every other rank joins it once rank 0 is done (never creates, deletes or
+            rewrites metadata) and writes its own rows, index parts and rank parts.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | StorePath,
         *,
         attrs: Mapping[str, Any],
         specs: Mapping[str, ParamSpec],
@@ -298,6 +290,8 @@ class StoreWriter:
         queue_bytes: int | None = DEFAULT_QUEUE_BYTES,
         durable: bool = True,
         compression: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if overwrite and resume:
             raise StoreExistsError(
@@ -311,7 +305,9 @@ class StoreWriter:
                 f"queue_bytes={queue_bytes!r} must be a positive int (bytes), or None for one "
                 "batch's gradients."
             )
-        self.path = Path(path)
+        self.path: StorePath = sfs.store_path(path)
+        self.rank = rank
+        self.world_size = world_size
         self.specs = dict(specs)
         self.durable = durable
         self._dtypes: dict[str, StorageDtype] = {
@@ -332,15 +328,25 @@ class StoreWriter:
         self._steps_schema = fmt.steps_schema()
         self._write_seconds = 0.0  # writer-thread time of the step being written
         self._closed = False
-        self._unsynced: set[Path] = set()  # written since the last sync (fsync fallback)
-        self._unsynced_markers: list[Path] = []  # commit markers not yet synced
+        self._unsynced: set[StorePath] = set()  # written since the last sync (fsync fallback)
+        self._unsynced_markers: list[StorePath] = []  # commit markers not yet synced
 
         resumed = False
-        if resume and self.path.exists() and _is_store(self.path):
+        if rank > 0:  # rank 0 created or resumed the store before this rank started
+            if not _is_store(self.path):
+                raise StoreWriteError(
+                    f"rank {rank}: {self.path} is not a gradlog store though rank 0 opened it; "
+                    "every rank must record into the same path, on storage they all see."
+                )
+            self._resume(attrs, cleanup=False)
+            resumed = True
+        elif resume and self.path.exists() and _is_store(self.path):
             self._resume(attrs)
             resumed = True
         if not resumed:
             self._create(attrs, overwrite)
+        if world_size > 1 and rank == 0:
+            (self.path / RANKS_DIR).mkdir(exist_ok=True)
         self._worker = _Worker(capacity=queue_bytes or 0, name=f"gradlog-writer:{self.path.name}")
         self._worker.start()
         self._syncer: _Worker | None = None  # syncs and commits, behind the writer (durable)
@@ -375,15 +381,21 @@ class StoreWriter:
                         f"{self.path} is a symbolic link; refusing to delete what it points "
                         "to. Pass the store's real path."
                     )
-                shutil.rmtree(self.path)
+                sfs.remove_tree(self.path)
         root = dict(attrs)
         root["params"] = {name: spec.to_json() for name, spec in self.specs.items()}
-        group = zarr.open_group(str(self.path), mode="w", zarr_format=3, attributes=root)
-        group.create_group(fmt.GRADS_GROUP)
+        if sfs.is_object(self.path):  # a group is its zarr.json; one PUT each
+            sfs.write_bytes_atomic(self.path / "zarr.json", _group_json(root))
+            sfs.write_bytes_atomic(self.path / fmt.GRADS_GROUP / "zarr.json", _group_json({}))
+        else:
+            group = zarr.open_group(str(self.path), mode="w", zarr_format=3, attributes=root)
+            group.create_group(fmt.GRADS_GROUP)
         (self.path / fmt.INDEX_DIR).mkdir()
         (self.path / fmt.STEPS_DIR).mkdir()
 
-    def _resume(self, attrs: Mapping[str, Any]) -> None:
+    def _resume(self, attrs: Mapping[str, Any], cleanup: bool = True) -> None:
+        """Continue after the last committed step; ``cleanup`` (not for ranks > 0, which join
+        a store rank 0 just cleaned) deletes what uncommitted steps left."""
         from gradlog.store.reader import Run
 
         run = Run(self.path)
@@ -454,21 +466,27 @@ class StoreWriter:
             for m in range(n)
         }
         self.last_committed = self.last_step
+        if not cleanup:
+            return
         # Discard what the crash left: uncommitted index parts and temporaries. Their rows are
-        # past the committed ones and will be overwritten.
-        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR):
-            for entry in os.listdir(self.path / sub):
+        # past the committed ones and will be overwritten. Rank parts of uncommitted steps go
+        # too: a step recorded again must not be committed on a crashed attempt's part.
+        done = {int(s) for s in steps.column("step").to_pylist()}
+        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, RANKS_DIR):
+            if sub == RANKS_DIR and not (self.path / sub).is_dir():
+                continue  # recorded by one process
+            for entry in sfs.listdir(self.path / sub):
                 parsed = fmt.parse_part_name(entry)
                 stale = entry.startswith(".") or (
                     sub == fmt.INDEX_DIR
                     and parsed is not None
                     and (parsed[0], parsed[1] or 0) not in committed
-                )
+                ) or (sub == RANKS_DIR and parsed is not None and parsed[0] not in done)
                 if stale and (self.path / sub / entry).is_file():
                     (self.path / sub / entry).unlink()
 
     # -- arrays ---------------------------------------------------------------------------------
-    def _array_dir(self, name: str) -> Path:
+    def _array_dir(self, name: str) -> StorePath:
         return self.path / fmt.array_path(name)
 
     def _make_layouts(self, batch: int) -> None:
@@ -482,6 +500,8 @@ class StoreWriter:
         for name, layout in self._layouts.items():
             directory = self._array_dir(name)
             directory.mkdir(parents=True, exist_ok=True)
+            if self.rank > 0:
+                continue  # rank 0 writes the metadata, before it commits these rows
             _write_json_atomic(directory / "zarr.json", layout.metadata(rows))
             self._unsynced.add(directory / "zarr.json")
         self._capacity = rows
@@ -525,8 +545,13 @@ class StoreWriter:
         lr: float | None,
         grads: Mapping[str, Any],
         norms: Mapping[str, np.ndarray],
+        plan: list[int] | None = None,
     ) -> tuple[int, int]:
         """Queue the records of one backward call; returns their row range ``[start, stop)``.
+
+        ``plan``: with several ranks, the batch sizes of every rank's call of this round
+        (the same list on every rank); each rank's rows follow those of the ranks before it,
+        each rank's call starting at a shard boundary, so ranks write disjoint shard files.
 
         ``grads`` maps every parameter to its per-datum gradients ``(B, *shape)``: numpy
         arrays or torch tensors (CUDA tensors are rounded on the device and copied to pinned
@@ -540,13 +565,16 @@ class StoreWriter:
         if self._closed:
             raise GradlogError("this StoreWriter is closed.")
         batch = len(datum_ids)
+        sizes = plan if plan is not None else [batch]
         if not self._layouts:
-            self._make_layouts(batch)
-        start = self._next_row
+            self._make_layouts(max(sizes))
+        c = next(iter(self._layouts.values())).rows_per_shard
+        spans = [-(-b // c) * c for b in sizes]  # each call starts at a shard boundary
+        start = self._next_row + sum(spans[: self.rank])
         stop = start + batch
-        rows_per_shard = next(iter(self._layouts.values())).rows_per_shard
-        self._next_row = -(-stop // rows_per_shard) * rows_per_shard
-        self.n_rows = stop
+        round_end = self._next_row + sum(spans[:-1]) + sizes[-1]  # the last rank's stop
+        self._next_row += sum(spans)
+        self.n_rows = round_end
 
         payload, event, nbytes = self._stage(grads)
         if self._worker.capacity == 0:  # queue_bytes=None: one batch
@@ -559,7 +587,7 @@ class StoreWriter:
         }
 
         def run() -> None:
-            self._write_call(step, micro, start, batch, lr, payload, event, index)
+            self._write_call(step, micro, start, batch, lr, payload, event, index, round_end)
 
         self._worker.put(_Task(f"step {step} (micro-batch {micro})", run, nbytes))
         self._raise_if_failed()
@@ -618,6 +646,7 @@ class StoreWriter:
         payload: dict[str, Any],
         event: Any,
         index: dict[str, Any],
+        round_end: int,
     ) -> None:
         """Writer thread: the shards of one backward call, then its index part."""
         import pyarrow as pa
@@ -628,9 +657,9 @@ class StoreWriter:
         if self._syncer is not None and self._syncer.error is not None:
             return  # a commit failed: nothing more is written (the caller sees that error)
         stop = start + batch
-        if stop > self._capacity:
+        if round_end > self._capacity:  # every rank tracks it; rank 0 alone writes metadata
             first = _FIRST_SHARDS * next(iter(self._layouts.values())).rows_per_shard
-            self._set_rows(max(stop, _GROWTH * self._capacity, first))
+            self._set_rows(max(round_end, _GROWTH * self._capacity, first))
         for name, layout in self._layouts.items():
             rows = self._host_rows(name, payload.pop(name), event is not None)
             if rows.shape != (batch, *layout.row_shape):
@@ -682,15 +711,23 @@ class StoreWriter:
         step = int(row["step"])
         what = f"the commit of step {step}"
 
-        def mark(written: set[Path], seconds: float) -> None:
+        def mark(written: set[StorePath], seconds: float) -> None:
             import pyarrow as pa
 
             t0 = time.perf_counter()
             if self.durable:  # the step's data reach the disk before its commit marker exists
                 _sync(self.path, written)
             row["time_write_s"] = seconds + time.perf_counter() - t0
+            if self.rank > 0:  # this rank's share; rank 0 commits the step
+                marker = rank_part(self.path, step, self.rank)
+            else:
+                marker = self.path / fmt.STEPS_DIR / fmt.step_part_name(step)
+                if self.world_size > 1:
+                    others = wait_for_ranks(
+                        self.path, step, self.world_size, RANK_COMMIT_TIMEOUT_S
+                    )
+                    row.update(merge_rows(row, others))
             table = pa.Table.from_pylist([row], schema=self._steps_schema)
-            marker = self.path / fmt.STEPS_DIR / fmt.step_part_name(step)
             _write_parquet_atomic(table, marker)
             # The marker becomes durable with the next sync (or the one at close): a power
             # loss can only lose it, leaving its step uncommitted, never half there.
@@ -739,7 +776,7 @@ class StoreWriter:
         if self._syncer is not None:
             self._syncer.join()
         self._raise_if_failed()
-        if self._layouts and self._capacity != self.n_rows:
+        if self._layouts and self._capacity != self.n_rows and self.rank == 0:
             self._set_rows(self.n_rows)
             self._remove_shards_past(self.n_rows)
         if self.durable:  # the last commit markers, the trimmed metadata
@@ -754,7 +791,7 @@ class StoreWriter:
             if not directory.is_dir() or not _inside(self.path, directory):
                 continue
             first_gone = -(-rows // layout.rows_per_shard)
-            for entry in os.listdir(directory):
+            for entry in sfs.listdir(directory):
                 shard = layout.shard_of_key(entry)
                 if shard is not None and shard >= first_gone:
                     (directory / entry).unlink()
@@ -773,24 +810,35 @@ def _drainer(*workers: _Worker | None) -> Callable[[], None]:
     return drain
 
 
-def _sync(root: Path, written: set[Path]) -> None:
+def _sync(root: StorePath, written: set[StorePath]) -> None:
     """Make ``written`` (files and the directories holding them) durable: one ``syncfs`` of
-    the store's file system on Linux, else an ``fsync`` of each."""
+    the store's file system on Linux, else an ``fsync`` of each. Nothing on object storage:
+    a PUT is durable once it returned."""
+    if not isinstance(root, Path):
+        return
     if _syncfs(root):
         return
-    for path in sorted(written, key=lambda p: len(p.parts), reverse=True):
+    local = [p for p in written if isinstance(p, Path)]
+    for path in sorted(local, key=lambda p: len(p.parts), reverse=True):
         _fsync_path(path)
-    for directory in {p.parent for p in written}:
+    for directory in {p.parent for p in local}:
         _fsync_path(directory)
 
 
-def _read_layout(meta_file: Path) -> tuple[ShardLayout, int]:
+def _read_layout(meta_file: StorePath) -> tuple[ShardLayout, int]:
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StoreFormatError(f"{meta_file} is not valid JSON: {e}") from None
     layout = ShardLayout.from_metadata(meta, str(meta_file))
     return layout, int(meta["shape"][0])
+
+
+def _group_json(attributes: Mapping[str, Any]) -> bytes:
+    """A Zarr v3 group's ``zarr.json`` (what zarr-python writes for one)."""
+    meta = {"attributes": dict(attributes), "zarr_format": 3, "consolidated_metadata": None,
+            "node_type": "group"}
+    return json.dumps(meta, indent=2).encode("utf-8")
 
 
 def _check_same_config(stored: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:

@@ -1,0 +1,376 @@
+"""Where a store's bytes live: a local directory, or an object store reached through fsspec.
+
+A store location is either a :class:`pathlib.Path` (a local directory; also ``file://`` URLs)
+or an :class:`ObjectPath` (any other fsspec URL: ``s3://bucket/run.gradlog``,
+``memory://run.gradlog``, ...). :class:`ObjectPath` offers the part of the ``pathlib`` API the
+store uses, so readers and writers join and test paths the same way for both; the few raw
+operations that differ (vectored writes, atomic replacement, ranged reads, syncing) are the
+functions of this module, whose local branch is exactly the code the writer and reader used
+before object storage existed (the local path is benchmarked and must not slow down).
+
+Object stores have no rename and no fsync. What they guarantee instead (S3 since 2020, GCS,
+Azure, fsspec's memory store): a PUT of a whole object is atomic (readers see the old object
+or the new one, never a part) and durable once it returns, and a LIST issued after a PUT
+returned sees the object. So on object storage a part is written with one PUT under its final
+name (no temporary), and a sync is a no-op. The commit order of FORMAT.md is unchanged.
+
+An :class:`ObjectPath` never leaves its store: joining a ``..`` or ``.`` segment, an empty
+segment or an absolute path raises, so a crafted store cannot make gradlog read or write
+outside the URL it was given (local stores are protected by the symlink checks of the writer).
+
+fsspec options (credentials, an S3 endpoint) come from fsspec's own configuration
+(``fsspec.config.conf["s3"] = {...}``, ``FSSPEC_S3_*`` environment variables) or the
+provider's (``AWS_*``), or pass ``storage_options`` to :func:`store_path`.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradlog.errors import GradlogError, StoreFormatError
+
+__all__ = [
+    "ObjectPath",
+    "StorePath",
+    "is_object",
+    "listdir",
+    "open_ranges",
+    "read_parquet",
+    "remove_tree",
+    "store_path",
+    "write_buffers",
+    "write_bytes_atomic",
+    "write_parquet_atomic",
+]
+
+
+@dataclass(frozen=True)
+class _Stat:
+    st_size: int
+
+
+class ObjectPath:
+    """A path inside a store on an fsspec file system (``s3://``, ``memory://``, ...).
+
+    Immutable; ``root`` is the store's own location, which no derived path may leave.
+    """
+
+    def __init__(self, fs: Any, path: str, root: str | None = None) -> None:
+        self.fs = fs
+        self.path = path.rstrip("/") or "/"
+        self.root = self.path if root is None else root
+
+    # -- pathlib-like names -----------------------------------------------------------------
+    def __truediv__(self, other: str | os.PathLike[str]) -> ObjectPath:
+        rel = os.fspath(other)
+        segments = rel.split("/")
+        if rel.startswith("/") or any(s in ("", ".", "..") for s in segments):
+            raise StoreFormatError(
+                f"path {rel!r} inside {self} is not a plain relative path (it has an empty, "
+                "'.' or '..' segment); gradlog never reads or writes outside a store."
+            )
+        return ObjectPath(self.fs, f"{self.path}/{rel}", self.root)
+
+    def __str__(self) -> str:
+        return str(self.fs.unstrip_protocol(self.path))
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and (self.fs, self.path) == (other.fs, other.path)
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def parent(self) -> ObjectPath:
+        if self.path == self.root:
+            raise StoreFormatError(f"{self} is the store's root; gradlog never goes above it.")
+        return ObjectPath(self.fs, posixpath.dirname(self.path), self.root)
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    # -- queries ----------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        # s3fs caches listings; the commit log must be read as it is now
+        self.fs.invalidate_cache(self.path)
+
+    def exists(self) -> bool:
+        self._refresh()
+        return bool(self.fs.exists(self.path))
+
+    def is_file(self) -> bool:
+        self._refresh()
+        return bool(self.fs.isfile(self.path))
+
+    def is_dir(self) -> bool:
+        self._refresh()
+        return bool(self.fs.isdir(self.path))
+
+    def is_symlink(self) -> bool:
+        return False  # object stores have no links
+
+    def listdir(self) -> list[str]:
+        """Names of the entries below this prefix (files and "directories")."""
+        self._refresh()
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = []
+        for entry in entries:
+            entry = str(entry).rstrip("/")
+            if entry != self.path:
+                names.append(posixpath.basename(entry))
+        return names
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        for name in self.listdir():
+            yield self / name
+
+    def rglob(self, pattern: str) -> Iterator[ObjectPath]:
+        if pattern != "*":
+            raise GradlogError(f"internal: ObjectPath.rglob supports '*' only, got {pattern!r}.")
+        self._refresh()
+        for entry in self.fs.find(self.path):
+            rel = str(entry)[len(self.path) + 1 :]
+            if rel:
+                yield self / rel
+
+    def stat(self) -> _Stat:
+        return _Stat(int(self.fs.size(self.path)))
+
+    # -- reads and writes -------------------------------------------------------------------
+    def read_bytes(self) -> bytes:
+        return bytes(self.fs.cat_file(self.path))
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def write_bytes(self, data: bytes) -> int:
+        self.fs.pipe_file(self.path, data)
+        return len(data)
+
+    def write_text(self, text: str, encoding: str = "utf-8") -> int:
+        return self.write_bytes(text.encode(encoding))
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        # Object stores have no directories: a prefix exists once an object is under it. The
+        # memory file system keeps pseudo-directories, so create them where it has them.
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+
+StorePath = Path | ObjectPath
+"""A store location or a path inside one."""
+
+
+def store_path(
+    location: str | os.PathLike[str] | ObjectPath,
+    storage_options: Mapping[str, Any] | None = None,
+) -> StorePath:
+    """The store at ``location``: a local path, a ``file://`` URL (both a :class:`Path`), or
+    another fsspec URL (an :class:`ObjectPath`).
+
+    Raises:
+        GradlogError: the URL's protocol needs a package that is not installed.
+    """
+    if isinstance(location, (ObjectPath, Path)):
+        return location
+    text = os.fspath(location)
+    if "://" not in text:
+        return Path(text)
+    protocol = text.split("://", 1)[0]
+    if protocol == "file":
+        return Path(text[len("file://") :])
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise GradlogError(
+            f"{text} is a URL; stores on object storage need fsspec: "
+            "pip install 'gradlog[s3]'."
+        ) from None
+    try:
+        fs, path = url_to_fs(text, **dict(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        known = ", ".join(sorted(fsspec.available_protocols())[:12])
+        raise GradlogError(
+            f"cannot open {text}: {e}. For s3:// install 's3fs' (pip install 'gradlog[s3]'); "
+            f"fsspec knows the protocols {known}, ..."
+        ) from None
+    if not path.strip("/"):
+        raise GradlogError(
+            f"{text} names no store inside the bucket; add a path: {text}/run.gradlog"
+        )
+    return ObjectPath(fs, path)
+
+
+def is_object(path: StorePath) -> bool:
+    """Whether ``path`` is on object storage (no rename, no fsync)."""
+    return isinstance(path, ObjectPath)
+
+
+# -- raw operations: the local branch is the writer's and reader's original code ---------------
+def listdir(path: StorePath) -> list[str]:
+    """Entry names in ``path``, like :func:`os.listdir`."""
+    if isinstance(path, ObjectPath):
+        return path.listdir()
+    return os.listdir(path)
+
+
+def write_buffers(path: StorePath, buffers: list[Any]) -> int:
+    """Create or replace the file ``path`` with ``buffers`` concatenated; returns its size.
+
+    Locally one ``writev`` (no copy); on object storage one PUT of the whole object.
+    """
+    if isinstance(path, ObjectPath):
+        data = b"".join(memoryview(b).cast("B") for b in buffers)
+        return path.write_bytes(data)
+    return _writev_file(path, buffers)
+
+
+def _writev_file(path: Path, buffers: list[Any]) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = 0
+        while views:
+            batch = views[:1024]  # IOV_MAX on Linux
+            expected = sum(len(v) for v in batch)
+            written = os.writev(fd, batch)
+            total += written
+            if written == expected:  # the common case: everything went out
+                del views[: len(batch)]
+                continue
+            while written >= len(views[0]):  # a short write: resume inside a buffer
+                written -= len(views.pop(0))
+            views[0] = views[0][written:]
+        return total
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: StorePath, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new file, whole.
+
+    Locally a temporary (a dot file, ignored by readers) renamed into place; on object
+    storage one PUT, which is atomic by itself.
+    """
+    if isinstance(path, ObjectPath):
+        path.write_bytes(data)
+        return
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_parquet_atomic(table: Any, path: StorePath, *, durable: bool = False) -> None:
+    """Write ``table`` as the parquet file ``path`` (zstd), atomically as
+    :func:`write_bytes_atomic`; ``durable`` fsyncs a local temporary before the rename."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if isinstance(path, ObjectPath):
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        path.write_bytes(sink.getvalue().to_pybytes())
+        return
+    tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
+    pq.write_table(table, tmp, compression="zstd")
+    if durable:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_parquet(path: StorePath, schema: Any = None, columns: list[str] | None = None) -> Any:
+    """Read the parquet file ``path`` (a pyarrow table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if isinstance(path, ObjectPath):
+        return pq.read_table(pa.BufferReader(path.read_bytes()), schema=schema, columns=columns)
+    return pq.read_table(path, schema=schema, columns=columns)
+
+
+def arrow_filesystem(path: StorePath) -> Any:
+    """The pyarrow file system and path strings for reading files below ``path`` with
+    ``pyarrow.dataset``: ``(None, str)`` locally."""
+    if isinstance(path, ObjectPath):
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        return PyFileSystem(FSSpecHandler(path.fs))
+    return None
+
+
+def arrow_path(path: StorePath) -> str:
+    """``path`` as the file system of :func:`arrow_filesystem` names it."""
+    return path.path if isinstance(path, ObjectPath) else str(path)
+
+
+def remove_tree(path: StorePath) -> None:
+    """Delete the store at ``path`` and everything below it."""
+    if isinstance(path, ObjectPath):
+        path.fs.rm(path.path, recursive=True)
+        path.fs.invalidate_cache(path.path)
+        return
+    import shutil
+
+    shutil.rmtree(path)
+
+
+class _Ranges:
+    """Sized, ranged reads of one file (``pread`` locally, ranged GETs on object storage)."""
+
+    def __init__(self, size: int, read: Any) -> None:
+        self.size = size
+        self._read = read
+
+    def pread(self, length: int, offset: int) -> bytes:
+        data: bytes = self._read(length, offset)
+        if len(data) != length:  # a short read at the end of a truncated file
+            from gradlog.errors import StoreCorruptError
+
+            raise StoreCorruptError(f"read {len(data)} of {length} bytes at offset {offset}.")
+        return data
+
+
+@contextmanager
+def open_ranges(path: StorePath) -> Iterator[_Ranges]:
+    """Open ``path`` for ranged reads. Raises FileNotFoundError when it is absent."""
+    if isinstance(path, ObjectPath):
+        fs, key = path.fs, path.path
+        size = int(fs.size(key))
+
+        def get(n: int, off: int) -> bytes:  # keywords: s3fs's third positional is version_id
+            return bytes(fs.cat_file(key, start=off, end=off + n)) if n else b""
+
+        yield _Ranges(size, get)
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        yield _Ranges(os.fstat(fd).st_size, lambda n, off: os.pread(fd, n, off))
+    finally:
+        os.close(fd)
