@@ -1,6 +1,6 @@
 """One rank of the distributed-recording tests (tests/test_distributed.py): run as a script.
 
-Usage: python ddp_worker.py RANK WORLD PORT STORE STEPS [crash_at_step|-] [resume|mismatch]
+Usage: python ddp_worker.py RANK WORLD PORT STORE STEPS [crash_at_step|-] [resume|mismatch|sum]
 Trains the shared tiny model under DDP (gloo, CPU) on rank RANK's share of a fixed global
 batch per step, recording into STORE. With crash_at_step, rank 1 dies (os._exit) inside that
 step, after its backward and before the step ends.
@@ -48,6 +48,8 @@ def main() -> None:
     resume = len(sys.argv) > 7 and sys.argv[7] == "resume"
     # "mismatch": rank 1 opens the store with another configuration than rank 0's
     dtype = "bfloat16" if sys.argv[7:8] == ["mismatch"] and rank == 1 else "float32"
+    # "sum": Linear weight gradients from the per-datum sum (gradlog.backends.fused)
+    batch_grad = "sum" if sys.argv[7:8] == ["sum"] else "autograd"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
@@ -71,7 +73,9 @@ def main() -> None:
                     nn.functional.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
             opt.step()
     try:
-        with gradlog.GradRecorder(ddp, store, check_every=1, resume=resume, dtype=dtype) as rec:
+        with gradlog.GradRecorder(
+            ddp, store, check_every=1, resume=resume, dtype=dtype, batch_grad=batch_grad
+        ) as rec:
             for step in range(first, steps):
                 opt.zero_grad()
                 calls = micro_batches(step, *data[step])

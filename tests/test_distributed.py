@@ -107,12 +107,17 @@ def _assert_same_records(got: gradlog.Run, want: gradlog.Run) -> None:
             np.testing.assert_allclose(total_a, total_b, rtol=1e-5, atol=1e-7)
 
 
-def test_two_ranks_record_what_one_process_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_two_ranks_record_what_one_process_records(tmp_path: Path, batch_grad: str) -> None:
+    """With batch_grad="sum" the weight gradients reach DDP's all-reduce through autograd's
+    accumulation as usual: the self-check (every step) compares the ranks' summed shares
+    with the all-reduced p.grad."""
     store = tmp_path / "ddp.gradlog"
-    assert _run_ranks(store, 3) == [0, 0]
+    assert _run_ranks(store, 3, "-", batch_grad) == [0, 0]
     report = verify(store)
     assert report.ok, [c.problems for c in report.checks]
     run = gradlog.open(store)
+    assert run.attrs["backend"]["batch_grad"] == batch_grad
     assert run.attrs["backend"]["distributed"] == {"world_size": 2, "torch_backend": "gloo"}
     # each rank's call is one micro-batch of the step: rank r's m-th call is m * 2 + r;
     # step 1 accumulates two calls per rank (the first under DDP.no_sync())
