@@ -12,6 +12,7 @@ rtol 1e-9 (hooks and the oracle sum in different orders; observed ~1e-13).
 from __future__ import annotations
 
 import copy
+import re
 import logging
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,15 @@ def test_missing_datum_ids_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="GradlogCallback"):
         without.train()
     copy.deepcopy(_args(tmp_path))  # the arguments stay plain data
+
+
+def test_readme_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's transformers example runs as written and records what it says."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    match = re.search(r"\*\*transformers\*\*.*?```python\n(.*?)```", text, re.S)
+    assert match, "README lost its transformers example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(match.group(1), "README.md", "exec"), {})
+    run = gradlog.open(tmp_path / "runs" / "gpt2.gradlog")
+    assert run.steps.num_rows == 4 and run.datums.num_rows == 32
+    assert all(name.startswith("transformer.h.1.") for name in run.param_names)

@@ -8,6 +8,7 @@ each recorded datum alone at those parameters. Tolerance: float64, rtol 1e-10.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,3 +176,15 @@ def test_resume_from_a_checkpoint(tmp_path: Path) -> None:
 def test_recorded_loss_needs_the_callback(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="GradlogCallback"):
         _trainer(tmp_path, []).fit(Classifier())
+
+
+def test_readme_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's Lightning example runs as written and records what it says."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    match = re.search(r"\*\*Lightning\*\*.*?```python\n(.*?)```", text, re.S)
+    assert match, "README lost its Lightning example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(match.group(1), "README.md", "exec"), {})
+    run = gradlog.open(tmp_path / "runs" / "pl.gradlog")
+    assert run.steps.num_rows == 8 and run.datums.num_rows == 8 * 2 * 8
+    assert sorted(set(run.datums.column("datum_id").to_pylist())) == list(range(64))
