@@ -60,7 +60,7 @@ def _record(path: Path, dtype: str) -> None:
             opt.zero_grad()
 
 
-@pytest.fixture(scope="module", params=["float32", "bitround9", "float64"])
+@pytest.fixture(scope="module", params=["float32", "bitround9"])
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> gradlog.Run:
     path = tmp_path_factory.mktemp("dask") / "run.gradlog"
     _record(path, request.param)

@@ -12,8 +12,8 @@ rtol 1e-9 (hooks and the oracle sum in different orders; observed ~1e-13).
 from __future__ import annotations
 
 import copy
-import re
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +253,14 @@ def test_readme_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     run = gradlog.open(tmp_path / "runs" / "gpt2.gradlog")
     assert run.steps.num_rows == 4 and run.datums.num_rows == 32
     assert all(name.startswith("transformer.h.1.") for name in run.param_names)
+
+
+def test_a_plain_trainer_with_the_callback_is_refused(tmp_path: Path) -> None:
+    trainer = transformers.Trainer(
+        model=_model(),
+        args=_args(tmp_path / "out"),
+        train_dataset=_data(ragged=False),
+        callbacks=[GradlogCallback(tmp_path / "run.gradlog")],
+    )
+    with pytest.raises(InputError, match="GradlogTrainer"):
+        trainer.train()

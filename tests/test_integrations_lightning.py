@@ -188,3 +188,10 @@ def test_readme_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     run = gradlog.open(tmp_path / "runs" / "pl.gradlog")
     assert run.steps.num_rows == 8 and run.datums.num_rows == 8 * 2 * 8
     assert sorted(set(run.datums.column("datum_id").to_pylist())) == list(range(64))
+
+
+def test_a_module_without_recorded_loss_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="recorded_loss"):
+        _trainer(tmp_path, [GradlogCallback(tmp_path / "run.gradlog")]).fit(
+            Classifier(record=False)
+        )

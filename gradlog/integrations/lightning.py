@@ -67,6 +67,14 @@ class GradlogCallback(Callback):  # type: ignore[misc, unused-ignore]
             pl_module, optimizers[0] if optimizers else None, resuming=trainer.global_step > 0
         )
 
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.session.check_used(
+            "return gradlog.integrations.lightning.recorded_loss(self, losses, datum_ids=...) "
+            "from training_step."
+        )
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.session.close()
 

@@ -74,6 +74,7 @@ class RecordingSession:
         self.recorder: GradRecorder | None = None
         self.model: nn.Module | None = None
         self._committed: int | None = None  # last step in the store when training resumed
+        self._losses = 0  # batches that went through loss() since start()
 
     @property
     def recording(self) -> bool:
@@ -92,6 +93,14 @@ class RecordingSession:
         self.recorder = GradRecorder(model, self.path, optimizer=optimizer, **options)
         self.recorder.open()
         self.model = model
+        self._losses = 0
+
+    def check_used(self, how: str) -> None:
+        """After a training step: refuse a trainer whose loss never came through
+        :meth:`loss` (nothing would be recorded). ``how`` says what the user must do."""
+        if self.recorder is not None and self._losses == 0:
+            self.close()
+            raise InputError(f"gradlog recorded nothing during a training step: {how}")
 
     def close(self) -> None:
         """Commit the last step and close the store."""
@@ -114,6 +123,7 @@ class RecordingSession:
         plain batch loss.
         """
         recorder = self.recorder
+        self._losses += 1
         token_reduction = self.options.get("token_reduction", "mean")
         reduced = per_datum_losses(losses, mask, token_reduction)  # (B,)
         batch_reduction = self.options.get("batch_reduction", "mean")

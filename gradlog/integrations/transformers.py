@@ -127,6 +127,12 @@ class GradlogCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
             raise InputError("gradlog: the Trainer passed no model to on_train_begin.")
         self.session.start(model, kwargs.get("optimizer"), resuming=state.global_step > 0)
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.check_used(
+            "train with gradlog.integrations.transformers.GradlogTrainer (or a Trainer "
+            "subclass with GradlogTrainerMixin), which computes the per-datum losses."
+        )
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.session.close()
 
@@ -142,6 +148,14 @@ class GradlogTrainerMixin:
         # accumulated micro-batches (newer Trainers ask through these two attributes).
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:  # also when training fails: hooks off the model, complete steps committed
+            for callback in getattr(self.callback_handler, "callbacks", []):  # type: ignore[attr-defined]
+                if isinstance(callback, GradlogCallback):
+                    callback.session.close()
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()  # type: ignore[misc, unused-ignore]
