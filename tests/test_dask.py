@@ -201,3 +201,17 @@ def test_scans_on_a_process_cluster(run: gradlog.Run) -> None:
         )
         assert run.stats("0.weight", scheduler=c) == run.stats("0.weight")
         assert np.array_equal(run.to_dask("0.weight").compute(), run.grads("0.weight"))
+
+
+@pytest.mark.parametrize("max_memory", BUDGETS)
+def test_movers_on_a_cluster_equals_local(
+    run: gradlog.Run, client: object, max_memory: str | None
+) -> None:
+    for params in (None, "0.weight"):
+        for steps in (None, range(1, 4)):
+            local = run.movers(params, steps=steps, top=None, max_memory=max_memory)
+            remote = run.movers(
+                params, steps=steps, top=None, max_memory=max_memory, scheduler=client
+            )
+            _same_table(local, remote)
+            assert remote.schema.metadata == local.schema.metadata  # the change's norm

@@ -178,3 +178,52 @@ def stats_moments(
     plan, _ = block_plan(r, rows, budget=budget, keys=steps, per_row_bytes=r.numel * 8, what=param)
     tasks = [delayed(_moments, pure=True)(ref, param, rows[i0:i1]) for i0, i1 in plan]
     return compute(tasks, scheduler)
+
+
+def _weighted_sum(ref: StoreRef, name: str, rows: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """Task: ``sum_r coef_r g_r`` over the block's records."""
+    data = reader(ref.open(), name).read(rows)
+    return np.asarray(np.einsum("i,ij->j", coef, data, dtype=np.float64, casting="unsafe"))
+
+
+def movement(
+    run: Run,
+    names: Sequence[str],
+    rows: np.ndarray,
+    keys: np.ndarray,
+    coef: np.ndarray,
+    budget: int,
+    scheduler: Any,
+) -> tuple[np.ndarray, float]:
+    """Per record ``<g_r, delta>`` and ``||delta||^2`` of
+    :func:`gradlog.analysis.movement.record_movement`: two passes, as locally."""
+    delayed = _delayed()
+    ref = StoreRef.of(run)
+    plans = {}
+    sums: list[Any] = []
+    for name in names:
+        r = reader(run, name)
+        own = 2 * r.numel * 8  # delta and einsum's output, as the local scan counts them
+        plans[name], _ = block_plan(r, rows, budget=budget - own, keys=keys, what=name)
+        for i0, i1 in plans[name]:
+            sums.append(delayed(_weighted_sum, pure=True)(ref, name, rows[i0:i1], coef[i0:i1]))
+    parts = iter(compute(sums, scheduler))
+    deltas = {}
+    norm_sq = 0.0
+    for name in names:
+        delta = np.zeros(reader(run, name).numel, dtype=np.float64)
+        for _ in plans[name]:
+            delta += next(parts)  # block by block, in the local order
+        norm_sq += float(delta @ delta)
+        deltas[name] = delta
+    tasks: list[Any] = []
+    where: list[slice] = []
+    for name in names:
+        shared = delayed(deltas[name])
+        for i0, i1 in plans[name]:
+            tasks.append(delayed(_dots_fixed, pure=True)(ref, name, rows[i0:i1], shared))
+            where.append(slice(i0, i1))
+    proj = np.zeros(rows.size, dtype=np.float64)
+    for positions, part in zip(where, compute(tasks, scheduler)):
+        proj[positions] += part
+    return proj, norm_sq

@@ -491,6 +491,7 @@ class Run:
         lr: float | None = None,
         max_memory: int | str | None = None,
         progress: bool = False,
+        scheduler: Any = None,
     ) -> Any:
         """Which data moved ``params`` over ``steps``: each datum's contributions
         ``-lr_t w_b g_b`` projected on the SGD-attributable change of the parameters; scores
@@ -498,7 +499,7 @@ class Run:
         from gradlog.analysis.movement import movers
 
         return movers(self, params, steps=steps, top=top, lr=lr, max_memory=max_memory,
-                      progress=progress)
+                      progress=progress, scheduler=scheduler)
 
     def stats(
         self,
