@@ -14,6 +14,7 @@ import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -215,3 +216,20 @@ def test_movers_on_a_cluster_equals_local(
             )
             _same_table(local, remote)
             assert remote.schema.metadata == local.schema.metadata  # the change's norm
+
+
+@pytest.mark.parametrize("max_memory", [None, "100KiB"])  # 200KiB: ~500 tiny pair tasks
+def test_similarity_on_a_cluster_equals_local(
+    run: gradlog.Run, client: object, max_memory: str | None
+) -> None:
+    selections: list[dict[str, Any]] = [
+        {},
+        {"a": {"step": [1, 3]}},
+        {"a": {"step": 0}, "b": {"datum": [3, 4, 5, 6]}},
+        {"a": run.records(step=[4, 2]), "b": {"step": range(1, 4)}},
+    ]
+    for sel in selections:
+        for kind in ("dot", "cosine"):
+            local = run.similarity(kind=kind, max_memory=max_memory, **sel)
+            remote = run.similarity(kind=kind, max_memory=max_memory, scheduler=client, **sel)
+            assert np.array_equal(remote, local)

@@ -22,6 +22,7 @@ when the plan reads ahead), per worker thread.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,15 @@ from gradlog.analysis.selection import reader
 if TYPE_CHECKING:
     from gradlog.store.reader import Run
 
-__all__ = ["StoreRef", "compute", "influence_dots", "read_rows", "stats_moments"]
+__all__ = [
+    "StoreRef",
+    "compute",
+    "influence_dots",
+    "movement",
+    "read_rows",
+    "similarity_parts",
+    "stats_moments",
+]
 
 
 @dataclass(frozen=True)
@@ -227,3 +236,74 @@ def movement(
     for positions, part in zip(where, compute(tasks, scheduler)):
         proj[positions] += part
     return proj, norm_sq
+
+
+def _squares(ref: StoreRef, name: str, rows: np.ndarray) -> np.ndarray:
+    """Task: each record's squared norm, from a float64 copy of the block."""
+    x = reader(ref.open(), name).read(rows).astype(np.float64)
+    return np.asarray(np.einsum("ij,ij->i", x, x))
+
+
+def _products(
+    ref: StoreRef, name: str, rows_a: np.ndarray, rows_b: np.ndarray | None
+) -> np.ndarray:
+    """Task: ``x @ y.T`` of two blocks in float64 (``x @ x.T`` when ``rows_b`` is None)."""
+    r = reader(ref.open(), name)
+    x = r.read(rows_a).astype(np.float64)
+    if rows_b is None:
+        return np.asarray(x @ x.T)
+    return np.asarray(x @ r.read(rows_b).astype(np.float64).T)
+
+
+def similarity_parts(
+    run: Run,
+    names: Sequence[str],
+    a: tuple[np.ndarray, np.ndarray],
+    b: tuple[np.ndarray, np.ndarray],
+    same: bool,
+    budget: int,
+    scheduler: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dots, squared norms of a, of b)`` of :func:`gradlog.analysis.similarity`, from the
+    local scan's blocks (``a``, ``b``: sorted rows and their steps), added in its order."""
+    delayed = _delayed()
+    ref = StoreRef.of(run)
+    (rows_a, steps_a), (rows_b, steps_b) = a, b
+    layout: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]] | None]] = []
+    tasks: list[Any] = []
+    for name in names:
+        r = reader(run, name)
+        f64 = r.numel * 8  # each block is multiplied as a float64 copy
+        plan_a, _ = block_plan(r, rows_a, budget=budget, keys=steps_a, per_row_bytes=f64, what=name)
+        task = functools.partial(delayed, pure=True)
+        tasks += [task(_squares)(ref, name, rows_a[i0:i1]) for i0, i1 in plan_a]
+        if same and plan_a == [(0, rows_a.size)]:  # all of a in one block: its Gram matrix
+            tasks.append(task(_products)(ref, name, rows_a, None))
+            layout.append((name, plan_a, None))
+            continue
+        plan_b, _ = block_plan(r, rows_b, budget=budget, keys=steps_b, per_row_bytes=f64, what=name)
+        tasks += [task(_squares)(ref, name, rows_b[j0:j1]) for j0, j1 in plan_b]
+        tasks += [
+            task(_products)(ref, name, rows_a[i0:i1], rows_b[j0:j1])
+            for i0, i1 in plan_a
+            for j0, j1 in plan_b
+        ]
+        layout.append((name, plan_a, plan_b))
+    results = iter(compute(tasks, scheduler))
+    out = np.zeros((rows_a.size, rows_b.size), dtype=np.float64)
+    sq_a = np.zeros(rows_a.size, dtype=np.float64)
+    sq_b = np.zeros(rows_b.size, dtype=np.float64)
+    for _, plan_a, plan_b in layout:
+        own = [next(results) for _ in plan_a]
+        for (i0, i1), part in zip(plan_a, own):
+            sq_a[i0:i1] += part
+        if plan_b is None:
+            out += next(results)
+            sq_b += own[0]
+            continue
+        for (j0, j1), part in zip(plan_b, [next(results) for _ in plan_b]):
+            sq_b[j0:j1] += part
+        for i0, i1 in plan_a:
+            for j0, j1 in plan_b:
+                out[i0:i1, j0:j1] += next(results)
+    return out, sq_a, sq_b

@@ -435,6 +435,7 @@ class Run:
         kind: str = "dot",
         max_memory: int | str | None = None,
         progress: bool = False,
+        scheduler: Any = None,
     ) -> Any:
         """Gradient similarity (``"dot"`` or ``"cosine"``) between records ``a`` and ``b``
         (each None, ``{"step": ..., "datum": ...}`` or a ``run.records()`` table): a float64
@@ -442,7 +443,7 @@ class Run:
         from gradlog.analysis.similarity import similarity
 
         return similarity(self, params, a=a, b=b, kind=kind, max_memory=max_memory,
-                          progress=progress)
+                          progress=progress, scheduler=scheduler)
 
     def influence(
         self,
