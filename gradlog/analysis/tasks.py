@@ -293,17 +293,17 @@ def similarity_parts(
     out = np.zeros((rows_a.size, rows_b.size), dtype=np.float64)
     sq_a = np.zeros(rows_a.size, dtype=np.float64)
     sq_b = np.zeros(rows_b.size, dtype=np.float64)
-    for _, plan_a, plan_b in layout:
-        own = [next(results) for _ in plan_a]
-        for (i0, i1), part in zip(plan_a, own):
+    for _, blocks_a, blocks_b in layout:
+        own = [next(results) for _ in blocks_a]
+        for (i0, i1), part in zip(blocks_a, own):
             sq_a[i0:i1] += part
-        if plan_b is None:
+        if blocks_b is None:
             out += next(results)
             sq_b += own[0]
             continue
-        for (j0, j1), part in zip(plan_b, [next(results) for _ in plan_b]):
+        for (j0, j1), part in zip(blocks_b, [next(results) for _ in blocks_b]):
             sq_b[j0:j1] += part
-        for i0, i1 in plan_a:
-            for j0, j1 in plan_b:
+        for i0, i1 in blocks_a:
+            for j0, j1 in blocks_b:
                 out[i0:i1, j0:j1] += next(results)
     return out, sq_a, sq_b
