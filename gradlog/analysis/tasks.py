@@ -1,7 +1,8 @@
 """Scans as Dask tasks: the same blocks as the local scan, read by workers from the store.
 
-``scheduler=`` on :func:`~gradlog.analysis.influence`, :func:`~gradlog.analysis.stats` and
-their ``Run`` methods runs the scan on Dask instead of in the calling process. It takes what
+``scheduler=`` on :func:`~gradlog.analysis.influence`, :func:`~gradlog.analysis.stats`,
+:func:`~gradlog.analysis.movers`, :func:`~gradlog.analysis.similarity` and their ``Run``
+methods runs the scan on Dask instead of in the calling process. It takes what
 ``dask.compute(..., scheduler=...)`` takes: a ``dask.distributed.Client``, ``"distributed"``
 (the active Client), ``"threads"``, ``"processes"``, ``"sync"``, or ``"dask"`` (Dask's own
 default: the active Client if there is one).
@@ -10,11 +11,13 @@ One task per block of the local scan's plan (:func:`gradlog.analysis.scan.block_
 client plans from the index (parquet, small), and each task gets the store's path and its
 block's rows, opens the store itself (workers need the store's path: a shared file system),
 reads and checks the rows exactly as the local scan does, and returns a small float64 result
-(one number per record, or a block's moments). Nothing of the store's gradient data passes
+(one number per record, a block's moments, a parameter-sized sum, or the products of two
+blocks for similarity). Nothing of the store's gradient data passes
 through the client, and nothing is written to the store. Because each task does the local
 scan's arithmetic on the same block, and the client adds the results up in the local order,
 results are bitwise those of the local scan on machines with the same numpy build and CPU;
-across different machines numpy's SIMD kernels may differ in the last bit.
+across different machines numpy's SIMD kernels (and BLAS, for similarity's products) may
+differ in the last bit.
 
 Each task holds what one block of the local scan holds: at most ``max_memory`` (a third of it
 when the plan reads ahead), per worker thread.
