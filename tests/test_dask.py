@@ -233,3 +233,16 @@ def test_similarity_on_a_cluster_equals_local(
             local = run.similarity(kind=kind, max_memory=max_memory, **sel)
             remote = run.similarity(kind=kind, max_memory=max_memory, scheduler=client, **sel)
             assert np.array_equal(remote, local)
+
+
+def test_a_relative_store_path_reaches_the_workers(
+    run: gradlog.Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers may run elsewhere: tasks carry the store's absolute path."""
+    monkeypatch.chdir(run.path.parent)
+    relative = gradlog.open(run.path.name)
+    ref = StoreRef.of(relative)
+    assert Path(ref.path).is_absolute() and Path(ref.path) == run.path.absolute()
+    lazy = relative.to_dask("2.bias")
+    monkeypatch.chdir(run.path.parent.parent)  # a worker's working directory
+    assert np.array_equal(lazy.compute(scheduler="sync"), run.grads("2.bias"))

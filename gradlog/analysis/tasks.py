@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,7 +61,9 @@ class StoreRef:
 
     @classmethod
     def of(cls, run: Run) -> StoreRef:
-        return cls(str(run.path), run.attrs.get("created"), run.attrs.get("config_hash"))
+        # absolute: a worker's working directory is not the client's
+        path = run.path.absolute() if isinstance(run.path, Path) else run.path
+        return cls(str(path), run.attrs.get("created"), run.attrs.get("config_hash"))
 
     def open(self) -> Run:
         """The store, opened in the task's process (root JSON only: the index is not read)."""
