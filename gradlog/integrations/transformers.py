@@ -122,6 +122,13 @@ class GradlogCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
         self.session = RecordingSession(path, options)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        processes, devices = getattr(args, "world_size", 1), getattr(args, "n_gpu", 1)
+        if processes > 1 or devices > 1:
+            raise InputError(
+                f"gradlog's Trainer callback records one process on one device; this Trainer "
+                f"runs {processes} process(es) on {devices} device(s) each. Train on one device "
+                "(CUDA_VISIBLE_DEVICES=0), or record with GradRecorder in each rank."
+            )
         model = kwargs.get("model")
         if model is None:
             raise InputError("gradlog: the Trainer passed no model to on_train_begin.")
