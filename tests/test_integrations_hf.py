@@ -139,7 +139,11 @@ def _check_against_oracle(run: gradlog.Run, snaps: dict[int, Any], data: list[An
 
 @pytest.mark.parametrize(
     "checkpointing",
-    [None, pytest.param({"use_reentrant": True}, marks=pytest.mark.slow), {"use_reentrant": False}],
+    [
+        None,
+        pytest.param({"use_reentrant": True}, marks=pytest.mark.slow),
+        pytest.param({"use_reentrant": False}, marks=pytest.mark.slow),
+    ],
 )
 def test_trainer_records_the_oracle_gradients(
     tmp_path: Path, checkpointing: dict[str, bool] | None
@@ -172,6 +176,7 @@ def test_trainer_records_the_oracle_gradients(
     assert verify(tmp_path / "run.gradlog").ok
 
 
+@pytest.mark.slow
 def test_training_is_the_plain_trainers(tmp_path: Path) -> None:
     """With every target token labelled, gradlog's batch loss is the model's own token mean:
     the recorded run ends at the parameters of a plain Trainer run (within the float32
