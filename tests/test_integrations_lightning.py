@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlog
-from gradlog.errors import InputError
+from gradlog.errors import InputError, NonFiniteLossError
+from gradlog.store.verify import verify
 from gradlog.testing.oracle import naive_per_datum_grads
 
 L = pytest.importorskip("lightning.pytorch", reason="needs gradlog[lightning] (lightning)")
@@ -195,3 +196,25 @@ def test_a_module_without_recorded_loss_is_refused(tmp_path: Path) -> None:
         _trainer(tmp_path, [GradlogCallback(tmp_path / "run.gradlog")]).fit(
             Classifier(record=False)
         )
+
+
+class _NanAtStep2(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if self.trainer.global_step == 2:
+            losses = losses + float("nan")
+        return recorded_loss(self, losses, datum_ids=idx)
+
+
+def test_a_failing_step_leaves_the_committed_steps(tmp_path: Path) -> None:
+    """A NaN loss is refused inside Lightning's backward; the error reaches the caller, the
+    store keeps every complete step and verifies, and the model is left without hooks."""
+    store = tmp_path / "run.gradlog"
+    module = _NanAtStep2()
+    with pytest.raises(NonFiniteLossError, match="NaN or infinite"):
+        _trainer(tmp_path, [GradlogCallback(store)]).fit(module)
+    run = gradlog.open(store)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    assert verify(store).ok
+    assert all(not m._forward_hooks for m in module.modules())
