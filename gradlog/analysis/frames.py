@@ -33,27 +33,6 @@ def _require(module: str, extra: str, feature: str) -> Any:
         ) from None
 
 
-class _Rows:
-    """The selected rows of a gradient array as an array-like that dask slices lazily."""
-
-    def __init__(
-        self, run: Run, param: str, rows: np.ndarray, shape: list[int], dtype: Any
-    ) -> None:
-        self.run, self.param, self.rows = run, param, rows
-        self.shape = (int(rows.size), *shape)
-        self.dtype = np.dtype(dtype)
-        self.ndim = len(self.shape)
-
-    def __getitem__(self, key: Any) -> np.ndarray:
-        key = key if isinstance(key, tuple) else (key,)
-        first, rest = key[0], key[1:]
-        rows = self.rows[first]  # dask passes slices (and arrays for fancy indexing)
-        data = self.run._grad_array(self.param).read(np.atleast_1d(rows), self.dtype)
-        if np.ndim(rows) == 0:
-            data = data[0]
-        return np.asarray(data[(slice(None), *rest)] if np.ndim(rows) else data[rest])
-
-
 def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None) -> Any:
     """``param``'s gradients of the selected records as a lazy dask array ``(n, *shape)``.
 
@@ -61,30 +40,42 @@ def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None)
     rows); nothing is read until computed, and every read is checksum-verified and decoded
     like :meth:`Run.grads` (float32; float64 for float64 storage). Rows follow
     :meth:`Run.records`.
+
+    Each chunk is a task that opens the store by its path and reads its rows
+    (:func:`gradlog.analysis.tasks.read_rows`), so the array computes on any Dask scheduler,
+    a ``dask.distributed`` cluster included (its workers must see the store's path), and the
+    graph carries only row numbers, never gradient data.
     """
     da = _require("dask.array", "dask", "Run.to_dask")
+    from dask.base import tokenize
+
+    from gradlog.analysis.tasks import StoreRef, read_rows
     from gradlog.store.dtypes import storage_dtype
 
     spec = run._check_param(param)
+    shape = [int(d) for d in spec["shape"]]
     rows = np.asarray(run.records(step, datum).column("row"), dtype=np.int64)
     dtype = np.float64 if storage_dtype(spec["dtype"]).array_dtype == np.float64 else np.float32
     if rows.size == 0:
-        return da.zeros((0, *spec["shape"]), dtype=dtype)
+        return da.zeros((0, *shape), dtype=dtype)
     per_file = int(run._grad_array(param).rows_per_chunk())
     # chunk boundaries where the rows cross into the next chunk file
     files = rows // per_file
     cuts = np.flatnonzero(np.diff(files)) + 1
-    sizes = np.diff(np.concatenate([[0], cuts, [rows.size]])).tolist()
-    source = _Rows(run, param, rows, list(spec["shape"]), dtype)
-    chunks = (tuple(int(v) for v in sizes), *((int(d),) for d in spec["shape"]))
-    return da.from_array(
-        source,
-        chunks=chunks,
-        asarray=False,
-        lock=False,
-        fancy=False,
-        name=f"gradlog-{run.path.name}-{param}-{hash(rows.tobytes())}",
-        meta=np.empty((0,) * (1 + len(spec["shape"])), dtype=dtype),
+    sizes = tuple(int(v) for v in np.diff(np.concatenate([[0], cuts, [rows.size]])))
+    ref = StoreRef.of(run)
+    token = tokenize(ref, param, rows)
+    row_chunks = da.from_array(rows, chunks=(sizes,), name=f"gradlog-rows-{token}")
+    return row_chunks.map_blocks(
+        read_rows,
+        ref,
+        param,
+        dtype,
+        chunks=(sizes, *((d,) for d in shape)),
+        new_axis=list(range(1, 1 + len(shape))),
+        dtype=dtype,
+        meta=np.empty((0,) * (1 + len(shape)), dtype=dtype),
+        name=f"gradlog-{param}-{token}",
     )
 
 

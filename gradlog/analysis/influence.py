@@ -71,6 +71,7 @@ def record_influence(
     lr: float | None = None,
     max_memory: int | str | None = None,
     progress: bool = False,
+    scheduler: Any = None,
 ) -> tuple[Any, np.ndarray]:
     """Per-record TracIn scores: ``(records, scores)``, one score per record of ``records``.
 
@@ -114,6 +115,12 @@ def record_influence(
     # position -> probe row at that record's step (probe rows ascend with steps)
     at = probe_rows[np.searchsorted(probe_steps, steps)] if probe_rows is not None else None
 
+    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        from gradlog.analysis.tasks import influence_dots
+
+        return records, coef * influence_dots(
+            run, names, rows, steps, at, vectors, budget, scheduler
+        )
     readers = {n: reader(run, n) for n in names}
     total = sum(rows.size * r.row_bytes for r in readers.values())
     with progress_bar(progress, total, "influence") as bar:
@@ -168,6 +175,7 @@ def influence(
     lr: float | None = None,
     max_memory: int | str | None = None,
     progress: bool = False,
+    scheduler: Any = None,
 ) -> Any:
     """Rank training data by TracIn influence on a probe (module doc: sign and scale).
 
@@ -184,7 +192,11 @@ def influence(
         weighted: Multiply by each record's weight ``w_b`` (module doc).
         lr: Use this learning rate for every step instead of the recorded one.
         max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
-        progress: Show a progress bar.
+        progress: Show a progress bar (local scans; on Dask, use Dask's dashboard).
+        scheduler: Run the scan on Dask: a ``dask.distributed.Client``, ``"distributed"``
+            (the active Client), ``"dask"`` (Dask's default), or any scheduler that
+            ``dask.compute`` takes. Same result as the local scan
+            (:mod:`gradlog.analysis.tasks`). None: in this process.
 
     Returns:
         pyarrow table ``kind`` ("proponent" / "opponent"; "neutral" for a zero score with
@@ -203,6 +215,7 @@ def influence(
         lr=lr,
         max_memory=max_memory,
         progress=progress,
+        scheduler=scheduler,
     )
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores

@@ -42,6 +42,7 @@ def record_movement(
     lr: float | None = None,
     max_memory: int | str | None = None,
     progress: bool = False,
+    scheduler: Any = None,
 ) -> tuple[Any, np.ndarray, float]:
     """Per record ``<c_r, delta>`` and ``||delta||``: ``(records, projections, norm)``."""
     budget = memory_bytes(max_memory)
@@ -50,6 +51,11 @@ def record_movement(
     coef = -record_coefficients(records, lr=lr, weighted=True, what="movers")  # -lr_t w_r
     rows = records.column("row").to_numpy()
     keys = records.column("step").to_numpy()
+    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        from gradlog.analysis.tasks import movement
+
+        proj, norm_sq = movement(run, names, rows, keys, coef, budget, scheduler)
+        return records, coef * proj, float(np.sqrt(norm_sq))
     proj = np.zeros(rows.size, dtype=np.float64)
     norm_sq = 0.0
     readers = {n: reader(run, n) for n in names}
@@ -84,6 +90,7 @@ def movers(
     lr: float | None = None,
     max_memory: int | str | None = None,
     progress: bool = False,
+    scheduler: Any = None,
 ) -> Any:
     """Rank data by how much they moved ``params`` over ``steps`` (module doc).
 
@@ -95,14 +102,21 @@ def movers(
             the ``top`` that pushed most against it ("against"); None: every datum.
         lr: Use this learning rate for every step instead of the recorded one.
         max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
-        progress: Show a progress bar.
+        progress: Show a progress bar (local scans).
+        scheduler: Run the scan on Dask, as :func:`gradlog.analysis.influence` does.
 
     Returns:
         pyarrow table ``kind``, ``rank``, ``datum_id``, ``score``, ``n_steps``, ``fraction``;
         its schema metadata ``change_norm`` holds ``||delta||`` (the sum of every score).
     """
     records, scores, norm = record_movement(
-        run, params, steps=steps, lr=lr, max_memory=max_memory, progress=progress
+        run,
+        params,
+        steps=steps,
+        lr=lr,
+        max_memory=max_memory,
+        progress=progress,
+        scheduler=scheduler,
     )
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores

@@ -34,6 +34,7 @@ __all__ = [
     "ArrayReader",
     "Block",
     "MemoryTooSmallError",
+    "block_plan",
     "blocks",
     "memory_bytes",
     "progress_bar",
@@ -232,19 +233,16 @@ def blocks(
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
         return
-    depth = _PREFETCH if prefetch else 0  # blocks read ahead, each on its own thread
-    plan: list[tuple[int, int]] | None = None
-    while depth > 0:  # each block in flight, and the caller's, gets an equal share
-        try:
-            plan = _plan(reader, rows, budget // (depth + 1), keys, per_row_bytes, extra_cost, what)
-        except MemoryTooSmallError:
-            plan = None
-        if plan is not None and len(plan) > 1:
-            break
-        plan, depth = None, depth - 1
-    if plan is None:
-        depth = 0
-        plan = _plan(reader, rows, budget, keys, per_row_bytes, extra_cost, what)
+    plan, depth = block_plan(
+        reader,
+        rows,
+        budget=budget,
+        keys=keys,
+        per_row_bytes=per_row_bytes,
+        extra_cost=extra_cost,
+        what=what,
+        prefetch=prefetch,
+    )
 
     def emit(i0: int, i1: int) -> Block:
         data = reader.read(rows[i0:i1])
@@ -278,6 +276,43 @@ def blocks(
         for future in pending:
             future.cancel()
         pool.shutdown(wait=True)  # never leave a read running behind the caller
+
+
+def block_plan(
+    reader: ArrayReader,
+    rows: np.ndarray,
+    *,
+    budget: int,
+    keys: np.ndarray | None = None,
+    per_row_bytes: int = 0,
+    extra_cost: Callable[[int, int], int] | None = None,
+    what: str = "",
+    prefetch: bool = True,
+) -> tuple[list[tuple[int, int]], int]:
+    """The blocks :func:`blocks` reads, as position ranges ``[i0, i1)``, and how many of
+    them it reads ahead. Scans on Dask (:mod:`gradlog.analysis.tasks`) make one task per
+    block of this plan, so each task does exactly the arithmetic of the local scan.
+
+    Raises:
+        MemoryTooSmallError: ``budget`` cannot hold the smallest possible block.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return [], 0
+    depth = _PREFETCH if prefetch else 0  # blocks read ahead, each on its own thread
+    plan: list[tuple[int, int]] | None = None
+    while depth > 0:  # each block in flight, and the caller's, gets an equal share
+        try:
+            plan = _plan(reader, rows, budget // (depth + 1), keys, per_row_bytes, extra_cost, what)
+        except MemoryTooSmallError:
+            plan = None
+        if plan is not None and len(plan) > 1:
+            break
+        plan, depth = None, depth - 1
+    if plan is None:
+        depth = 0
+        plan = _plan(reader, rows, budget, keys, per_row_bytes, extra_cost, what)
+    return plan, depth
 
 
 def _plan(

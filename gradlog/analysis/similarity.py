@@ -28,6 +28,7 @@ def similarity(
     kind: str = "dot",
     max_memory: int | str | None = None,
     progress: bool = False,
+    scheduler: Any = None,
 ) -> np.ndarray:
     """Similarity of the gradients of two sets of records.
 
@@ -40,7 +41,10 @@ def similarity(
         kind: ``"dot"`` (``<g_i, g_j>``) or ``"cosine"`` (0 where a gradient is zero).
         max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``); the result
             (``len(a) x len(b)`` float64) is not counted.
-        progress: Show a progress bar.
+        progress: Show a progress bar (local scans).
+        scheduler: Run the scan on Dask, as :func:`gradlog.analysis.influence` does: one
+            task per pair of blocks of the local plan (equal to the local result on one
+            machine; BLAS builds may round ``x @ y.T`` differently elsewhere).
 
     Returns:
         float64 array ``(len(a), len(b))``; row ``i`` is the ``i``-th record of ``a`` in the
@@ -57,6 +61,13 @@ def similarity(
     rows_b, order_b = _sorted_rows(rec_b)
     steps_a = rec_a.column("step").to_numpy()[order_a]
     steps_b = rec_b.column("step").to_numpy()[order_b]
+    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        from gradlog.analysis.tasks import similarity_parts
+
+        parts = similarity_parts(
+            run, names, (rows_a, steps_a), (rows_b, steps_b), same, budget // 2, scheduler
+        )
+        return _finish(*parts, kind, order_a, order_b)
     out = np.zeros((rows_a.size, rows_b.size), dtype=np.float64)
     sq_a = np.zeros(rows_a.size, dtype=np.float64)
     sq_b = np.zeros(rows_b.size, dtype=np.float64)
@@ -100,6 +111,18 @@ def similarity(
                     del y
                 first = False
                 del x
+    return _finish(out, sq_a, sq_b, kind, order_a, order_b)
+
+
+def _finish(
+    out: np.ndarray,
+    sq_a: np.ndarray,
+    sq_b: np.ndarray,
+    kind: str,
+    order_a: np.ndarray,
+    order_b: np.ndarray,
+) -> np.ndarray:
+    """Cosines from the squared norms if asked, rows and columns in the callers' orders."""
     if kind == "cosine":
         scale = np.outer(np.sqrt(sq_a), np.sqrt(sq_b))
         out = np.divide(out, scale, out=np.zeros_like(out), where=scale > 0)

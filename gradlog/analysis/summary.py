@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,7 +13,18 @@ from gradlog.analysis.selection import reader
 if TYPE_CHECKING:
     from gradlog.store.reader import Run, Selector
 
-__all__ = ["stats"]
+__all__ = ["block_moments", "stats"]
+
+
+def block_moments(data: np.ndarray) -> tuple[int, float, float, float, float]:
+    """A block's (count, mean, sum of squared deviations, min, max), in float64."""
+    x = data.astype(np.float64)
+    n = int(x.size)
+    if n == 0:
+        return 0, 0.0, 0.0, float(np.inf), float(-np.inf)
+    bmean = float(x.mean())
+    x -= bmean
+    return n, bmean, float(np.einsum("ij,ij->", x, x)), float(data.min()), float(data.max())
 
 
 def stats(
@@ -22,6 +34,7 @@ def stats(
     datum: Selector = None,
     *,
     max_memory: int | str | None = None,
+    scheduler: Any = None,
 ) -> dict[str, Any]:
     """Statistics of ``param``'s gradients over the selected records, in float64.
 
@@ -30,6 +43,8 @@ def stats(
         (the L2 norm of the whole slice), ``mean``, ``std`` (population), ``min``, ``max``,
         and ``record_norm_min`` / ``record_norm_max`` (the exact per-record norms of the
         index). Values are None for an empty slice.
+
+    ``scheduler`` runs the scan on Dask (:mod:`gradlog.analysis.tasks`): same result.
     """
     from gradlog.store import format as fmt
 
@@ -37,31 +52,32 @@ def stats(
     r = reader(run, param)
     records = run.records(step, datum)
     rows = records.column("row").to_numpy()
+    steps = records.column("step").to_numpy()
+    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        from gradlog.analysis.tasks import stats_moments
+
+        parts: Iterable[tuple[int, float, float, float, float]] = stats_moments(
+            run, param, rows, steps, budget, scheduler
+        )
+    else:
+        parts = (
+            block_moments(blk.data)
+            for blk in blocks(
+                r, rows, budget=budget, keys=steps, per_row_bytes=r.numel * 8, what=param
+            )
+        )
     count, mean, m2 = 0, 0.0, 0.0  # Chan et al.'s parallel variance, merged block by block
     lo, hi = np.inf, -np.inf
-    for blk in blocks(
-        r,
-        rows,
-        budget=budget,
-        keys=records.column("step").to_numpy(),
-        per_row_bytes=r.numel * 8,
-        what=param,
-    ):
-        x = blk.data.astype(np.float64)
-        n = x.size
+    for n, bmean, bm2, blo, bhi in parts:
         if n == 0:
             continue
-        bmean = float(x.mean())
-        x -= bmean
-        bm2 = float(np.einsum("ij,ij->", x, x))
         delta = bmean - mean
         total = count + n
         mean += delta * n / total
         m2 += bm2 + delta * delta * count * n / total
         count = total
-        lo = min(lo, float(blk.data.min()))
-        hi = max(hi, float(blk.data.max()))
-        del x  # before the next block is read
+        lo = min(lo, blo)
+        hi = max(hi, bhi)
     out: dict[str, Any] = {
         "param": param,
         "n_records": int(rows.size),

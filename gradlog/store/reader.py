@@ -438,6 +438,7 @@ class Run:
         kind: str = "dot",
         max_memory: int | str | None = None,
         progress: bool = False,
+        scheduler: Any = None,
     ) -> Any:
         """Gradient similarity (``"dot"`` or ``"cosine"``) between records ``a`` and ``b``
         (each None, ``{"step": ..., "datum": ...}`` or a ``run.records()`` table): a float64
@@ -445,7 +446,7 @@ class Run:
         from gradlog.analysis.similarity import similarity
 
         return similarity(self, params, a=a, b=b, kind=kind, max_memory=max_memory,
-                          progress=progress)
+                          progress=progress, scheduler=scheduler)
 
     def influence(
         self,
@@ -457,17 +458,19 @@ class Run:
         lr: float | None = None,
         max_memory: int | str | None = None,
         progress: bool = False,
+        scheduler: Any = None,
     ) -> Any:
         """TracIn over the recorded steps: rank training data by
         ``sum_t lr_t <g_t(datum), g_t(probe)>``. A positive score means training on the datum
         decreased the probe's loss (proponent), a negative one increased it (opponent).
         ``probe``: a recorded probe id, or a dict ``{param: gradient}`` used at every step.
         Returns a pyarrow table (kind, rank, datum_id, score, n_steps). See
-        :func:`gradlog.analysis.influence` for sign, scale and ``weighted``."""
+        :func:`gradlog.analysis.influence` for sign, scale, ``weighted`` and ``scheduler``
+        (the scan on Dask)."""
         from gradlog.analysis.influence import influence
 
         return influence(self, probe, top=top, params=params, weighted=weighted, lr=lr,
-                         max_memory=max_memory, progress=progress)
+                         max_memory=max_memory, progress=progress, scheduler=scheduler)
 
     def self_influence(
         self,
@@ -492,6 +495,7 @@ class Run:
         lr: float | None = None,
         max_memory: int | str | None = None,
         progress: bool = False,
+        scheduler: Any = None,
     ) -> Any:
         """Which data moved ``params`` over ``steps``: each datum's contributions
         ``-lr_t w_b g_b`` projected on the SGD-attributable change of the parameters; scores
@@ -499,7 +503,7 @@ class Run:
         from gradlog.analysis.movement import movers
 
         return movers(self, params, steps=steps, top=top, lr=lr, max_memory=max_memory,
-                      progress=progress)
+                      progress=progress, scheduler=scheduler)
 
     def stats(
         self,
@@ -508,11 +512,13 @@ class Run:
         datum: Selector = None,
         *,
         max_memory: int | str | None = None,
+        scheduler: Any = None,
     ) -> dict[str, Any]:
-        """Statistics of a slice (n_records, shape, norm, mean, std, min, max), streamed."""
+        """Statistics of a slice (n_records, shape, norm, mean, std, min, max), streamed;
+        on Dask with ``scheduler`` (as :meth:`influence`)."""
         from gradlog.analysis.summary import stats
 
-        return stats(self, param, step, datum, max_memory=max_memory)
+        return stats(self, param, step, datum, max_memory=max_memory, scheduler=scheduler)
 
     def export(
         self,

@@ -1,0 +1,191 @@
+"""Recording inside a trainer that runs the backward itself (transformers, Lightning).
+
+A trainer computes a loss, scales it (``1/k`` for ``k`` accumulated micro-batches, an AMP
+loss scale), and calls ``.backward()`` on it. gradlog needs that backward to go through
+:meth:`GradRecorder.backward`, which runs the batch's one ordinary backward and captures the
+per-datum gradients. :meth:`RecordingSession.loss` returns the batch loss as a scalar whose
+autograd node defers: when the trainer's backward reaches it with the trainer's scale ``c``,
+it runs ``GradRecorder.backward`` on the per-datum losses (reentrant autograd, as
+``torch.utils.checkpoint`` does), so that ``p.grad`` receives ``c`` times the gradient of the
+batch loss, exactly what the trainer's own backward would have accumulated.
+
+The recorder adds the gradient of the batch loss itself (``mean`` or ``sum`` over datums), so
+the session divides the gradients already accumulated by ``c`` before and multiplies them by
+``c`` after (exact when ``c`` is a power of two, e.g. ``1/2``, ``1/4``; otherwise within a
+rounding of the accumulated gradient). Per-datum gradients and losses are recorded unscaled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlog.errors import InputError
+from gradlog.losses import per_datum_losses
+from gradlog.recorder import GradRecorder
+
+__all__ = ["RecordingSession"]
+
+
+class _Deferred(torch.autograd.Function):
+    """A scalar whose backward runs the session's recorded backward of the real losses."""
+
+    @staticmethod
+    def forward(  # type: ignore[override, unused-ignore]
+        ctx: Any, anchor: torch.Tensor, value: torch.Tensor, run: Any
+    ) -> torch.Tensor:
+        ctx.run = run
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override, unused-ignore]
+        run, ctx.run = ctx.run, None  # once: the graph holds the batch's tensors until then
+        if run is None:
+            raise InputError(
+                "gradlog: the loss of a recorded batch was backpropagated twice; a recorded "
+                "step runs one backward per batch."
+            )
+        with torch.enable_grad():  # autograd runs a Function's backward without grad mode
+            run(grad)
+        return None, None, None
+
+
+class RecordingSession:
+    """One :class:`GradRecorder` driven by a trainer's callback.
+
+    Args:
+        path: The store's directory.
+        options: :class:`GradRecorder` options (``params``, ``dtype``, ``every``, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], options: dict[str, Any]) -> None:
+        for fixed in ("model", "optimizer"):
+            if fixed in options:
+                raise InputError(
+                    f"{fixed}= is taken from the trainer; drop it from the gradlog callback's "
+                    "options."
+                )
+        self.path = path
+        self.options = dict(options)
+        self.recorder: GradRecorder | None = None
+        self.model: nn.Module | None = None
+        self._committed: int | None = None  # last step in the store when training resumed
+        self._losses = 0  # batches that went through loss() since start()
+
+    @property
+    def recording(self) -> bool:
+        return self.recorder is not None
+
+    def start(self, model: nn.Module, optimizer: Any, *, resuming: bool) -> None:
+        """Open the store: a new one, or with ``resuming`` the store of the interrupted run
+        (records of steps it already committed are kept and those steps are not recorded
+        again)."""
+        if self.recorder is not None:
+            return
+        options = dict(self.options)
+        options.setdefault("resume", resuming)
+        if options["resume"]:
+            self._committed = _last_committed(self.path)
+        self.recorder = GradRecorder(model, self.path, optimizer=optimizer, **options)
+        self.recorder.open()
+        self.model = model
+        self._losses = 0
+
+    def check_used(self, how: str) -> None:
+        """After a training step: refuse a trainer whose loss never came through
+        :meth:`loss` (nothing would be recorded). ``how`` says what the user must do."""
+        if self.recorder is not None and self._losses == 0:
+            self.close()
+            raise InputError(f"gradlog recorded nothing during a training step: {how}")
+
+    def close(self) -> None:
+        """Commit the last step and close the store."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.close()
+
+    def loss(
+        self,
+        losses: torch.Tensor,
+        *,
+        datum_ids: Any,
+        step: int,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The batch loss (a scalar) for the trainer to backpropagate; its backward records
+        datum b's gradient of ``losses[b]`` at ``step``.
+
+        Outside training (no recorder open, or gradients disabled, as in evaluation) it is the
+        plain batch loss.
+        """
+        recorder = self.recorder
+        self._losses += 1
+        token_reduction = self.options.get("token_reduction", "mean")
+        reduced = per_datum_losses(losses, mask, token_reduction)  # (B,)
+        batch_reduction = self.options.get("batch_reduction", "mean")
+        batch = reduced.mean() if batch_reduction == "mean" else reduced.sum()
+        if recorder is None or not torch.is_grad_enabled() or not reduced.requires_grad:
+            return batch
+        if datum_ids is None:
+            raise InputError(
+                "gradlog needs each datum's id (its index in the training set) with the batch; "
+                "see the integration's docs for where it comes from."
+            )
+        anchor = torch.zeros((), device=batch.device, requires_grad=True)
+
+        def run(scale: torch.Tensor) -> None:
+            self._backward(losses, datum_ids, step, mask, reduced, batch, float(scale))
+
+        out: torch.Tensor = _Deferred.apply(anchor, batch.detach(), run)
+        return out
+
+    def _backward(
+        self,
+        losses: torch.Tensor,
+        datum_ids: Any,
+        step: int,
+        mask: torch.Tensor | None,
+        reduced: torch.Tensor,
+        batch: torch.Tensor,
+        scale: float,
+    ) -> None:
+        recorder, model = self.recorder, self.model
+        if recorder is None or model is None:
+            raise InputError("gradlog: the recorder was closed before the batch's backward.")
+        if self._committed is not None and step <= self._committed:
+            (batch * scale).backward()  # already in the store from before the resume
+            return
+        if not bool(torch.isfinite(reduced.detach()).all()):
+            # refused by the recorder before any backward (p.grad untouched)
+            recorder.backward(losses, datum_ids=datum_ids, step=step, mask=mask)
+            return
+        if not math.isfinite(scale) or scale == 0:
+            raise InputError(
+                f"the trainer scaled the loss by {scale}; gradlog records only batches whose "
+                "loss is scaled by a finite, nonzero factor."
+            )
+        accumulated = [p.grad for p in model.parameters() if p.grad is not None]
+        if scale != 1.0 and accumulated:
+            torch._foreach_div_(accumulated, scale)
+        try:
+            recorder.backward(losses, datum_ids=datum_ids, step=step, mask=mask)
+        finally:
+            if scale != 1.0:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, scale)
+
+
+def _last_committed(path: str | os.PathLike[str]) -> int | None:
+    from gradlog.errors import NotAStoreError
+    from gradlog.store.reader import Run
+
+    try:
+        steps = Run(path).steps.column("step").to_pylist()
+    except NotAStoreError:
+        return None
+    return max(steps) if steps else None

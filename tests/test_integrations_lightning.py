@@ -1,0 +1,220 @@
+"""The Lightning callback records the loop oracle's per-datum gradients.
+
+A small float64 LightningModule (MLP classifier, shuffled data, ``accumulate_grad_batches=2``,
+a decaying learning rate) is trained by Lightning's own loop; a test callback keeps the
+parameters at the start of every optimizer step, and the oracle (gradlog.testing.oracle) runs
+each recorded datum alone at those parameters. Tolerance: float64, rtol 1e-10.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlog
+from gradlog.errors import InputError, NonFiniteLossError
+from gradlog.store.verify import verify
+from gradlog.testing.oracle import naive_per_datum_grads
+
+L = pytest.importorskip("lightning.pytorch", reason="needs gradlog[lightning] (lightning)")
+
+from gradlog.integrations.lightning import GradlogCallback, recorded_loss  # noqa: E402
+
+N_DATA, D_IN, N_CLASSES = 24, 5, 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    """Lightning's advice (few dataloader workers, no logger) is not what is tested."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*num_workers.*")
+        yield
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N_DATA, D_IN, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, N_CLASSES, (N_DATA,), generator=gen)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(N_DATA))
+
+
+class Classifier(L.LightningModule):  # type: ignore[misc]
+    def __init__(self, record: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, N_CLASSES)).double()
+        self.record = record
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")  # (B,)
+        if not self.record:
+            return losses.mean()
+        return recorded_loss(self, losses, datum_ids=idx)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.3)
+        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return [opt], [{"scheduler": decay, "interval": "step"}]
+
+    def train_dataloader(self) -> Any:
+        gen = torch.Generator().manual_seed(2)
+        return torch.utils.data.DataLoader(_data(), batch_size=4, shuffle=True, generator=gen)
+
+
+class _Snapshots(L.Callback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step not in self.at:
+            self.at[trainer.global_step] = {
+                k: v.detach().clone() for k, v in module.state_dict().items()
+            }
+
+
+def _trainer(tmp_path: Path, callbacks: list[Any], **options: Any) -> Any:
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    settings.update(options)
+    return L.Trainer(callbacks=callbacks, **settings)
+
+
+def test_lightning_records_the_oracle_gradients(tmp_path: Path) -> None:
+    snaps = _Snapshots()
+    module = Classifier()
+    store = tmp_path / "run.gradlog"
+    _trainer(tmp_path, [GradlogCallback(store, dtype="float64"), snaps]).fit(module)
+    run = gradlog.open(store)
+    assert run.steps.column("step").to_pylist() == [0, 1, 2, 3]
+    assert run.steps.column("n_micro").to_pylist() == [2, 2, 2, 2]
+    assert run.steps.column("lr").to_pylist() == pytest.approx([0.3, 0.15, 0.075, 0.0375])
+    ids = run.datums.column("datum_id").to_pylist()
+    assert sorted(ids) != ids
+    _check_against_oracle(run, snaps.at, range(4))
+
+
+def _check_against_oracle(run: gradlog.Run, snaps: dict[int, Any], steps: Any) -> None:
+    data = _data()
+    oracle = Classifier()
+    for step in steps:
+        oracle.load_state_dict(snaps[step])
+        rec_ids = run.records(step=step).column("datum_id").to_pylist()
+
+        def loss(b: int, rec_ids: list[int] = rec_ids) -> torch.Tensor:
+            x, y, _ = data[rec_ids[b]]
+            return F.cross_entropy(oracle(x[None]), y[None])
+
+        expected = naive_per_datum_grads(loss, dict(oracle.named_parameters()), len(rec_ids))
+        for name in run.param_names:
+            np.testing.assert_allclose(
+                run.grads(name, step=step, dtype=np.float64),
+                expected[name].numpy(),
+                rtol=1e-10,
+                atol=1e-14,
+                err_msg=f"{name} at step {step}",
+            )
+
+
+def test_training_is_unchanged(tmp_path: Path) -> None:
+    """Recording leaves Lightning's training as it was: the same final parameters."""
+    plain = Classifier(record=False)
+    _trainer(tmp_path / "a", []).fit(plain)
+    recorded = Classifier()
+    _trainer(tmp_path / "b", [GradlogCallback(tmp_path / "run.gradlog")]).fit(recorded)
+    for (name, a), b in zip(plain.named_parameters(), recorded.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_resume_from_a_checkpoint(tmp_path: Path) -> None:
+    """Stopped after step 2 with a checkpoint, resumed with ckpt_path: the store keeps steps
+    0..2 and continues with the steps Lightning runs after the resume, each equal to the
+    oracle at that step's parameters."""
+    whole = tmp_path / "whole.gradlog"
+    _trainer(tmp_path / "w", [GradlogCallback(whole, dtype="float64")]).fit(Classifier())
+    parts = tmp_path / "parts.gradlog"
+    first = _trainer(tmp_path / "p", [GradlogCallback(parts, dtype="float64")], max_steps=3)
+    first.fit(Classifier())
+    ckpt = tmp_path / "p.ckpt"
+    first.save_checkpoint(ckpt)
+    snaps = _Snapshots()
+    second = _trainer(tmp_path / "p", [GradlogCallback(parts, dtype="float64"), snaps])
+    second.fit(Classifier(), ckpt_path=str(ckpt))
+    a, b = gradlog.open(whole), gradlog.open(parts)
+    assert b.steps.column("step").to_pylist() == [0, 1, 2, 3]
+    before = b.records(step=[0, 1, 2])
+    assert before.column("datum_id").to_pylist() == (
+        a.records(step=[0, 1, 2]).column("datum_id").to_pylist()
+    )
+    for name in a.param_names:
+        np.testing.assert_array_equal(b.grads(name, step=[0, 1, 2]), a.grads(name, step=[0, 1, 2]))
+    assert sorted(snaps.at) == [3]  # only the steps after the checkpoint ran again
+    _check_against_oracle(b, snaps.at, [3])
+
+
+def test_recorded_loss_needs_the_callback(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="GradlogCallback"):
+        _trainer(tmp_path, []).fit(Classifier())
+
+
+def test_readme_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's Lightning example runs as written and records what it says."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    match = re.search(r"\*\*Lightning\*\*.*?```python\n(.*?)```", text, re.S)
+    assert match, "README lost its Lightning example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(match.group(1), "README.md", "exec"), {})
+    run = gradlog.open(tmp_path / "runs" / "pl.gradlog")
+    assert run.steps.num_rows == 8 and run.datums.num_rows == 8 * 2 * 8
+    assert sorted(set(run.datums.column("datum_id").to_pylist())) == list(range(64))
+
+
+def test_a_module_without_recorded_loss_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="recorded_loss"):
+        _trainer(tmp_path, [GradlogCallback(tmp_path / "run.gradlog")]).fit(
+            Classifier(record=False)
+        )
+
+
+class _NanAtStep2(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if self.trainer.global_step == 2:
+            losses = losses + float("nan")
+        return recorded_loss(self, losses, datum_ids=idx)
+
+
+def test_a_failing_step_leaves_the_committed_steps(tmp_path: Path) -> None:
+    """A NaN loss is refused inside Lightning's backward; the error reaches the caller, the
+    store keeps every complete step and verifies, and the model is left without hooks."""
+    store = tmp_path / "run.gradlog"
+    module = _NanAtStep2()
+    with pytest.raises(NonFiniteLossError, match="NaN or infinite"):
+        _trainer(tmp_path, [GradlogCallback(store)]).fit(module)
+    run = gradlog.open(store)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    assert verify(store).ok
+    assert all(not m._forward_hooks for m in module.modules())
