@@ -60,7 +60,7 @@ def form_rules(form: Any) -> tuple[tuple[str, FormRequest], ...]:
     for glob, request in pairs:
         if not isinstance(glob, str) or not glob:
             raise ConfigError(f"form globs must be non-empty strings, got {glob!r}.")
-        if not (isinstance(request, str) or isinstance(request, Mapping)):
+        if not isinstance(request, (str, Mapping)):
             raise ConfigError(
                 f"form request for {glob!r} is {request!r}; expected a form name or a dict "
                 "{'form': name, **options}."
@@ -109,7 +109,7 @@ def _seeded(request: FormRequest, seed: int) -> FormRequest:
     name = request if isinstance(request, str) else request.get("form")
     if name not in _PROJECTING or not seed:
         return request
-    options = {"form": request} if isinstance(request, str) else dict(request)
+    options: dict[str, Any] = {"form": request} if isinstance(request, str) else dict(request)
     options.setdefault("seed", seed)
     return options
 

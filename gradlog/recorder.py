@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradlog import planning
 from gradlog._version import __version__
 from gradlog.backends import BACKENDS, Backend, LossFn, PerDatumGrads
 from gradlog.backends.base import LOW_PRECISION_RTOL
 from gradlog.config import RecorderConfig
-from gradlog import planning
 from gradlog.errors import (
     GradientCheckError,
     GradlogError,

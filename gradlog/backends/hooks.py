@@ -588,7 +588,8 @@ class HooksBackend(Backend):
                 out[name] = parts[0]
             elif kinds == {Factors}:
                 fs = [cast(Factors, m).canonical() for m in parts]
-                out[name] = Factors(torch.cat([f.g for f in fs], 1), torch.cat([f.a for f in fs], 1))
+                out[name] = Factors(torch.cat([f.g for f in fs], 1),
+                                    torch.cat([f.a for f in fs], 1))
             else:
                 rs = [cast(Rows, m) for m in parts]
                 values = [r.values * r.scale if r.scale != 1.0 else r.values for r in rs]

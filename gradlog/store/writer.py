@@ -401,8 +401,10 @@ class StoreWriter:
         """Record each parameter's planned form (``(Form.spec(), arrays)``) in the root
         attributes, before the first :meth:`append` (the recorder plans at the first
         backward, when token counts are known)."""
-        if self._layouts or self.n_rows:
+        if self.n_rows:
             raise GradlogError("internal: set_forms() after records were appended.")
+        # arrays a crash left before any commit are created afresh at the first append
+        self._layouts, self._capacity, self._rows_per_shard = {}, 0, 0
         specs = {}
         for name, spec in self.specs.items():
             form_spec, arrays = forms[name]
@@ -490,14 +492,14 @@ class StoreWriter:
                     f"{target} is a symbolic link or leaves the store; resume=True never writes "
                     "outside the store. Copy the store without links and resume the copy."
                 )
-        for key, target in self._targets.items():
-            meta_file = self.path / target.rel / "zarr.json"
+        for key, array in self._targets.items():
+            meta_file = self.path / array.rel / "zarr.json"
             if meta_file.is_file():
                 layout, rows = _read_layout(meta_file)
                 if layout.array_dtype != self._dtypes[key].array_dtype:
                     raise StoreResumeError(
                         f"{meta_file}: array dtype {layout.array_dtype} is not that of storage "
-                        f"dtype {target.dtype.name}; the store is damaged."
+                        f"dtype {array.dtype.name}; the store is damaged."
                     )
                 self._layouts[key] = layout
                 self.compression[key] = layout.compression
@@ -561,6 +563,12 @@ class StoreWriter:
             directory.mkdir(parents=True, exist_ok=True)
             _write_json_atomic(directory / "zarr.json", layout.metadata(rows))
             self._unsynced.add(directory / "zarr.json")
+            group = directory.parent / "zarr.json"  # a form's arrays live in a group
+            if directory.parent != self.path / fmt.GRADS_GROUP and not group.is_file():
+                spec = self.specs[self._targets[name].param]
+                _write_json_atomic(group, {"zarr_format": 3, "node_type": "group",
+                                           "attributes": {"form": spec.form}})
+                self._unsynced.add(group)
         self._capacity = rows
 
     # -- the public, synchronous API ----------------------------------------------------------
