@@ -23,6 +23,7 @@ __all__ = [
     "index_part_name",
     "index_schema",
     "norm_column",
+    "record_bytes",
     "step_part_name",
     "steps_schema",
 ]
@@ -68,6 +69,18 @@ def form_array_path(param: str, form: str, array: str) -> str:
     if not _SAFE.match(array) or array.startswith("."):
         raise StoreFormatError(f"form array name {array!r} is not a plain name.")
     return f"{array_path(param)}/{array}"
+
+
+def record_bytes(spec: dict[str, Any]) -> int:
+    """Stored bytes of one record of a parameter, from its spec (its form's arrays; the
+    whole tensor before version 3); the norm in the index not counted."""
+    from gradlog.store.dtypes import storage_dtype
+
+    itemsize = storage_dtype(str(spec["dtype"])).itemsize
+    arrays = spec.get("arrays", {"grad": {"shape": spec["shape"], "kind": "float"}})
+    return sum(
+        math.prod(a["shape"]) * (8 if a["kind"] == "int64" else itemsize) for a in arrays.values()
+    )
 
 
 def norm_column(param: str) -> str:

@@ -291,7 +291,8 @@ class Run:
 
     def read_form_arrays(self, param: str, rows: np.ndarray) -> dict[str, Any]:
         """The stored arrays of ``param``'s form at store ``rows`` (sorted or not): name ->
-        torch tensor ``(len(rows), *array shape)`` (floats as float32, indices int64)."""
+        torch tensor ``(len(rows), *array shape)`` (floats as float32, float64 for float64
+        storage; indices int64)."""
         import torch
 
         spec = self._check_param(param)
@@ -299,9 +300,10 @@ class Run:
             entries = {"grad": {"shape": spec["shape"], "kind": "float"}}
         else:
             entries = spec["arrays"]
+        wide = spec["dtype"] == "float64"
         out = {}
         for key, entry in entries.items():
-            kind = np.int64 if entry["kind"] == "int64" else np.float32
+            kind = np.int64 if entry["kind"] == "int64" else np.float64 if wide else np.float32
             if rows.size == 0:
                 data = np.zeros((0, *entry["shape"]), dtype=kind)
             else:
