@@ -105,7 +105,8 @@ def encode(
                 f"{material_shape(material)}, its form was planned for {form.shape}."
             )
         try:
-            enc, sq = form.encode_with_norms(material)
+            with torch.no_grad():
+                enc, sq = form.encode_with_norms(material)
         except InputError as e:
             raise InputError(
                 f"parameter {name!r} ({form.name}): {e} The form was planned at the first "

@@ -420,7 +420,9 @@ def test_root_attributes(tmp_store: Path) -> None:
         pytest.param(lambda a: a["params"]["0.bias"].update(numel=5), id="wrong-numel"),
         pytest.param(
             lambda a: a["params"]["0.bias"].update(
-                form="sparkle", form_spec={"form": "sparkle", "shape": [4]}
+                form="sparkle",
+                form_spec={"form": "sparkle", "shape": [4]},
+                arrays={"grad": {"path": "grads/0.bias/grad", "shape": [4], "kind": "float"}},
             ),
             id="unknown-form",
         ),

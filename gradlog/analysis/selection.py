@@ -41,7 +41,8 @@ def space_vector(run: Run, param: str, grad: Any) -> Any:
         return grad
     if hasattr(grad, "detach"):  # torch, without importing it here
         grad = grad.detach().cpu().numpy()
-    return run.project(param, np.asarray(grad, dtype=np.float32))
+    arr = np.asarray(grad)
+    return run.project(param, arr if arr.dtype.kind == "f" else arr.astype(np.float32))
 
 
 class MissingLearningRateError(InputError):

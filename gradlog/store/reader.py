@@ -357,7 +357,9 @@ class Run:
                 "not 'projection': compare your gradient with run.grads(param) directly."
             )
         g = grad if isinstance(grad, torch.Tensor) else torch.as_tensor(np.asarray(grad))
-        out = project(g.to(torch.float32), spec["form_spec"])
+        if not g.is_floating_point():
+            g = g.to(torch.float32)
+        out = project(g, spec["form_spec"])  # float64 stays float64
         return out if isinstance(grad, torch.Tensor) else out.numpy()
 
     def _grad_array(self, param: str, array: str = "grad") -> Any:

@@ -476,6 +476,13 @@ class StoreWriter:
                     f"{where}: parameter {name!r} is stored as {stored[name]}, this recorder "
                     f"has {spec}; resume with the same model and dtype."
                 )
+        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP):
+            target = self.path / sub
+            if target.is_symlink() or not _inside(self.path, target):
+                raise StoreResumeError(
+                    f"{target} is a symbolic link or leaves the store; resume=True never writes "
+                    "outside the store. Copy the store without links and resume the copy."
+                )
         if run.datums.num_rows:  # forms were planned at the first backward: keep them
             self.planned_specs = {name: dict(stored[name]) for name in wanted}
             self._use_specs({
@@ -485,13 +492,6 @@ class StoreWriter:
                                  for k, v in stored[name]["arrays"].items()})
                 for name, spec in self.specs.items()
             })
-        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP):
-            target = self.path / sub
-            if target.is_symlink() or not _inside(self.path, target):
-                raise StoreResumeError(
-                    f"{target} is a symbolic link or leaves the store; resume=True never writes "
-                    "outside the store. Copy the store without links and resume the copy."
-                )
         for key, array in self._targets.items():
             meta_file = self.path / array.rel / "zarr.json"
             if meta_file.is_file():
