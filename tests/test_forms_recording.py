@@ -361,3 +361,32 @@ def test_tied_embedding_and_head_is_densified(tmp_store: Path) -> None:
     run = gradlog.open(tmp_store)
     assert _forms(run)["tok_emb.weight"] == "full"
     assert verify(tmp_store).ok
+
+
+def test_probe_influence_projects_the_probes_alike(tmp_store: Path) -> None:
+    """Probes are stored full; for a projected parameter influence projects them with the
+    stored projection: the score is lr * <projected record, projected probe>."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    px, py, _ = gpt_batch(3, T, vocab=11, seed=9)
+    form = {"blocks.*": PROJECTION, "*": "full"}
+    with gradlog.GradRecorder(model, tmp_store, form=form, optimizer=opt, dtype="float64",
+                              probes=(lambda m, b: per_token_ce(m(b[0]), b[1]), (px, py))) as rec:
+        for step in range(STEPS):
+            x, y, mask = gpt_batch(B, T, vocab=11, seed=step)
+            rec.backward(per_token_ce(model(x), y), mask=mask)
+            opt.step()
+            opt.zero_grad()
+    run = gradlog.open(tmp_store)
+    with pytest.warns(UserWarning, match="estimates"):
+        records, scores = record_influence(run, 0)
+    want = np.zeros(records.num_rows)
+    steps = records.column("step").to_numpy()
+    lr = records.column("lr").to_numpy()
+    for name in run.param_names:
+        ours = _grads(run, name).reshape(records.num_rows, -1)
+        for i, step in enumerate(steps):
+            probe = run.probe_grads(name, probe=0, step=int(step), dtype=np.float64)[0]
+            theirs = run.project(name, probe) if _forms(run)[name] == "projection" else probe
+            want[i] += lr[i] * float(ours[i] @ np.asarray(theirs).reshape(-1))
+    np.testing.assert_allclose(scores, want, rtol=1e-9, atol=1e-15)
