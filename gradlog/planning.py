@@ -82,9 +82,7 @@ def forms_from_specs(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Form]:
 def array_specs(form: Form) -> dict[str, dict[str, Any]]:
     """A form's arrays as the writer and the parameter spec take them: name ->
     ``{"shape": [...], "kind": "float" | "int64"}``."""
-    return {
-        key: {"shape": list(a.shape), "kind": a.kind} for key, a in form.arrays().items()
-    }
+    return {key: {"shape": list(a.shape), "kind": a.kind} for key, a in form.arrays().items()}
 
 
 def encode(
@@ -169,4 +167,3 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} PiB"  # pragma: no cover
-

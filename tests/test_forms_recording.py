@@ -46,14 +46,22 @@ def _model() -> torch.nn.Module:
     return tiny_gpt(n_embd=16, n_head=2, block_size=T, vocab=11, seed=3)
 
 
-def _record(path: Path, form: Any = "full", *, backend: str = "hooks", steps: int = STEPS,
-            lengths: list[int] | None = None, **kwargs: Any) -> torch.nn.Module:
+def _record(
+    path: Path,
+    form: Any = "full",
+    *,
+    backend: str = "hooks",
+    steps: int = STEPS,
+    lengths: list[int] | None = None,
+    **kwargs: Any,
+) -> torch.nn.Module:
     """Train ``steps`` SGD steps of the tiny GPT, recording with ``form``; returns the model."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs.setdefault("dtype", "float64")
-    with gradlog.GradRecorder(model, path, form=form, backend=backend, check_every=1,
-                              optimizer=opt, **kwargs) as rec:
+    with gradlog.GradRecorder(
+        model, path, form=form, backend=backend, check_every=1, optimizer=opt, **kwargs
+    ) as rec:
         for step in range(steps):
             t = T if lengths is None else lengths[step]
             x, y, mask = gpt_batch(B, t, vocab=11, seed=step)
@@ -107,8 +115,13 @@ def test_every_form_round_trips_against_the_full_run(
     for name in run.param_names:
         full = _grads(oracle, name)  # (records, *shape)
         norms = run.norms(name).column("norm").to_numpy()
-        np.testing.assert_allclose(norms, oracle.norms(name).column("norm").to_numpy(),
-                                   rtol=1e-10, atol=1e-300, err_msg=name)
+        np.testing.assert_allclose(
+            norms,
+            oracle.norms(name).column("norm").to_numpy(),
+            rtol=1e-10,
+            atol=1e-300,
+            err_msg=name,
+        )
         kind = forms[name]
         if kind == "norm":
             with pytest.raises(errors.SelectionError, match=r"run\.norms"):
@@ -133,8 +146,9 @@ def test_every_form_round_trips_against_the_full_run(
         np.testing.assert_allclose(got, full, rtol=1e-10, atol=1e-14, err_msg=name)
 
 
-def test_hooks_keeps_factors_and_the_plan_is_printed(tmp_store: Path,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_hooks_keeps_factors_and_the_plan_is_printed(
+    tmp_store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level("INFO", logger="gradlog"):
         _record(tmp_store, {"*.weight": "factors", "*": "full"})
     run = gradlog.open(tmp_store)
@@ -146,8 +160,11 @@ def test_hooks_keeps_factors_and_the_plan_is_printed(tmp_store: Path,
     assert "(total)" in caplog.text
     spec = run.attrs["params"]["blocks.0.attn.q.weight"]
     assert spec["form_spec"] == {"form": "factors", "shape": [16, 16], "tokens": T}
-    assert spec["arrays"]["g"] == {"path": "grads/blocks.0.attn.q.weight/g",
-                                   "shape": [T, 16], "kind": "float"}
+    assert spec["arrays"]["g"] == {
+        "path": "grads/blocks.0.attn.q.weight/g",
+        "shape": [T, 16],
+        "kind": "float",
+    }
 
 
 @pytest.mark.parametrize("form", ["factors", TOPK, PROJECTION, "norm"], ids=str)
@@ -165,14 +182,14 @@ def test_gradlog_info_shows_form_and_bytes_per_record(form: Any, tmp_store: Path
     assert text.exit_code == 0 and "bytes/record" in text.output
 
 
-def test_queries_in_factored_space_equal_the_full_run(oracle: gradlog.Run,
-                                                      tmp_store: Path) -> None:
+def test_queries_in_factored_space_equal_the_full_run(oracle: gradlog.Run, tmp_store: Path) -> None:
     _record(tmp_store, "auto")
     run = gradlog.open(tmp_store)
     assert "factors" in _forms(run).values() and "rows" in _forms(run).values()
     np.testing.assert_allclose(run.similarity(), oracle.similarity(), rtol=1e-10, atol=1e-16)
-    np.testing.assert_allclose(run.similarity(kind="cosine"), oracle.similarity(kind="cosine"),
-                               rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(
+        run.similarity(kind="cosine"), oracle.similarity(kind="cosine"), rtol=1e-10, atol=1e-14
+    )
     ours = run.self_influence().column("score").to_numpy()
     theirs = oracle.self_influence().column("score").to_numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-10)
@@ -188,8 +205,9 @@ def test_factored_dot_products_equal_materialised_ones_float32(tmp_path: Path) -
     assert form.name == "factors"
     stored = run.read_form_arrays(name, rows)
     dense = torch.from_numpy(full.grads(name)).double().reshape(len(rows), -1)
-    np.testing.assert_allclose(form.inner(stored, stored).numpy(), (dense @ dense.T).numpy(),
-                               rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(
+        form.inner(stored, stored).numpy(), (dense @ dense.T).numpy(), rtol=1e-6, atol=1e-12
+    )
 
 
 def test_projected_queries_estimate_the_exact_ones(oracle: gradlog.Run, tmp_store: Path) -> None:
@@ -211,8 +229,11 @@ def test_projected_queries_estimate_the_exact_ones(oracle: gradlog.Run, tmp_stor
     assert records.column("row").to_pylist() == run.datums.column("row").to_pylist()
     want = sum(
         run.datums.column("lr").to_numpy()
-        * np.einsum("rk,k->r", _grads(run, n).reshape(len(proj), -1),
-                    np.asarray(run.project(n, probe[n])).reshape(-1))
+        * np.einsum(
+            "rk,k->r",
+            _grads(run, n).reshape(len(proj), -1),
+            np.asarray(run.project(n, probe[n])).reshape(-1),
+        )
         for n in names
     )
     np.testing.assert_allclose(scores, want, rtol=1e-9, atol=1e-15)
@@ -226,8 +247,9 @@ def test_projected_queries_estimate_the_exact_ones(oracle: gradlog.Run, tmp_stor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dim", [64, 256, 1024])
-def test_projected_inner_products_are_unbiased_with_jl_error(dim: int, oracle: gradlog.Run,
-                                                             tmp_path: Path) -> None:
+def test_projected_inner_products_are_unbiased_with_jl_error(
+    dim: int, oracle: gradlog.Run, tmp_path: Path
+) -> None:
     """Over independent seeds the projected inner products average to the exact ones, with a
     spread within the Johnson-Lindenstrauss bound ``sqrt(2 / r) |x| |y|`` per seed."""
     name = "blocks.0.mlp.fc.weight"
@@ -237,8 +259,11 @@ def test_projected_inner_products_are_unbiased_with_jl_error(dim: int, oracle: g
     estimates = []
     for seed in range(8):
         path = tmp_path / f"s{seed}.gradlog"
-        _record(path, {name: {"form": "projection", "dim": dim, "structure": "dense"}},
-                projection_seed=seed + 1)
+        _record(
+            path,
+            {name: {"form": "projection", "dim": dim, "structure": "dense"}},
+            projection_seed=seed + 1,
+        )
         p = _grads(gradlog.open(path), name)
         estimates.append(p @ p.T)
     est = np.stack(estimates)
@@ -249,17 +274,21 @@ def test_projected_inner_products_are_unbiased_with_jl_error(dim: int, oracle: g
 
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
 @pytest.mark.parametrize("form", [TOPK, PROJECTION, "norm", "auto"], ids=str)
-def test_dense_backends_encode_every_form_like_hooks(backend: str, form: Any,
-                                                     tmp_path: Path) -> None:
+def test_dense_backends_encode_every_form_like_hooks(
+    backend: str, form: Any, tmp_path: Path
+) -> None:
     """Loop and vmap hand over dense gradients; the forms encode them to what hooks stores
     from its factors (projections computed another way: equal to float rounding)."""
     _record(tmp_path / "h.gradlog", form)
     _record(tmp_path / "d.gradlog", form, backend=backend)
     ours, theirs = gradlog.open(tmp_path / "d.gradlog"), gradlog.open(tmp_path / "h.gradlog")
     for name in ours.param_names:
-        np.testing.assert_allclose(ours.norms(name).column("norm").to_numpy(),
-                                   theirs.norms(name).column("norm").to_numpy(), rtol=1e-9,
-                                   atol=1e-15)  # key biases: rounding noise, analytically 0
+        np.testing.assert_allclose(
+            ours.norms(name).column("norm").to_numpy(),
+            theirs.norms(name).column("norm").to_numpy(),
+            rtol=1e-9,
+            atol=1e-15,
+        )  # key biases: rounding noise, analytically 0
         kind = _forms(ours)[name]
         if kind == "norm":
             continue
@@ -268,8 +297,9 @@ def test_dense_backends_encode_every_form_like_hooks(backend: str, form: Any,
         else:
             assert kind == _forms(theirs)[name]
         if kind != "topk":  # ties among equal magnitudes may pick other entries
-            np.testing.assert_allclose(_grads(ours, name), _grads(theirs, name),
-                                       rtol=1e-9, atol=1e-12, err_msg=name)
+            np.testing.assert_allclose(
+                _grads(ours, name), _grads(theirs, name), rtol=1e-9, atol=1e-12, err_msg=name
+            )
 
 
 def test_auto_with_a_budget_fits_it_and_is_never_larger_than_full(tmp_store: Path) -> None:
@@ -300,8 +330,16 @@ def test_resume_keeps_the_stored_forms(tmp_store: Path) -> None:
     before = gradlog.open(tmp_store).attrs["params"]
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradlog.GradRecorder(model, tmp_store, form=PROJECTION, resume=True, dtype="float64",
-                              backend="hooks", optimizer=opt, check_every=1) as rec:
+    with gradlog.GradRecorder(
+        model,
+        tmp_store,
+        form=PROJECTION,
+        resume=True,
+        dtype="float64",
+        backend="hooks",
+        optimizer=opt,
+        check_every=1,
+    ) as rec:
         x, y, mask = gpt_batch(B, T, vocab=11, seed=5)
         rec.backward(per_token_ce(model(x), y), mask=mask)
     run = gradlog.open(tmp_store)
@@ -326,8 +364,9 @@ def test_the_projected_size_warns_beyond_the_free_space(tmp_store: Path) -> None
         ({"tokens": 0}, "tokens"),
     ],
 )
-def test_bad_form_options_are_refused_at_construction(kwargs: dict[str, Any], match: str,
-                                                      tmp_store: Path) -> None:
+def test_bad_form_options_are_refused_at_construction(
+    kwargs: dict[str, Any], match: str, tmp_store: Path
+) -> None:
     with pytest.raises((errors.ConfigError, errors.InputError), match=match):
         gradlog.GradRecorder(_model(), tmp_store, **kwargs)
     assert not tmp_store.exists()
@@ -336,26 +375,29 @@ def test_bad_form_options_are_refused_at_construction(kwargs: dict[str, Any], ma
 def test_first_matching_glob_wins_and_seeds_reach_projections(tmp_store: Path) -> None:
     from gradlog.config import RecorderConfig
 
-    config = RecorderConfig(form={"blocks.*": "norm", "*.weight": PROJECTION},
-                            projection_seed=7)
+    config = RecorderConfig(form={"blocks.*": "norm", "*.weight": PROJECTION}, projection_seed=7)
     assert config.request_for("blocks.0.attn.q.weight") == "norm"
     assert config.request_for("head.weight") == {**PROJECTION, "seed": 7}
     assert config.request_for("ln_f.bias") == "full"
     assert RecorderConfig().to_json() == {
-        k: v for k, v in config.to_json().items()
+        k: v
+        for k, v in config.to_json().items()
         if k not in ("form", "form_budget", "projection_seed")
     }  # runs without forms hash as before forms existed
     _record(tmp_store, {"*": PROJECTION}, projection_seed=7, steps=1)
     spec = gradlog.open(tmp_store).attrs["params"]["head.weight"]["form_spec"]
-    assert ProjectionForm.from_spec(spec).seed == ProjectionForm.plan(
-        gradlog.forms.ParamInfo((11, 16), name="head.weight"), dim=16, seed=7).seed
+    assert (
+        ProjectionForm.from_spec(spec).seed
+        == ProjectionForm.plan(
+            gradlog.forms.ParamInfo((11, 16), name="head.weight"), dim=16, seed=7
+        ).seed
+    )
 
 
 def test_tied_embedding_and_head_is_densified(tmp_store: Path) -> None:
     """A parameter that gets sparse rows (embedding) and factors (head) is added up dense."""
     model = tiny_gpt(n_embd=16, n_head=2, block_size=T, vocab=11, seed=3, tie_weights=True)
-    with gradlog.GradRecorder(model, tmp_store, form="auto", dtype="float64",
-                              check_every=1) as rec:
+    with gradlog.GradRecorder(model, tmp_store, form="auto", dtype="float64", check_every=1) as rec:
         x, y, mask = gpt_batch(B, T, vocab=11, seed=0)
         rec.backward(per_token_ce(model(x), y), mask=mask)
     run = gradlog.open(tmp_store)
@@ -370,8 +412,14 @@ def test_probe_influence_projects_the_probes_alike(tmp_store: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     px, py, _ = gpt_batch(3, T, vocab=11, seed=9)
     form = {"blocks.*": PROJECTION, "*": "full"}
-    with gradlog.GradRecorder(model, tmp_store, form=form, optimizer=opt, dtype="float64",
-                              probes=(lambda m, b: per_token_ce(m(b[0]), b[1]), (px, py))) as rec:
+    with gradlog.GradRecorder(
+        model,
+        tmp_store,
+        form=form,
+        optimizer=opt,
+        dtype="float64",
+        probes=(lambda m, b: per_token_ce(m(b[0]), b[1]), (px, py)),
+    ) as rec:
         for step in range(STEPS):
             x, y, mask = gpt_batch(B, T, vocab=11, seed=step)
             rec.backward(per_token_ce(model(x), y), mask=mask)
