@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gradlog.errors import GradlogError
+from gradlog.store import format as fmt
 
 app = typer.Typer(
     name="gradlog",
@@ -153,7 +154,10 @@ def info(
         "backend": run.attrs.get("backend", {}),
         "config": run.config,
         "config_hash": run.attrs.get("config_hash"),
-        "params": run.params.to_pylist(),
+        "params": [
+            {**p, "bytes_per_record": fmt.record_bytes(run.attrs["params"][p["name"]])}
+            for p in run.params.to_pylist()
+        ],
         "steps": len(step_values),
         "first_step": step_values[0] if step_values else None,
         "last_step": step_values[-1] if step_values else None,
@@ -188,12 +192,21 @@ def info(
     console.print(head)
 
     params = Table(title="recorded parameters")
-    for column in ("name", "shape", "dtype", "form"):
-        params.add_column(column)
+    for column in ("name", "shape", "dtype", "form", "bytes/record", "of full"):
+        params.add_column(column, justify="right" if column[0] in "bo" else "left")
+    total = full_total = 0
     for p in summary["params"]:
+        full = p["numel"] * fmt.record_bytes({"dtype": p["dtype"], "shape": [1]})
+        total += p["bytes_per_record"]
+        full_total += full
         params.add_row(p["name"], "x".join(map(str, p["shape"])) or "scalar", p["dtype"],
-                       p["form"])
+                       p["form"], f"{p['bytes_per_record']:,}", _share(p["bytes_per_record"], full))
+    params.add_row("(total)", "", "", "", f"{total:,}", _share(total, full_total))
     console.print(params)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.2f}%" if whole else "-"
 
 
 # -- reading a run: ls, show, norms, influence, export, plot -----------------------------------

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from gradlog.errors import ConfigError
 
-__all__ = ["BATCH_REDUCTIONS", "STORAGE_DTYPES", "TOKEN_REDUCTIONS", "RecorderConfig"]
+__all__ = [
+    "BATCH_REDUCTIONS",
+    "DEFAULT_FORM",
+    "STORAGE_DTYPES",
+    "TOKEN_REDUCTIONS",
+    "RecorderConfig",
+    "form_rules",
+]
 
 BATCH_REDUCTIONS = ("mean", "sum")
 TOKEN_REDUCTIONS = ("mean", "sum")
@@ -23,6 +31,90 @@ gradlog.store.dtypes and schemas/FORMAT.md section 4.2 give each one's error."""
 # Options added after format version 2 shipped, left out of the hashed JSON at their default
 # so that stores recorded before them still resume.
 _ADDED_LATER: dict[str, Any] = {"batch_grad": "autograd"}
+FormRequest: TypeAlias = str | Mapping[str, Any]
+"""A form asked for: its name, or ``{"form": name, **options}`` (gradlog.forms)."""
+
+DEFAULT_FORM: tuple[tuple[str, FormRequest], ...] = (("*", "full"),)
+"""Every parameter ``full``: what gradlog stored before forms existed."""
+
+_PROJECTING = ("projection", "auto")  # requests that take a projection seed
+
+
+def form_rules(form: Any) -> tuple[tuple[str, FormRequest], ...]:
+    """``form=`` as ``((glob, request), ...)``: a single request applies to ``"*"``; a dict
+    without a ``"form"`` key maps globs to requests (first match wins)."""
+    if isinstance(form, str) or (isinstance(form, Mapping) and "form" in form):
+        return (("*", _frozen(form)),)
+    if isinstance(form, Mapping):
+        pairs = list(form.items())
+    elif isinstance(form, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in form
+    ):
+        pairs = [tuple(p) for p in form]
+    else:
+        raise ConfigError(
+            f"form={form!r} must be a form name ('full', 'factors', 'projection', 'topk', "
+            "'norm', 'auto'), a request {'form': 'projection', 'dim': 4096}, or a dict of "
+            "glob -> request such as {'blocks.*.mlp.*': 'projection', '*': 'full'}."
+        )
+    if not pairs:
+        raise ConfigError("form={} names no parameter; pass form='full' or some globs.")
+    out = []
+    for glob, request in pairs:
+        if not isinstance(glob, str) or not glob:
+            raise ConfigError(f"form globs must be non-empty strings, got {glob!r}.")
+        if not isinstance(request, (str, Mapping)):
+            raise ConfigError(
+                f"form request for {glob!r} is {request!r}; expected a form name or a dict "
+                "{'form': name, **options}."
+            )
+        out.append((glob, _frozen(request)))
+    return tuple(out)
+
+
+def check_forms(rules: Sequence[tuple[str, FormRequest]], budget: Any, seed: Any) -> None:
+    """Refuse unknown forms and options now, not at the first backward."""
+    from gradlog.forms import ParamInfo, make_form
+
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 0):
+        raise ConfigError(f"form_budget={budget!r} must be bytes per step (an int >= 0) or None.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"projection_seed={seed!r} must be an integer >= 0.")
+    try:
+        json.dumps([[g, _jsonable(r)] for g, r in rules])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"form options must be JSON values (they are stored): {e}") from None
+    dummy = ParamInfo((8, 8), "factors", tokens=2, name="check")
+    for glob, request in rules:
+        try:
+            make_form(_seeded(request, seed), dummy)
+        except ConfigError as e:
+            raise ConfigError(f"form for {glob!r}: {e}") from None
+
+
+class _FrozenRequest(dict[str, Any]):
+    """A request dict that hashes (the config is frozen); compares as a dict."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+
+def _frozen(request: FormRequest) -> FormRequest:
+    return request if isinstance(request, str) else _FrozenRequest(request)
+
+
+def _jsonable(request: FormRequest) -> Any:
+    return request if isinstance(request, str) else dict(request)
+
+
+def _seeded(request: FormRequest, seed: int) -> FormRequest:
+    name = request if isinstance(request, str) else request.get("form")
+    if name not in _PROJECTING or not seed:
+        return request
+    options: dict[str, Any] = {"form": request} if isinstance(request, str) else dict(request)
+    options.setdefault("seed", seed)
+    return options
 
 
 def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -58,6 +150,12 @@ class RecorderConfig:
         vmap_randomness: ``randomness=`` of ``torch.func.vmap`` for the vmap backend
             (``"different"`` gives each datum its own dropout mask, as a batch does).
         metadata: Free-form JSON-serialisable user metadata stored with the run.
+        form: How each parameter's per-datum gradients are kept (:mod:`gradlog.forms`): a
+            request (``"full"``, ``"projection"``, ``{"form": "projection", "dim": 4096}``)
+            for every parameter, or ``{glob: request}`` where the first matching glob wins
+            (parameters no glob matches are ``full``). Stored as ``((glob, request), ...)``.
+        form_budget: Bytes per step shared by the ``auto`` parameters (None: no budget).
+        projection_seed: Base seed of every projection (mixed with each parameter's name).
     """
 
     params: tuple[str, ...] = ("*",)
@@ -72,6 +170,9 @@ class RecorderConfig:
     metadata: dict[str, Any] = field(default_factory=dict)
     compression: str = "auto"
     batch_grad: str = "autograd"
+    form: Any = "full"
+    form_budget: int | None = None
+    projection_seed: int = 0
 
     def __post_init__(self) -> None:
         from gradlog.backends import BACKENDS
@@ -108,6 +209,8 @@ class RecorderConfig:
                 raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}.")
         if not (isinstance(self.check_rtol, (int, float)) and self.check_rtol > 0):
             raise ConfigError(f"check_rtol={self.check_rtol!r} must be a positive number.")
+        object.__setattr__(self, "form", form_rules(self.form))
+        check_forms(self.form, self.form_budget, self.projection_seed)
         try:
             json.dumps(self.metadata)
         except (TypeError, ValueError) as e:
@@ -122,7 +225,21 @@ class RecorderConfig:
         for name, default in _ADDED_LATER.items():
             if out[name] == default:  # stores recorded before the option keep their hash
                 del out[name]
+        # Runs without forms keep the configuration (and hash) they had before forms existed.
+        if self.form == DEFAULT_FORM and self.form_budget is None and not self.projection_seed:
+            for key in ("form", "form_budget", "projection_seed"):
+                del out[key]
+        else:
+            out["form"] = [[glob, _jsonable(req)] for glob, req in self.form]
         return out
+
+    def request_for(self, name: str) -> FormRequest:
+        """The form request of parameter ``name``: its first matching glob's, else ``full``;
+        projection seeds default to :attr:`projection_seed`."""
+        for glob, request in self.form:
+            if fnmatch.fnmatchcase(name, glob):
+                return _seeded(request, self.projection_seed)
+        return "full"
 
     def hash(self) -> str:
         """sha256 of the canonical JSON of the configuration."""

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradlog import planning
 from gradlog._version import __version__
 from gradlog.backends import BACKENDS, Backend, LossFn, PerDatumGrads
 from gradlog.backends.base import LOW_PRECISION_RTOL
@@ -30,6 +31,8 @@ from gradlog.errors import (
     NonFiniteLossError,
     UnsupportedLayerError,
 )
+from gradlog.forms import Factors, Form, FullForm, Material, batch_sum
+from gradlog.forms.base import batch_size, material_shape
 from gradlog.losses import per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.sparse import active_settings, check_settings
@@ -146,6 +149,20 @@ class GradRecorder:
             opens the recorder with the same arguments; ``datum_ids`` are global (e.g. from
             ``DistributedSampler``); weights are such that ``sum_b w_b g_b`` over all ranks'
             records equals the all-reduced ``p.grad``. ``False``: this process alone.
+        form: How each parameter's per-datum gradients are kept (``gradlog.forms``): a form
+            for all (``"full"``, the default; ``"factors"``, ``"projection"``, ``"topk"``,
+            ``"norm"``, ``"auto"``, or ``{"form": "projection", "dim": 4096}``), or a dict
+            ``{glob: form}`` where the first matching glob wins (unmatched: ``full``).
+            Planned at the first recorded backward, when token counts are known; the plan
+            (bytes per step per parameter) is logged and kept in :attr:`plan`.
+        form_budget: Bytes per step shared by the ``auto`` parameters (the most faithful
+            forms that fit); None: ``auto`` is the smallest exact form.
+        projection_seed: Base seed of the random projections (stored in each parameter's
+            spec, so any gradient can be projected alike later: ``run.project``).
+        tokens: Rows per datum to provision for ``factors``/``rows`` forms (default: the
+            first recorded batch's); a later batch with more tokens per datum is refused.
+        planned_steps: Steps the run will record, for the projected store size printed at
+            the start (a warning when it exceeds the free disk space).
     """
 
     def __init__(
@@ -173,6 +190,11 @@ class GradRecorder:
         durable: bool = True,
         batch_grad: str = "autograd",
         distributed: bool | None = None,
+        form: Any = "full",
+        form_budget: int | None = None,
+        projection_seed: int = 0,
+        tokens: int | None = None,
+        planned_steps: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -189,7 +211,18 @@ class GradRecorder:
             metadata=dict(metadata or {}),
             compression=compression,
             batch_grad=batch_grad,
+            form=form,
+            form_budget=form_budget,
+            projection_seed=projection_seed,
         )
+        for name, value in (("tokens", tokens), ("planned_steps", planned_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InputError(f"{name}={value!r} must be a positive int or None.")
+        self.tokens = tokens
+        self.planned_steps = planned_steps
+        self.forms: dict[str, Form] | None = None  # planned at the first recorded backward
+        self.plan: str | None = None  # the plan's bytes table, as logged
         self.model = model
         self.path = path
         self.optimizer = optimizer
@@ -258,6 +291,7 @@ class GradRecorder:
             randomness=self.config.vmap_randomness,
             **({"batch_grad": "sum"} if self.config.batch_grad == "sum" else {}),
         )
+        self._backend.keep_material = planning.keeps_material(self.config, list(self.params))
         self._backend.attach()
         attrs = self._root_attrs()
         attrs["backend"] = self._backend.describe()
@@ -275,6 +309,14 @@ class GradRecorder:
                         "probes are not supported under torch.distributed yet: record them "
                         "in a separate single-process run, or pass distributed=False."
                     )
+                if planning.keeps_material(self.config, list(self.params)):
+                    # Forms are planned from the first batch's token counts, which differ
+                    # between ranks; one plan shared by every rank is not built yet.
+                    raise InputError(
+                        f"form={self.config.form!r} is not supported under torch.distributed "
+                        "yet: record distributed runs with form='full' (the default), or "
+                        "record compact forms in a single process (distributed=False)."
+                    )
             self._writer = self._open_writer(attrs, specs)
         except BaseException:
             self._backend.detach()
@@ -283,6 +325,8 @@ class GradRecorder:
         if self.resume and self._writer.last_step is not None:
             self._last_step = self._committed_through = self._writer.last_step
             self._next_datum = self._writer.next_datum_id
+        if self._writer.planned_specs is not None:  # resumed: the stored forms hold
+            self.forms = planning.forms_from_specs(self._writer.planned_specs)
         log.info(
             "gradlog: recording %d parameters (%s per datum per step) into %s",
             len(self.params),
@@ -365,8 +409,11 @@ class GradRecorder:
 
     @property
     def bytes_per_record(self) -> int:
-        """Stored bytes of one datum's gradients (all recorded parameters)."""
+        """Stored bytes of one datum's gradients (all recorded parameters; by their forms once
+        planned, else as ``full``)."""
         itemsize = storage_dtype(self.config.dtype).itemsize
+        if self.forms is not None:
+            return sum(f.nbytes_per_record(itemsize) for f in self.forms.values())
         return sum(p.numel() for p in self.params.values()) * itemsize
 
     # -- recording --------------------------------------------------------------------------
@@ -531,13 +578,16 @@ class GradRecorder:
         losses, grads = compute()
         batch = losses.shape[0]
         for name, g in grads.items():
-            if tuple(g.shape) != (batch, *self.params[name].shape):
+            got = (batch_size(g), *material_shape(g))
+            if got != (batch, *self.params[name].shape):
                 raise GradlogError(
                     f"backend {self.config.backend!r} returned per-datum gradients of shape "
-                    f"{tuple(g.shape)} for {name!r}; expected {(batch, *self.params[name].shape)}"
+                    f"{got} for {name!r}; expected {(batch, *self.params[name].shape)}"
                     ". A broadcast batch dimension (e.g. position ids of shape [1, T]) was "
                     "taken for a datum; please report this with the model."
                 )
+        if self.forms is None:
+            self._plan_forms(grads)
         weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
         sizes = [batch]  # every rank's batch (in rank order)
         offset = 0  # counter-numbered datum ids of the ranks before this one
@@ -561,11 +611,7 @@ class GradRecorder:
         self._next_datum = max(counted, int(ids.max()) + 1)
         if lr is None and self.optimizer is not None:
             lr = float(self.optimizer.param_groups[0]["lr"])
-        host = {n: g.detach() for n, g in grads.items()}  # rounded and written by the writer
-        norms = {
-            n: torch.linalg.vector_norm(g.detach().reshape(batch, -1).double(), dim=1).cpu().numpy()
-            for n, g in grads.items()
-        }
+        host, norms = self._encode(grads, batch)
         loss_np = losses.detach().double().cpu().numpy()
         micro = 0 if self._pending is None else self._pending["n_micro"]
         if self._dist is not None:  # rank r's m-th call: micro-batch m * world_size + r
@@ -630,6 +676,47 @@ class GradRecorder:
         self._writer.commit(row)
         self._pending = None
         self.steps_recorded += 1
+
+    def _plan_forms(self, grads: PerDatumGrads) -> None:
+        """Concrete forms from the first batch's material; log their bytes table and warn
+        when the planned steps would not fit on the disk."""
+        assert self._writer is not None
+        storage = storage_dtype(self.config.dtype)
+        forms = planning.plan(self.config, grads, itemsize=storage.itemsize, tokens=self.tokens)
+        self._writer.set_forms(
+            {n: (f.spec(), planning.array_specs(f)) for n, f in forms.items()}
+        )
+        self.forms = forms
+        batch = batch_size(next(iter(grads.values()))) if grads else 0
+        self.plan = planning.plan_table(
+            forms, batch=batch, itemsize=storage.itemsize, steps=self.planned_steps
+        )
+        log.info("gradlog: forms and bytes per step of %s\n%s", self.path, self.plan)
+        if self.planned_steps is not None:
+            per_step = sum(f.nbytes_per_record(storage.itemsize) for f in forms.values()) * batch
+            planning.check_free_space(self.path, per_step * self.planned_steps)
+
+    def _encode(
+        self, grads: PerDatumGrads, batch: int
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What the writer takes: per parameter its gradients (``full``) or its form's
+        arrays, and exact float64 norms."""
+        assert self.forms is not None
+        host: dict[str, Any] = {}
+        norms: dict[str, np.ndarray] = {}
+        coded = {}
+        for n, g in grads.items():
+            if isinstance(g, torch.Tensor) and isinstance(self.forms[n], FullForm):
+                host[n] = g.detach()  # rounded and written by the writer
+                flat = g.detach().reshape(batch, -1).double()
+                norms[n] = torch.linalg.vector_norm(flat, dim=1).cpu().numpy()
+            else:
+                coded[n] = g
+        if coded:
+            arrays, coded_norms = planning.encode(self.forms, coded)
+            host.update(arrays)
+            norms.update(coded_norms)
+        return {n: host[n] for n in grads}, {n: norms[n] for n in grads}
 
     def _record_probes(self, step: int) -> None:
         """Per-probe gradients at the step's parameters, written before the step commits."""
@@ -706,7 +793,7 @@ class GradRecorder:
     ) -> None:
         self._n_checked += 1
         results = []  # (name, error, own scale, dtype)
-        totals = [grads[name].detach().sum(0) * weight for name in self.params]
+        totals = [_weighted_sum(grads[name], weight) for name in self.params]
         if self._dist is not None:  # this rank holds its own records only
             if self._dist.syncing():
                 totals = self._dist.sum_over_ranks(totals)
@@ -775,6 +862,15 @@ def _per_probe_grads(
             if g is not None:
                 out[name][b] = g
     return out
+
+
+def _weighted_sum(material: Material, weight: float) -> torch.Tensor:
+    """``weight * sum_b g_b`` of any material (dense: as before forms, bitwise)."""
+    if isinstance(material, torch.Tensor):
+        return material.detach().sum(0) * weight
+    device = material.g.device if isinstance(material, Factors) else material.values.device
+    weights = torch.full((batch_size(material),), weight, dtype=torch.float64, device=device)
+    return batch_sum(material, weights)
 
 
 def _fmt_bytes(n: float) -> str:

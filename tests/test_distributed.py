@@ -145,6 +145,8 @@ def test_one_rank_process_group_records_like_one_process(tmp_path: Path) -> None
     plan and counter-numbered ids run, and the store equals a plain recording."""
     import torch.distributed as dist
 
+    from gradlog.errors import InputError
+
     store = tmp_path / "store"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1)
@@ -156,6 +158,11 @@ def test_one_rank_process_group_records_like_one_process(tmp_path: Path) -> None
                                       check_every=1) as rec:
                 for x, y, _ in data:
                     rec.backward(nn.functional.cross_entropy(wrapped(x), y, reduction="none"))
+        # compact forms are planned per rank from token counts: refused until shared
+        model, _ = model_and_data(1)
+        with pytest.raises(InputError, match="not supported under torch"):
+            gradlog.GradRecorder(nn.parallel.DistributedDataParallel(model), store / "forms",
+                                 distributed=True, form="norm").open()
     finally:
         dist.destroy_process_group()
     got, want = gradlog.open(store / "ddp"), gradlog.open(store / "plain")

@@ -377,7 +377,7 @@ def test_schemas_are_valid_and_shipped() -> None:
 def test_root_attributes(tmp_store: Path) -> None:
     _train(tmp_store, CALLS[:3], metadata={"run": "a"})
     attrs = _reopen(tmp_store).attrs
-    assert attrs["format"] == "gradlog" and attrs["format_version"] == 2
+    assert attrs["format"] == "gradlog" and attrs["format_version"] == 3
     assert attrs["config"]["compression"] == "none"  # "auto" resolves, by dtype
     assert attrs["gradlog_version"] == gradlog.__version__
     assert attrs["config"]["metadata"] == {"run": "a"}
@@ -390,6 +390,8 @@ def test_root_attributes(tmp_store: Path) -> None:
         "param_dtype": "float64",
         "form": "full",
         "array": "grads/0.weight",
+        "form_spec": {"form": "full", "shape": [4, 3]},
+        "arrays": {"grad": {"path": "grads/0.weight", "shape": [4, 3], "kind": "float"}},
     }
     meta = json.loads((tmp_store / "grads/0.weight/zarr.json").read_text())
     assert meta["dimension_names"] == ["record", "dim_0", "dim_1"]
@@ -416,7 +418,14 @@ def test_root_attributes(tmp_store: Path) -> None:
         pytest.param(lambda a: a.update(extra=1), id="unknown-root-key"),
         pytest.param(lambda a: a["config"].pop("dtype"), id="config-misses-dtype"),
         pytest.param(lambda a: a["params"]["0.bias"].update(numel=5), id="wrong-numel"),
-        pytest.param(lambda a: a["params"]["0.bias"].update(form="topk"), id="unknown-form"),
+        pytest.param(
+            lambda a: a["params"]["0.bias"].update(
+                form="sparkle",
+                form_spec={"form": "sparkle", "shape": [4]},
+                arrays={"grad": {"path": "grads/0.bias/grad", "shape": [4], "kind": "float"}},
+            ),
+            id="unknown-form",
+        ),
         pytest.param(lambda a: a.update(created="yesterday"), id="bad-created"),
     ],
 )

@@ -54,8 +54,13 @@ def test_golden_store_reads_back_exactly(store: Path, tmp_path: Path) -> None:
     steps = run.steps.drop_columns(["time_compute_s", "time_write_s"]).to_pylist()
     assert steps == exp["steps"]
     assert run.datums.to_pylist() == exp["records"]
+    forms = dict(zip(run.param_names, run.params.column("form").to_pylist()))
     for name, values in exp["grads"].items():
-        got = run.grads(name)
+        if values is None:  # form 'norm': no gradient kept, and grads() says so
+            with pytest.raises(gradlog.errors.SelectionError, match="norms"):
+                run.grads(name)
+            continue
+        got = _grads(run, name, forms[name])
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, np.asarray(values, dtype=np.float32))
     # ... and what the store holds is what a naive per-datum autograd says
@@ -75,8 +80,38 @@ def test_golden_store_reads_back_exactly(store: Path, tmp_path: Path) -> None:
             grads = torch.autograd.grad(loss, list(named.values()))
             assert run.records(step=step, datum=datum).num_rows == 1
             for (name, _), g in zip(named.items(), grads):
-                got = run.grads(name, step=step, datum=datum, dtype=np.float64)[0]
-                np.testing.assert_allclose(got, g.numpy(), rtol=rtol, atol=1e-7)
+                _check_against(run, name, forms[name], step, datum, g, rtol)
         batch_loss = ((model(x[ids]) - y[ids]) ** 2).sum(1).mean()
         batch_loss.backward()
         prev = step
+
+
+def _grads(run: gradlog.Run, name: str, form: str, **select: Any) -> np.ndarray:
+    if form == "projection":
+        with pytest.warns(UserWarning, match="projected vectors"):
+            return np.asarray(run.grads(name, **select))
+    return np.asarray(run.grads(name, **select))
+
+
+def _check_against(
+    run: gradlog.Run, name: str, form: str, step: int, datum: int, g: torch.Tensor, rtol: float
+) -> None:
+    """A stored record against the datum's autograd gradient ``g``, by its form."""
+    norm = run.norms(name, step=step, datum=datum).column("norm").to_pylist()[0]
+    np.testing.assert_allclose(norm, float(g.norm()), rtol=1e-6)  # exact in every form
+    if form == "norm":
+        return
+    run.__dict__.pop("_projection_warned", None)
+    got = _grads(run, name, form, step=step, datum=datum, dtype=np.float64)[0]
+    if form == "projection":  # the stored projection of the gradient
+        want = run.project(name, g.float()).double().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    elif form == "topk":  # the k largest entries, zero elsewhere
+        flat = g.flatten().numpy()
+        k = int(np.count_nonzero(got))
+        keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+        want = np.zeros_like(flat)
+        want[keep] = flat[keep]
+        np.testing.assert_allclose(got.flatten(), want, rtol=rtol, atol=1e-7)
+    else:
+        np.testing.assert_allclose(got, g.numpy(), rtol=rtol, atol=1e-7)

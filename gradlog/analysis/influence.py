@@ -38,6 +38,7 @@ from gradlog.analysis.selection import (
     ranked,
     reader,
     record_coefficients,
+    space_vector,
 )
 from gradlog.errors import InputError
 
@@ -89,7 +90,8 @@ def record_influence(
                 f"the probe gradient has no entry for {missing}; give one array per parameter "
                 f"(keys: {list(probe)}), or select parameters with params=."
             )
-        vectors = {n: _vector(probe[n], run._check_param(n)["shape"], n) for n in names}
+        vectors = {n: _vector(space_vector(run, n, probe[n]), reader(run, n).shape, n)
+                   for n in names}
         records = run.datums
         probe_rows = None
     else:

@@ -13,10 +13,36 @@ from gradlog.errors import InputError, SelectionError, StoreFormatError
 if TYPE_CHECKING:
     from gradlog.store.reader import Run
 
-__all__ = ["MissingLearningRateError", "params_of", "reader", "record_coefficients", "records_of"]
+__all__ = [
+    "MissingLearningRateError",
+    "estimated",
+    "params_of",
+    "reader",
+    "record_coefficients",
+    "records_of",
+    "space_vector",
+]
 
-_FORMS = ("full",)
-"""Forms the scans read. New forms (factors, projections) plug in at :func:`reader`."""
+_FORMS = ("full", "factors", "rows", "topk", "projection")
+"""Forms the scans read: ``full``; ``factors``, ``rows`` and ``topk`` rebuilt block by block
+(exact; ``topk`` its kept entries); ``projection`` in its projected space (estimates)."""
+
+
+def estimated(run: Run, names: Sequence[str]) -> list[str]:
+    """The parameters among ``names`` whose scores are estimates: recorded as projections
+    (inner products of projections estimate the gradients', unbiased) or top-k entries."""
+    return [n for n in names if run._check_param(n).get("form", "full") in ("projection", "topk")]
+
+
+def space_vector(run: Run, param: str, grad: Any) -> Any:
+    """A gradient the user gives for ``param`` in the space its records are compared in:
+    projected for a ``projection`` parameter, as given otherwise."""
+    if run._check_param(param).get("form", "full") != "projection":
+        return grad
+    if hasattr(grad, "detach"):  # torch, without importing it here
+        grad = grad.detach().cpu().numpy()
+    arr = np.asarray(grad)
+    return run.project(param, arr if arr.dtype.kind == "f" else arr.astype(np.float32))
 
 
 class MissingLearningRateError(InputError):
@@ -47,6 +73,12 @@ def reader(run: Run, param: str, *, probes: bool = False) -> ArrayReader:
 
     spec = run._check_param(param)
     form = spec.get("form", "full")
+    if form == "norm":
+        raise SelectionError(
+            f"parameter {param!r} was recorded with form 'norm': only each record's exact norm "
+            "is kept (run.norms(param)), so it cannot enter similarities, influence or "
+            "movement. Select other parameters with params=."
+        )
     if form not in _FORMS:
         raise StoreFormatError(
             f"parameter {param!r} is stored in form {form!r}, which this gradlog's analysis "
@@ -54,19 +86,25 @@ def reader(run: Run, param: str, *, probes: bool = False) -> ArrayReader:
         )
     stored = storage_dtype(spec["dtype"])
     out = np.float64 if stored.array_dtype == np.float64 else np.float32
-    if probes:
+    if probes:  # probes are stored full; a projected parameter's are projected alike
 
         def read(rows: np.ndarray) -> np.ndarray:
-            return np.asarray(run._probe_array(param).read(rows, out))
+            full = np.asarray(run._probe_array(param).read(rows, out))
+            return np.asarray(space_vector(run, param, full), dtype=out)
 
+        shape = run.form(param).out_shape if form == "projection" else spec["shape"]
         return ArrayReader(
             read,
-            spec["shape"],
+            shape,
             out,
             stored_itemsize=stored.itemsize,
             chunk_rows=lambda: run._probe_array(param).chunk_rows,
             sharded=False,
         )
+
+    if form != "full" and run.format_version >= 3:
+        _note_estimates(run, param, form)
+        return _form_reader(run, param, spec, out, stored.itemsize)
 
     def read_grads(rows: np.ndarray) -> np.ndarray:
         return _read_sorted(run._grad_array(param), rows, out)
@@ -79,6 +117,55 @@ def reader(run: Run, param: str, *, probes: bool = False) -> ArrayReader:
         stored_itemsize=stored.itemsize,
         chunk_rows=lambda: run._grad_array(param).rows_per_chunk(),
         sharded=sharded,
+    )
+
+
+_ESTIMATES = {
+    "projection": "a random projection: inner products, norms and scores computed from it are "
+    "unbiased estimates (Johnson-Lindenstrauss error ~ sqrt(2/dim) of the product of norms)",
+    "topk": "its top-k entries: inner products and scores use those entries only",
+}
+
+
+def _note_estimates(run: Run, param: str, form: str) -> None:
+    """Say once per run and parameter that its scores are estimates."""
+    import warnings
+
+    if form not in _ESTIMATES:
+        return
+    noted: set[str] = run.__dict__.setdefault("_estimates_noted", set())
+    if param not in noted:
+        noted.add(param)
+        warnings.warn(
+            f"parameter {param!r} was recorded as {_ESTIMATES[form]}; exact norms stay in "
+            "run.norms().",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _form_reader(
+    run: Run, param: str, spec: Mapping[str, Any], out: Any, itemsize: int
+) -> ArrayReader:
+    """Rows of a parameter kept in another form than ``full``: a projection's vectors
+    (compared in projected space), or the rebuilt gradients of factors, rows and top-k."""
+    form = run.form(param)
+    first = next(iter(spec["arrays"]))
+
+    def read(rows: np.ndarray) -> np.ndarray:
+        arrays = run.read_form_arrays(param, rows)
+        data = arrays["proj"] if form.name == "projection" else form.decode(arrays)
+        return np.asarray(data.numpy(), dtype=out)
+
+    shape = form.out_shape if form.name == "projection" else spec["shape"]
+    stored = max(1, form.nbytes_per_record(itemsize))
+    return ArrayReader(
+        read,
+        shape,
+        out,
+        stored_itemsize=max(1, stored // max(1, int(np.prod(shape, dtype=np.int64)))),
+        chunk_rows=lambda: run._grad_array(param, first).rows_per_chunk(),
+        sharded=True,
     )
 
 

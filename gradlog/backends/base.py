@@ -20,8 +20,10 @@ __all__ = ["LOW_PRECISION_RTOL", "Backend", "LossFn", "PerDatumGrads"]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch)`` returning per-datum ``(B,)`` or per-token ``(B, T)`` losses."""
 
-PerDatumGrads = dict[str, torch.Tensor]
-"""Parameter name -> per-datum gradients ``(B, *param.shape)`` on the parameter's device."""
+PerDatumGrads = dict[str, Any]
+"""Parameter name -> per-datum gradients ``(B, *param.shape)`` on the parameter's device, or
+for parameters in :attr:`Backend.keep_material` possibly their factors or sparse rows
+(:class:`gradlog.forms.Factors`, :class:`gradlog.forms.Rows`)."""
 
 LOW_PRECISION_RTOL = 8.0
 """Under autocast, autograd rounds ``p.grad`` of a layer computed in bfloat16/float16 to that
@@ -58,6 +60,10 @@ class Backend(abc.ABC):
         self.params = dict(params)
         self.batch_reduction = batch_reduction
         self.randomness = randomness
+        self.keep_material: frozenset[str] = frozenset()
+        """Set by the recorder: parameters whose form is not ``full``. A backend may return
+        their per-datum gradients as factors or sparse rows (the hooks backend does), which
+        the forms encode without forming the gradients; others return dense gradients."""
         self.low_precision: dict[str, torch.dtype] = {}
         """Set by each backward: recorded parameter name -> the narrower floating dtype
         (autocast's bfloat16 or float16) in which autograd computed its ``p.grad``. Such a

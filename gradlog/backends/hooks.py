@@ -87,6 +87,7 @@ from gradlog._tree import flatten, leaves
 from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fusable, fuse_output
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
+from gradlog.forms.base import Factors, Rows, entries
 from gradlog.params import check_differentiable
 from gradlog.rules import GENERIC, RowGrads, Rule, active_randomness, find_rule
 from gradlog.rules.base import Capture, RuleResult
@@ -396,10 +397,12 @@ class HooksBackend(Backend):
                 if not call.done:
                     self._finish(call)
             self._raise_error()
+            materials = self._merge_materials()
             self._check_coverage()
-            self._spot_check()
+            self._spot_check(materials)
             return {
-                name: self._acc[name] if name in self._acc
+                name: materials[name] if name in materials
+                else self._acc[name] if name in self._acc
                 else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
                 for name, p in self.params.items()
             }
@@ -415,6 +418,7 @@ class HooksBackend(Backend):
         self._batch = batch_size
         self._scale = float(batch_size) if self.batch_reduction == "mean" else 1.0
         self._acc: dict[str, torch.Tensor] = {}
+        self._material: dict[str, list[Factors | Rows]] = {}  # see _keep
         self._covered: set[str] = set()
         self._got_grad: set[str] = set()
         self._partial: list[_Call] = []
@@ -497,6 +501,7 @@ class HooksBackend(Backend):
                 scale=self._scale,
                 expanded=expanded,
                 alloc=self._pool.empty,
+                factored=self._factored(entry) if rows is None else frozenset(),
             )
             self._recomputing = True
             try:
@@ -531,6 +536,8 @@ class HooksBackend(Backend):
                                    f"among the parameters it was asked for: {sorted(entry.names)}")
             p = self.params[name]
             acc = self._acc.get(name)
+            if self._keep(name, value, n):
+                continue
             if isinstance(value, RowGrads):
                 index, values = value.index, value.values
                 if index.dim() != 2 or index.shape[0] != n or p.dim() == 0 or tuple(
@@ -571,6 +578,61 @@ class HooksBackend(Backend):
                     acc.add_(value)
         self._covered.update(entry.names.values())
 
+    # -- material for compact forms (gradlog.forms) ------------------------------------------
+    def _factored(self, entry: _Entry) -> frozenset[str]:
+        """Attributes of the entry whose rule may hand over factors (their form is not
+        ``full``; chunked heads never: their calls cover slices of the batch)."""
+        if not self.keep_material:
+            return frozenset()
+        return frozenset(a for a, n in entry.names.items() if n in self.keep_material)
+
+    def _keep(self, name: str, value: Any, n: int) -> bool:
+        """Keep factors or sparse rows of a parameter whose form is not ``full`` as they
+        are (merged by :meth:`_merge_materials`); False: add ``value`` densely."""
+        if name not in self.keep_material:
+            if isinstance(value, Factors):
+                raise BackendError(f"internal: factors of {name!r}, whose form is full.")
+            return False
+        if isinstance(value, RowGrads):
+            p = self.params[name]
+            if value.index.dim() != 2 or value.index.shape[0] != n or tuple(
+                    value.values.shape) != (*value.index.shape, *p.shape[1:]):
+                return False  # the dense path reports the shapes
+            value = Rows(value.index, value.values.to(p.dtype), int(p.shape[0]), value.alpha)
+        elif not isinstance(value, Factors):
+            return False
+        if n != self._batch:
+            raise BackendError(f"internal: material of {n} datums for {name!r} (B={self._batch}).")
+        self._material.setdefault(name, []).append(value)
+        return True
+
+    def _merge_materials(self) -> dict[str, Factors | Rows | torch.Tensor]:
+        """One material per parameter kept as factors or rows: several calls (reuse)
+        concatenate along the token axis; a parameter that also got dense parts (a tied
+        embedding and head) or both kinds is densified and added up."""
+        out: dict[str, Factors | Rows | torch.Tensor] = {}
+        for name, parts in self._material.items():
+            kinds = {type(m) for m in parts}
+            if name in self._acc or len(kinds) > 1:
+                acc = self._acc.get(name)
+                for m in parts:
+                    acc = m.dense() if acc is None else acc.add_(m.dense())
+                assert acc is not None
+                out[name] = self._acc[name] = acc
+            elif len(parts) == 1:
+                out[name] = parts[0]
+            elif kinds == {Factors}:
+                fs = [cast(Factors, m).canonical() for m in parts]
+                out[name] = Factors(torch.cat([f.g for f in fs], 1),
+                                    torch.cat([f.a for f in fs], 1))
+            else:
+                rs = [cast(Rows, m) for m in parts]
+                values = [r.values * r.scale if r.scale != 1.0 else r.values for r in rs]
+                out[name] = Rows(torch.cat([r.index for r in rs], 1), torch.cat(values, 1),
+                                 rs[0].num_rows)
+            self._covered.add(name)
+        return out
+
     def _check_versions(self, call: _Call) -> None:
         now = leaves((call.args, call.kwargs))
         for t, version in zip(now, call.versions):
@@ -608,7 +670,7 @@ class HooksBackend(Backend):
             "(gradlog.rules.register_rule(..., covers=...)), or use backend='loop'."
         )
 
-    def _spot_check(self) -> None:
+    def _spot_check(self, materials: Mapping[str, Any]) -> None:
         """``sum_b w_b g_b`` against the parameter's gradient in this backward, at a few random
         entries per parameter: catches uses the hooks did not see (a parameter also used by
         hand in a parent's forward) on every step, for the cost of reading B x k numbers and
@@ -616,11 +678,10 @@ class HooksBackend(Backend):
         weight = 1.0 / self._scale
         names, rows, totals = [], [], []
         for name, total in self._spot_total.items():
-            acc = self._acc.get(name)
+            acc = materials.get(name, self._acc.get(name))
             if acc is not None:  # (no contribution at all: _check_coverage reported it)
                 names.append(name)
-                rows.append(acc.reshape(self._batch, -1).index_select(
-                    1, self._spot_index[name]).to(torch.float64))  # (B, k)
+                rows.append(entries(acc, self._spot_index[name]).to(torch.float64))  # (B, k)
                 totals.append(total.to(torch.float64))  # (k,)
         if not names:
             return

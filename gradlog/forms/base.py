@@ -345,10 +345,12 @@ def entries(material: Material, flat_index: torch.Tensor) -> torch.Tensor:
     ``flat_index`` (k,), without forming the gradients: the backend's spot check.
     Factors: ``sum_n g[b, n, i] a[b, n, j]``."""
     if isinstance(material, Factors):
-        c = material.canonical()
+        c = Factors(material.g, material.a, material.mask).canonical()  # scale applied last
         q = c.a.shape[2]
         rows, cols = flat_index // q, flat_index % q  # (k,), (k,)
-        return torch.einsum("bnk,bnk->bk", c.g[:, :, rows], c.a[:, :, cols])  # (B, k)
+        picked = c.g.index_select(2, rows) * c.a.index_select(2, cols)  # (B, N, k)
+        out = picked.sum(1)  # (B, k)
+        return out * material.scale if material.scale != 1.0 else out
     if isinstance(material, Rows):
         D = material.width
         row, col = flat_index // D, flat_index % D  # (k,), (k,)

@@ -15,7 +15,7 @@ Comparisons never need the gradients. ``<g1^T a1, g2^T a2> = sum((g1 g2^T) * (a1
 costs ``N1 N2 (p + q)`` per pair against ``p q`` per record plus ``p q`` per pair when
 materialising; :func:`factored_inner` picks the cheaper by that count (both exact): factored
 for few tokens or few pairs (ghost norms: one pair per record, factored up to
-``N (p + q) ~ 1.5 p q``), materialised for many pairs of long records.
+``N (p + q) ~ p q``, less with symmetric blocks), materialised for many pairs of long records.
 
 A bias of a Linear-like layer has the gradient ``sum_n g_{b,n}`` (``Factors.bias()``): its
 factored form is its full form, so ``factors`` asked for a vector plans ``full``.
@@ -43,11 +43,39 @@ from gradlog.forms.base import (
 )
 from gradlog.forms.full import FullForm
 
-__all__ = ["FactorsForm", "factored_inner", "factored_sqnorms", "prefer_factored"]
+__all__ = [
+    "FactorsForm",
+    "factored_inner",
+    "factored_sqnorms",
+    "ghost_blocks",
+    "ghost_cost",
+    "prefer_factored",
+]
 
-_SPEED = 1.5
-"""Factored work counts as cheaper up to this many times the materialised multiply-adds
-(materialising also writes p q per record; measured on CPU, tests/benchmarks/RESULTS.md)."""
+_SPEED = 1.0
+"""Factored work counts as cheaper up to this many times the materialised multiply-adds.
+Measured per multiply-add on CPU (tests/benchmarks/RESULTS.md, "Forms"): ghost norms ran
+0.9x (N 128, 256x256), 1.0x (N 512, 2048x512) and 1.2x (N 512, 512x512, blocked) the time
+of forming the gradients; stage 1 used 1.5, which picked the slower ghost norm at N 512."""
+
+_GHOST_BLOCK = 256
+"""Rows per block of a ghost norm: ``g g^T`` is symmetric, so with K blocks only the
+K (K + 1) / 2 block pairs on and above the diagonal are multiplied (0.75 of the work for
+K 2: 512 tokens). Measured at N 512, 2048x512 (B 4, one thread): blocks of 512, 256, 128,
+64 rows took 59, 43, 46, 49 ms, forming the gradients 50 ms: smaller blocks save
+multiply-adds but run slower."""
+
+
+def ghost_blocks(n: int) -> int:
+    """Blocks K a ghost norm over ``n`` rows is cut into (1: no cut below 2 blocks' rows)."""
+    return max(1, n // _GHOST_BLOCK)
+
+
+def ghost_cost(n: int, p: int, q: int) -> int:
+    """Multiply-adds of one ghost norm ``sum((g g^T) * (a a^T))`` over ``n`` rows, blocked
+    (:data:`_GHOST_BLOCK`): ``n^2 (p + q) (K + 1) / (2 K)``."""
+    k = ghost_blocks(n)
+    return n * n * (p + q) * (k + 1) // (2 * k)
 
 
 def prefer_factored(
@@ -57,7 +85,10 @@ def prefer_factored(
     factored than materialised, for a ``(p, q)`` parameter (``pairs``: number of pairs
     compared, default all ``m k``; ``m`` for norms)."""
     pairs = m * k if pairs is None else pairs
-    factored = pairs * n1 * n2 * (p + q)
+    if pairs == m and n1 == n2 and m == k:  # norms: symmetric blocks (ghost_cost)
+        factored = pairs * ghost_cost(n1, p, q)
+    else:
+        factored = pairs * n1 * n2 * (p + q)
     materialised = (m * n1 + (0 if pairs == m else k * n2)) * p * q + pairs * p * q
     return factored <= _SPEED * materialised
 
@@ -139,13 +170,28 @@ def factored_sqnorms(
         gb = g[i : i + step].to(work)  # (b, N, p)
         ab = a[i : i + step].to(work)  # (b, N, q)
         if method == "factored":
-            gg = torch.bmm(gb, gb.transpose(1, 2))  # (b, N, N)
-            aa = torch.bmm(ab, ab.transpose(1, 2))  # (b, N, N)
-            prod = gg.mul_(aa).reshape(gb.shape[0], -1)  # (b, N*N)
-            out[i : i + gb.shape[0]] = prod.sum(1).to(dtype)  # (b,) cascade sum, accurate
+            out[i : i + gb.shape[0]] = _ghost(gb, ab, dtype)  # (b,)
         else:
             x = torch.bmm(gb.transpose(1, 2), ab).reshape(gb.shape[0], -1)  # (b, p q)
             out[i : i + gb.shape[0]] = dense_sqnorms(x, dtype)  # (b,)
+    return out
+
+
+def _ghost(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum((g g^T) * (a a^T))`` per datum, ``(b,)`` in ``dtype``, over the block pairs on
+    and above the diagonal (the others mirror them): :func:`ghost_cost`."""
+    n = g.shape[1]
+    k = ghost_blocks(n)
+    cuts = [n * i // k for i in range(k + 1)]
+    out = torch.zeros(g.shape[0], dtype=dtype, device=g.device)  # (b,)
+    for i in range(k):
+        gi, ai = g[:, cuts[i] : cuts[i + 1]], a[:, cuts[i] : cuts[i + 1]]  # (b, n_i, p|q)
+        for j in range(i, k):
+            gj, aj = g[:, cuts[j] : cuts[j + 1]], a[:, cuts[j] : cuts[j + 1]]
+            gg = torch.bmm(gi, gj.transpose(1, 2))  # (b, n_i, n_j)
+            aa = torch.bmm(ai, aj.transpose(1, 2))  # (b, n_i, n_j)
+            part = gg.mul_(aa).reshape(g.shape[0], -1).sum(1).to(dtype)  # (b,) cascade sum
+            out += part if i == j else 2 * part
     return out
 
 

@@ -36,7 +36,7 @@ __all__ = ["NormForm", "sqnorms"]
 def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Exact squared norms ``(B,)`` of per-datum gradients given as any material.
 
-    Factors use the ghost norm when it is cheaper (few tokens: ``N (p + q) <~ 1.5 p q``),
+    Factors use the (blocked) ghost norm when it is cheaper (few tokens: ``N (p + q) <~ p q``),
     else materialise a few datums at a time; rows sum their distinct rows' squares.
     """
     if isinstance(material, Factors):  # the scale applies to the result: no copy of g

@@ -74,7 +74,7 @@ from gradlog.forms.base import (
     material_shape,
     spec_fields,
 )
-from gradlog.forms.factors import prefer_factored
+from gradlog.forms.factors import ghost_cost
 
 __all__ = [
     "CACHE_ELEMENTS",
@@ -371,21 +371,33 @@ class ProjectionForm(Form):
     def encode_with_norms(
         self, material: Material, *, dtype: torch.dtype = torch.float64
     ) -> tuple[Encoded, torch.Tensor]:
-        """Exact norms of factors need the gradients themselves unless the ghost norm is
-        cheaper (few tokens); when they are formed anyway (a datum chunk at a time), the
+        """Exact norms of factors need the gradients themselves unless the (blocked) ghost
+        norm is cheaper; when they are formed anyway (a datum chunk at a time), the
         projection is taken from them too: ``p q r1`` per datum on top of ``N p q``,
-        instead of the ghost norm's ``N^2 (p + q)`` plus ``N (p r0 + q r1)``."""
+        instead of the ghost norm plus ``N (p r0 + q r1)`` (:meth:`_factored_is_cheaper`)."""
         self._check_material(material)
-        if isinstance(material, Factors):
-            B, N = material.batch_size, material.tokens
-            p, q = material.shape
-            if self.structure == "dense" or not prefer_factored(B, N, B, N, p, q, pairs=B):
-                projected, norms = [], []
-                for _, d in chunks(material):
-                    norms.append(dense_sqnorms(d.reshape(d.shape[0], -1), dtype))  # (b,)
-                    projected.append(self._project(d))  # (b, *out_shape)
-                return {"proj": torch.cat(projected)}, torch.cat(norms)
+        if isinstance(material, Factors) and (
+            self.structure == "dense" or not self._factored_is_cheaper(material)
+        ):
+            projected, norms = [], []
+            for _, d in chunks(material):
+                norms.append(dense_sqnorms(d.reshape(d.shape[0], -1), dtype))  # (b,)
+                projected.append(self._project(d))  # (b, *out_shape)
+            return {"proj": torch.cat(projected)}, torch.cat(norms)
         return super().encode_with_norms(material, dtype=dtype)
+
+    def _factored_is_cheaper(self, f: Factors) -> bool:
+        """Multiply-adds per datum of the two ways to get a two-sided projection and the
+        exact norm from factors: the blocked ghost norm plus ``(g P0)^T (a P1)``, or the
+        gradient (``N p q``, a batched matmul) projected in the cheaper order. Both are
+        batched matmuls that ran at the same speed per multiply-add at the seed case's
+        shapes (N 512, d 512: tests/benchmarks/RESULTS.md, "Forms")."""
+        n = f.tokens
+        p, q = f.shape
+        r0, r1 = self.ranks
+        factored = ghost_cost(n, p, q) + n * (p * r0 + q * r1) + n * r0 * r1
+        dense = n * p * q + min(p * q * r1 + p * r1 * r0, r0 * p * q + r0 * q * r1)
+        return factored <= dense
 
     @staticmethod
     def _compute_dtype(t: torch.Tensor) -> torch.dtype:

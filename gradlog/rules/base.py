@@ -60,6 +60,9 @@ class Capture:
         expanded: True when shared (unbatched) tensor arguments were expanded to the batch
             size; their rows are then identical (``args[0][0]`` is the original).
         alloc: ``alloc(shape, dtype, device)``: where :meth:`empty` gets its memory.
+        factored: Attribute paths whose per-datum gradients the rule may return as
+            :class:`gradlog.forms.Factors` instead of dense (their form keeps factors or
+            projects from them); rules without factors ignore it.
     """
 
     args: tuple[Any, ...]
@@ -70,6 +73,7 @@ class Capture:
     expanded: bool = False
     alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = field(
         default=None, repr=False, compare=False)
+    factored: frozenset[str] = frozenset()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
@@ -114,8 +118,9 @@ class RowGrads:
     alpha: float = 1.0
 
 
-RuleResult = dict[str, torch.Tensor | RowGrads]
-"""Attribute path -> per-datum gradients (dense ``(B, *shape)``) or sparse rows."""
+RuleResult = dict[str, Any]
+"""Attribute path -> per-datum gradients (dense ``(B, *shape)``), sparse rows
+(:class:`RowGrads`) or, for attributes in ``cap.factored``, :class:`gradlog.forms.Factors`."""
 
 
 class RuleFn(Protocol):

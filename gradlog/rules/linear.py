@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradlog.errors import BackendError
+from gradlog.forms.base import Factors
 from gradlog.rules.base import Capture, RuleResult, one_feature_dim, register_rule
 
 __all__ = ["as_rows", "conv1d_gpt2", "linear"]
@@ -53,7 +54,10 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
     out: RuleResult = {}
     if "weight" in wanted:
         a = as_rows(cap.input, B, module.in_features, "Linear input").to(dtype)  # (B, N, d_in)
-        out["weight"] = _outer_sum(g, a, cap)  # (B, d_out, d_in)
+        if "weight" in cap.factored:  # never formed: the form encodes from the factors
+            out["weight"] = Factors(g.detach(), a.detach(), scale=cap.scale)
+        else:
+            out["weight"] = _outer_sum(g, a, cap)  # (B, d_out, d_in)
     if "bias" in wanted:
         out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
     return out
@@ -70,7 +74,10 @@ def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> Rule
     out: RuleResult = {}
     if "weight" in wanted:
         a = as_rows(cap.input, B, d_in, "Conv1D input").to(weight.dtype)  # (B, N, d_in)
-        out["weight"] = _outer_sum(a, g, cap)  # (B, d_in, d_out)
+        if "weight" in cap.factored:
+            out["weight"] = Factors(a.detach(), g.detach(), scale=cap.scale)
+        else:
+            out["weight"] = _outer_sum(a, g, cap)  # (B, d_in, d_out)
     if "bias" in wanted:
         out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
     return out

@@ -20,7 +20,7 @@ import numpy as np
 from gradlog.errors import StoreCorruptError, StoreFormatError
 from gradlog.store import format as fmt
 from gradlog.store.chunks import ShardLayout
-from gradlog.store.dtypes import StorageDtype, from_storage, storage_dtype
+from gradlog.store.dtypes import INDEX_DTYPE, StorageDtype, from_storage, storage_dtype
 from gradlog.store.fs import StorePath
 
 __all__ = ["GradArray"]
@@ -34,19 +34,36 @@ class GradArray:
         name: The parameter's name.
         spec: Its parameter spec (root attributes, already checked by the reader).
         version: The store's format version.
+        array: Which of the parameter's form arrays (format version 3; ``"grad"`` is the
+            ``full`` form's one array, and the only array of older versions).
 
     Raises:
         StoreCorruptError: the array's ``zarr.json`` is missing.
         StoreFormatError: it is malformed or disagrees with the spec.
     """
 
-    def __init__(self, root: StorePath, name: str, spec: dict[str, Any], version: int) -> None:
+    def __init__(
+        self, root: StorePath, name: str, spec: dict[str, Any], version: int, array: str = "grad"
+    ) -> None:
         self.root = root
         self.name = name
-        self.shape = tuple(int(d) for d in spec["shape"])
         self.version = version
-        self.dtype: StorageDtype = storage_dtype(spec["dtype"])
-        self.rel = fmt.array_path(name)
+        entry = spec.get("arrays", {}).get(array) if version >= 3 else None
+        if entry is not None:
+            self.shape = tuple(int(d) for d in entry["shape"])
+            self.dtype: StorageDtype = (
+                INDEX_DTYPE if entry["kind"] == "int64" else storage_dtype(spec["dtype"])
+            )
+            self.rel = str(entry["path"])
+        elif array == "grad" and version < 3:
+            self.shape = tuple(int(d) for d in spec["shape"])
+            self.dtype = storage_dtype(spec["dtype"])
+            self.rel = fmt.array_path(name)
+        else:
+            raise StoreFormatError(
+                f"{root}: parameter {name!r} (form {spec.get('form', 'full')!r}) has no array "
+                f"{array!r}; its arrays: {sorted(spec.get('arrays', {'grad': 0}))}."
+            )
         self.directory = root / self.rel
         self.where = f"array {self.rel} of parameter {name!r}"
         meta_file = self.directory / "zarr.json"

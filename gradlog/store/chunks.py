@@ -176,7 +176,7 @@ class ShardLayout:
             dtype = np.dtype(str(meta.get("data_type")))
         except TypeError:
             raise bad(f"data_type {meta.get('data_type')!r} is unknown") from None
-        if dtype.name not in ("float16", "float32", "float64", "uint16"):
+        if dtype.name not in ("float16", "float32", "float64", "uint16", "int64"):
             raise bad(f"data_type {meta.get('data_type')!r} is not a storage type")
         grid = meta.get("chunk_grid", {})
         config_grid = grid.get("configuration", {}) if isinstance(grid, dict) else {}

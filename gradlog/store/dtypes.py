@@ -91,6 +91,10 @@ def storage_dtype(name: str) -> StorageDtype:
     )
 
 
+INDEX_DTYPE = StorageDtype("int64", np.dtype("int64"))
+"""How forms' index arrays (``topk``, ``rows``) are stored: int64, never rounded."""
+
+
 def default_compression(name: str) -> str:
     """The compressor chosen by measurement for a storage dtype (FORMAT.md section 4.3).
 
@@ -115,7 +119,7 @@ def to_storage_torch(tensor: Any, dtype: StorageDtype) -> Any:
     array dtype (bfloat16 as its int16 bit pattern)."""
     import torch
 
-    if dtype.name in ("float32", "float64", "float16"):
+    if dtype.name in ("float32", "float64", "float16", "int64"):
         return tensor.to(getattr(torch, dtype.name))
     if dtype.name == "bfloat16":
         return tensor.to(torch.bfloat16).view(torch.int16)
@@ -126,7 +130,7 @@ def to_storage_torch(tensor: Any, dtype: StorageDtype) -> Any:
 
 def to_storage_numpy(array: np.ndarray, dtype: StorageDtype) -> np.ndarray:
     """Round a numpy array to the storage dtype; returns an array of ``dtype.array_dtype``."""
-    if dtype.name in ("float32", "float64", "float16"):
+    if dtype.name in ("float32", "float64", "float16", "int64"):
         return np.asarray(array, dtype=dtype.array_dtype)
     if dtype.name == "bfloat16":
         bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)

@@ -19,18 +19,21 @@ __all__ = [
     "STEPS_DIR",
     "array_path",
     "check_root_attrs",
+    "form_array_path",
     "index_part_name",
     "index_schema",
     "norm_column",
+    "record_bytes",
     "step_part_name",
     "steps_schema",
 ]
 
 FORMAT_NAME = "gradlog"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest format this code writes and reads; readers refuse newer stores and read every
 older one (version 1: unsharded arrays read through zarr-python; version 2: sharded arrays,
-one shard per backward call and parameter, lossy storage dtypes; schemas/CHANGES.md)."""
+one shard per backward call and parameter, lossy storage dtypes; version 3: forms, each
+parameter's arrays named in its spec; schemas/CHANGES.md)."""
 
 V1_DTYPES = ("float32", "float64")
 """Storage dtypes of format version 1; version 2 adds the lossy ones (gradlog.store.dtypes)."""
@@ -56,6 +59,28 @@ def array_path(param: str) -> str:
     if name.startswith("__") or name in {".", ".."} or name.startswith("."):
         name = "%" + format(ord(name[0]), "02X") + name[1:]  # zarr reserves these names
     return f"{GRADS_GROUP}/{name}"
+
+
+def form_array_path(param: str, form: str, array: str) -> str:
+    """Path of one array of a parameter's form (format version 3): ``full`` keeps its one
+    array at :func:`array_path`; other forms keep ``<array_path>/<array>``."""
+    if form == "full":
+        return array_path(param)
+    if not _SAFE.match(array) or array.startswith("."):
+        raise StoreFormatError(f"form array name {array!r} is not a plain name.")
+    return f"{array_path(param)}/{array}"
+
+
+def record_bytes(spec: dict[str, Any]) -> int:
+    """Stored bytes of one record of a parameter, from its spec (its form's arrays; the
+    whole tensor before version 3); the norm in the index not counted."""
+    from gradlog.store.dtypes import storage_dtype
+
+    itemsize = storage_dtype(str(spec["dtype"])).itemsize
+    arrays = spec.get("arrays", {"grad": {"shape": spec["shape"], "kind": "float"}})
+    return sum(
+        math.prod(a["shape"]) * (8 if a["kind"] == "int64" else itemsize) for a in arrays.values()
+    )
 
 
 def norm_column(param: str) -> str:
@@ -141,6 +166,43 @@ def check_root_attrs(attrs: dict[str, Any], where: str) -> None:
             raise StoreFormatError(
                 f"{where}: parameter {name!r} points at array {spec.get('array')!r}; the format "
                 f"requires {array_path(name)!r}."
+            )
+        if version >= 3:
+            _check_form_fields(name, spec, where)
+
+
+ARRAY_KINDS = ("float", "int64")
+"""Kinds of a form's arrays: gradient values in the storage dtype, or int64 indices."""
+
+
+def _check_form_fields(name: str, spec: dict[str, Any], where: str) -> None:
+    """Version 3: ``form_spec`` names the form, ``arrays`` its arrays at their paths."""
+    form, form_spec, arrays = spec.get("form"), spec.get("form_spec"), spec.get("arrays")
+    if not isinstance(form, str) or not isinstance(form_spec, dict) or (
+        form_spec.get("form") != form
+    ):
+        raise StoreFormatError(
+            f"{where}: parameter {name!r} has form {form!r} and form_spec {form_spec!r}; "
+            "version 3 needs a form name and a form_spec object naming the same form."
+        )
+    if not isinstance(arrays, dict):
+        raise StoreFormatError(f"{where}: parameter {name!r} has no 'arrays' object.")
+    for key, entry in arrays.items():
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(key, str)
+            and _SAFE.match(key) is not None
+            and entry.get("kind") in ARRAY_KINDS
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                    for d in entry["shape"])
+            and math.prod(entry["shape"]) <= _MAX_NUMEL
+        )
+        if not ok or entry.get("path") != form_array_path(name, form, key):
+            raise StoreFormatError(
+                f"{where}: parameter {name!r} array {key!r} is {entry!r}; expected "
+                f"{{path: {form_array_path(name, form, key) if ok else '...'!r}, shape: [...], "
+                f"kind: one of {list(ARRAY_KINDS)}}}."
             )
 
 

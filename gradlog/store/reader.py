@@ -259,10 +259,20 @@ class Run:
 
         Returns an array ``(n_records, *shape)`` whose rows follow :meth:`records` with the
         same selection (in row order: by step, then by position in the batch).
+
+        Parameters recorded with another form than ``full`` (``run.params["form"]``):
+        ``factors``, ``rows`` and ``topk`` are rebuilt (``topk``: its kept entries, zeros
+        elsewhere); ``projection`` returns the projected vectors ``(n_records, *ranks)``
+        (with a :class:`UserWarning` saying so, once per parameter); ``norm`` keeps no
+        gradient and raises :class:`~gradlog.errors.SelectionError` pointing to
+        :meth:`norms`.
         """
         spec = self._check_param(param)
         rows = np.asarray(self.records(step, datum).column("row"), dtype=np.int64)
-        if rows.size == 0:  # arrays are created at the first append: they may not exist yet
+        form = spec.get("form", "full")
+        if form != "full" and self.format_version >= 3:
+            out = self._form_grads(param, rows, dtype)
+        elif rows.size == 0:  # arrays are created at the first append: they may not exist yet
             out = np.zeros((0, *spec["shape"]), dtype=dtype)
         else:
             out = self._grad_array(param).read(rows, dtype)
@@ -272,17 +282,100 @@ class Run:
             return torch.from_numpy(out)
         return out
 
-    def _grad_array(self, param: str) -> Any:
+    def form(self, param: str) -> Any:
+        """The :class:`gradlog.forms.Form` ``param`` was recorded with (``full`` before
+        format version 3); its ``inner``/``sqnorms`` compare records in its own space."""
+        from gradlog.forms import FullForm, form_from_spec
+
+        spec = self._check_param(param)
+        if self.format_version < 3:
+            return FullForm(tuple(spec["shape"]))
+        return form_from_spec(spec["form_spec"])
+
+    def read_form_arrays(self, param: str, rows: np.ndarray) -> dict[str, Any]:
+        """The stored arrays of ``param``'s form at store ``rows`` (sorted or not): name ->
+        torch tensor ``(len(rows), *array shape)`` (floats as float32, float64 for float64
+        storage; indices int64)."""
+        import torch
+
+        spec = self._check_param(param)
+        if self.format_version < 3:
+            entries = {"grad": {"shape": spec["shape"], "kind": "float"}}
+        else:
+            entries = spec["arrays"]
+        wide = spec["dtype"] == "float64"
+        out = {}
+        for key, entry in entries.items():
+            kind = np.int64 if entry["kind"] == "int64" else np.float64 if wide else np.float32
+            if rows.size == 0:
+                data = np.zeros((0, *entry["shape"]), dtype=kind)
+            else:
+                data = self._grad_array(param, key).read(rows, kind)
+            out[key] = torch.from_numpy(np.ascontiguousarray(data))
+        return out
+
+    def _form_grads(self, param: str, rows: np.ndarray, dtype: Any) -> np.ndarray:
+        """``grads()`` of a parameter recorded with another form than ``full``."""
+        import warnings
+
+        form = self.form(param)
+        if form.name == "norm":
+            raise SelectionError(
+                f"parameter {param!r} was recorded with form 'norm': only each record's exact "
+                "norm is kept. Read it with run.norms(param); record with form 'full', "
+                "'factors', 'projection' or 'auto' to keep more."
+            )
+        arrays = self.read_form_arrays(param, rows)
+        if form.name == "projection":
+            warned: set[str] = self.__dict__.setdefault("_projection_warned", set())
+            if param not in warned:
+                warned.add(param)
+                warnings.warn(
+                    f"parameter {param!r} was recorded as a random projection: grads() returns "
+                    f"the projected vectors {tuple(form.out_shape)} per record, not the "
+                    "gradients. Inner products between them estimate the gradients' "
+                    "(unbiased); project your own gradients alike with run.project(param, g).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return np.asarray(arrays["proj"].numpy(), dtype=dtype)
+        return np.asarray(form.decode(arrays).numpy(), dtype=dtype)
+
+    def project(self, param: str, grad: Any) -> Any:
+        """A gradient the user computed (a test example's, ``(*shape)`` or a batch ``(K,
+        *shape)``, torch or numpy), projected with ``param``'s stored projection: it lies in
+        the space of ``run.grads(param)``, so their inner products estimate the gradients'.
+
+        Raises:
+            SelectionError: ``param`` was not recorded with form ``projection``.
+        """
+        import torch
+
+        from gradlog.forms import project
+
+        spec = self._check_param(param)
+        if spec.get("form", "full") != "projection":
+            raise SelectionError(
+                f"parameter {param!r} was recorded with form {spec.get('form', 'full')!r}, "
+                "not 'projection': compare your gradient with run.grads(param) directly."
+            )
+        g = grad if isinstance(grad, torch.Tensor) else torch.as_tensor(np.asarray(grad))
+        if not g.is_floating_point():
+            g = g.to(torch.float32)
+        out = project(g, spec["form_spec"])  # float64 stays float64
+        return out if isinstance(grad, torch.Tensor) else out.numpy()
+
+    def _grad_array(self, param: str, array: str = "grad") -> Any:
         """``param``'s gradient array opened for verified reads (gradlog.store.arrays);
         decodes lossy storage dtypes. Cached: the array's layout never changes."""
         from gradlog.store.arrays import GradArray
 
-        cache: dict[str, GradArray] = self.__dict__.setdefault("_grad_arrays", {})
-        if param not in cache:
-            cache[param] = GradArray(
-                self.path, param, self._check_param(param), self.format_version
+        cache: dict[tuple[str, str], GradArray] = self.__dict__.setdefault("_grad_arrays", {})
+        if (param, array) not in cache:
+            cache[param, array] = GradArray(
+                self.path, param, self._check_param(param), self.format_version, array
             )
-        return cache[param]
+        return cache[param, array]
 
     def norms(self, param: str | None = None, step: Selector = None, datum: Selector = None) -> Any:
         """Long pyarrow table (step, datum_id, row, param, norm) of exact per-record norms."""

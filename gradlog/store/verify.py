@@ -303,19 +303,22 @@ def _check_arrays(run: Any, records: list[dict[str, Any]], report: Report) -> di
     arrays: dict[str, Any] = {}
     max_row = max((r["row"] for r in records), default=-1)
     for name, spec in run.attrs["params"].items():
-        if not (run.path / spec["array"] / "zarr.json").is_file() and not records:
-            continue  # arrays come with the first records
-        try:
-            array = GradArray(run.path, name, spec, run.format_version)
-        except GradlogError as e:
-            check.problems.append(str(e))
-            continue
-        if array.n_rows <= max_row:
-            check.problems.append(
-                f"array {spec['array']} declares {array.n_rows} rows; committed rows reach "
-                f"{max_row}."
-            )
-        arrays[name] = array
+        # version 3: every array of the parameter's form (none for 'norm'); before: one
+        entries = spec.get("arrays", {"grad": {"path": spec["array"]}})
+        for key, entry in entries.items():
+            if not (run.path / entry["path"] / "zarr.json").is_file() and not records:
+                continue  # arrays come with the first records
+            try:
+                array = GradArray(run.path, name, spec, run.format_version, key)
+            except GradlogError as e:
+                check.problems.append(str(e))
+                continue
+            if array.n_rows <= max_row:
+                check.problems.append(
+                    f"array {entry['path']} declares {array.n_rows} rows; committed rows "
+                    f"reach {max_row}."
+                )
+            arrays[entry["path"]] = array
     check.summary = f"{len(arrays)} arrays" + (
         f", {max_row + 1} rows" if records else ", no records yet"
     )

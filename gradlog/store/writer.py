@@ -60,6 +60,7 @@ from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import (
+    INDEX_DTYPE,
     StorageDtype,
     default_compression,
     storage_dtype,
@@ -90,9 +91,23 @@ class ParamSpec:
     dtype: str  # storage dtype (gradlog.store.dtypes)
     param_dtype: str  # the parameter's own dtype in the model
     form: str = "full"
+    form_spec: Mapping[str, Any] | None = None  # gradlog.forms Form.spec(); None: full
+    arrays: Mapping[str, Mapping[str, Any]] | None = None  # name -> {shape, kind}; None: full
+
+    def array_entries(self) -> dict[str, dict[str, Any]]:
+        """The form's arrays: name -> ``{"path", "shape", "kind"}`` (FORMAT.md section 2)."""
+        if self.arrays is None:
+            return {"grad": {"path": fmt.array_path(self.name), "shape": list(self.shape),
+                             "kind": "float"}}
+        return {
+            key: {"path": fmt.form_array_path(self.name, self.form, key),
+                  "shape": list(a["shape"]), "kind": str(a.get("kind", "float"))}
+            for key, a in self.arrays.items()
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The parameter spec of the root attributes (FORMAT.md section 2)."""
+        form_spec = self.form_spec or {"form": "full", "shape": list(self.shape)}
         return {
             "shape": list(self.shape),
             "numel": int(np.prod(self.shape, dtype=np.int64)),
@@ -100,7 +115,29 @@ class ParamSpec:
             "param_dtype": self.param_dtype,
             "form": self.form,
             "array": fmt.array_path(self.name),
+            "form_spec": dict(form_spec),
+            "arrays": self.array_entries(),
         }
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One array the writer fills: a parameter's ``full`` array or one of its form's."""
+
+    param: str
+    rel: str  # path inside the store
+    shape: tuple[int, ...]
+    dtype: StorageDtype
+
+
+def _targets(specs: Mapping[str, ParamSpec]) -> dict[str, _Target]:
+    """Every array of every parameter, keyed by its path (``norm`` forms have none)."""
+    out: dict[str, _Target] = {}
+    for name, spec in specs.items():
+        for entry in spec.array_entries().values():
+            dtype = INDEX_DTYPE if entry["kind"] == "int64" else storage_dtype(spec.dtype)
+            out[entry["path"]] = _Target(name, entry["path"], tuple(entry["shape"]), dtype)
+    return out
 
 
 # -- file primitives (module level, so that fault tests can replace them) ---------------------
@@ -310,13 +347,10 @@ class StoreWriter:
         self.world_size = world_size
         self.specs = dict(specs)
         self.durable = durable
-        self._dtypes: dict[str, StorageDtype] = {
-            name: storage_dtype(spec.dtype) for name, spec in self.specs.items()
-        }
-        self.compression = {
-            name: compression or default_compression(spec.dtype)
-            for name, spec in self.specs.items()
-        }
+        self._compression = compression
+        self._use_specs(self.specs)
+        self.planned_specs: dict[str, dict[str, Any]] | None = None  # stored forms (resume)
+        self._rows_per_shard = 0  # c, from the first batch
         self._layouts: dict[str, ShardLayout] = {}
         self._capacity = 0  # rows the arrays' metadata currently declare
         self.n_rows = 0  # end of the last appended call's rows
@@ -357,6 +391,39 @@ class StoreWriter:
         # left open still loses its last, uncommitted step, as after a crash).
         self._drain_at_exit = _drainer(self._worker, self._syncer)
         atexit.register(self._drain_at_exit)
+
+    def _use_specs(self, specs: Mapping[str, ParamSpec]) -> None:
+        self.specs = dict(specs)
+        self._targets = _targets(self.specs)
+        self._dtypes: dict[str, StorageDtype] = {k: t.dtype for k, t in self._targets.items()}
+        self.compression = {
+            k: self._compression or default_compression(self.specs[t.param].dtype)
+            for k, t in self._targets.items()
+        }
+
+    def set_forms(
+        self, forms: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]]
+    ) -> None:
+        """Record each parameter's planned form (``(Form.spec(), arrays)``) in the root
+        attributes, before the first :meth:`append` (the recorder plans at the first
+        backward, when token counts are known)."""
+        if self.n_rows:
+            raise GradlogError("internal: set_forms() after records were appended.")
+        # arrays a crash left before any commit are created afresh at the first append
+        self._layouts, self._capacity, self._rows_per_shard = {}, 0, 0
+        specs = {}
+        for name, spec in self.specs.items():
+            form_spec, arrays = forms[name]
+            specs[name] = ParamSpec(
+                name, spec.shape, spec.dtype, spec.param_dtype, str(form_spec["form"]),
+                dict(form_spec), {k: dict(v) for k, v in arrays.items()},
+            )
+        self._use_specs(specs)
+        meta_file = self.path / "zarr.json"
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        meta["attributes"]["params"] = {n: s.to_json() for n, s in self.specs.items()}
+        _write_json_atomic(meta_file, meta)
+        self._unsynced.add(meta_file)
 
     # -- creation and resumption --------------------------------------------------------------
     def _create(self, attrs: Mapping[str, Any], overwrite: bool) -> None:
@@ -414,8 +481,9 @@ class StoreWriter:
                 f"{where} records parameters {list(stored)[:8]}..., this recorder "
                 f"{list(wanted)[:8]}...; resume with the same model and params= patterns."
             )
+        same = ("shape", "numel", "dtype", "param_dtype")
         for name, spec in wanted.items():
-            if stored[name] != spec:
+            if any(stored[name].get(k) != spec[k] for k in same):
                 raise StoreResumeError(
                     f"{where}: parameter {name!r} is stored as {stored[name]}, this recorder "
                     f"has {spec}; resume with the same model and dtype."
@@ -427,23 +495,32 @@ class StoreWriter:
                     f"{target} is a symbolic link or leaves the store; resume=True never writes "
                     "outside the store. Copy the store without links and resume the copy."
                 )
-        for name in self.specs:
-            meta_file = self.path / fmt.array_path(name) / "zarr.json"
+        if run.datums.num_rows:  # forms were planned at the first backward: keep them
+            self.planned_specs = {name: dict(stored[name]) for name in wanted}
+            self._use_specs({
+                name: ParamSpec(name, spec.shape, spec.dtype, spec.param_dtype,
+                                str(stored[name]["form"]), stored[name]["form_spec"],
+                                {k: {"shape": v["shape"], "kind": v["kind"]}
+                                 for k, v in stored[name]["arrays"].items()})
+                for name, spec in self.specs.items()
+            })
+        for key, array in self._targets.items():
+            meta_file = self.path / array.rel / "zarr.json"
             if meta_file.is_file():
                 layout, rows = _read_layout(meta_file)
-                if layout.array_dtype != self._dtypes[name].array_dtype:
+                if layout.array_dtype != self._dtypes[key].array_dtype:
                     raise StoreResumeError(
                         f"{meta_file}: array dtype {layout.array_dtype} is not that of storage "
-                        f"dtype {self.specs[name].dtype}; the store is damaged."
+                        f"dtype {array.dtype.name}; the store is damaged."
                     )
-                self._layouts[name] = layout
-                self.compression[name] = layout.compression
+                self._layouts[key] = layout
+                self.compression[key] = layout.compression
                 self._capacity = rows if not self._capacity else min(self._capacity, rows)
         steps = run.steps
         datums = run.datums
-        if self._layouts and len(self._layouts) != len(self.specs):
+        if self._layouts and len(self._layouts) != len(self._targets):
             if datums.num_rows:
-                missing = [n for n in self.specs if n not in self._layouts]
+                missing = [k for k in self._targets if k not in self._layouts]
                 raise StoreResumeError(
                     f"{where}: arrays of {missing[:5]} are missing though records were "
                     "committed; the store is damaged (run `gradlog verify`)."
@@ -458,6 +535,7 @@ class StoreWriter:
             end = int(np.asarray(datums.column("row")).max()) + 1
             self.next_datum_id = int(np.asarray(datums.column("datum_id")).max()) + 1
             c = next(iter(self._layouts.values())).rows_per_shard if self._layouts else 1
+            self._rows_per_shard = c
             self.n_rows = end
             self._next_row = -(-end // c) * c
         committed = {
@@ -486,13 +564,14 @@ class StoreWriter:
                     (self.path / sub / entry).unlink()
 
     # -- arrays ---------------------------------------------------------------------------------
-    def _array_dir(self, name: str) -> StorePath:
-        return self.path / fmt.array_path(name)
+    def _array_dir(self, key: str) -> StorePath:
+        return self.path / self._targets[key].rel
 
     def _make_layouts(self, batch: int) -> None:
-        for name, spec in self.specs.items():
-            self._layouts[name] = ShardLayout(
-                spec.shape, self._dtypes[name].array_dtype, batch, self.compression[name]
+        self._rows_per_shard = batch
+        for key, target in self._targets.items():
+            self._layouts[key] = ShardLayout(
+                target.shape, self._dtypes[key].array_dtype, batch, self.compression[key]
             )
 
     def _set_rows(self, rows: int) -> None:
@@ -504,6 +583,12 @@ class StoreWriter:
                 continue  # rank 0 writes the metadata, before it commits these rows
             _write_json_atomic(directory / "zarr.json", layout.metadata(rows))
             self._unsynced.add(directory / "zarr.json")
+            group = directory.parent / "zarr.json"  # a form's arrays live in a group
+            if directory.parent != self.path / fmt.GRADS_GROUP and not group.is_file():
+                spec = self.specs[self._targets[name].param]
+                _write_json_atomic(group, {"zarr_format": 3, "node_type": "group",
+                                           "attributes": {"form": spec.form}})
+                self._unsynced.add(group)
         self._capacity = rows
 
     # -- the public, synchronous API ----------------------------------------------------------
@@ -566,9 +651,9 @@ class StoreWriter:
             raise GradlogError("this StoreWriter is closed.")
         batch = len(datum_ids)
         sizes = plan if plan is not None else [batch]
-        if not self._layouts:
+        if not self._rows_per_shard:
             self._make_layouts(max(sizes))
-        c = next(iter(self._layouts.values())).rows_per_shard
+        c = self._rows_per_shard
         spans = [-(-b // c) * c for b in sizes]  # each call starts at a shard boundary
         start = self._next_row + sum(spans[: self.rank])
         stop = start + batch
@@ -602,27 +687,41 @@ class StoreWriter:
         payload: dict[str, Any] = {}
         event = None
         nbytes = 0
-        for name in self.specs:
-            g = grads[name]
-            if type(g).__module__.startswith("torch"):
-                g = g.detach()
-                if g.is_cuda:
-                    import torch
-
-                    stored = to_storage_torch(g, self._dtypes[name])
-                    host = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)
-                    host.copy_(stored, non_blocking=True)
-                    if event is None:
-                        event = torch.cuda.Event()
-                    g = host
-                nbytes += g.element_size() * g.numel()
-            else:
-                g = np.asarray(g)
-                nbytes += g.nbytes
-            payload[name] = g
+        for name, spec in self.specs.items():
+            value = grads[name]
+            entries = spec.array_entries()
+            if not isinstance(value, Mapping):  # a full form's gradients
+                value = {"grad": value}
+            if set(value) != set(entries):
+                raise GradlogError(
+                    f"internal: {name!r} ({spec.form}) got arrays {sorted(value)}, its form "
+                    f"stores {sorted(entries)}."
+                )
+            for array, g in value.items():
+                key = entries[array]["path"]
+                payload[key], size, event = self._stage_one(key, g, event)
+                nbytes += size
         if event is not None:
             event.record()  # after every copy, on the current stream
         return payload, event, nbytes
+
+    def _stage_one(self, name: str, g: Any, event: Any) -> tuple[Any, int, Any]:
+        """One array: a CUDA tensor is rounded on the device and copied to pinned memory."""
+        if not type(g).__module__.startswith("torch"):
+            g = np.asarray(g)
+            return g, g.nbytes, event
+        g = g.detach()
+        if g.is_cuda:
+            import torch
+
+            stored = to_storage_torch(g, self._dtypes[name])
+            host = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)
+            host.copy_(stored, non_blocking=True)
+            if event is None:
+                event = torch.cuda.Event()
+            g = host
+        nbytes = g.element_size() * g.numel()
+        return g, nbytes, event
 
     def _host_rows(self, name: str, g: Any, staged_on_device: bool) -> np.ndarray:
         """Gradients of one parameter as a C-contiguous array of the array dtype."""
@@ -658,7 +757,7 @@ class StoreWriter:
             return  # a commit failed: nothing more is written (the caller sees that error)
         stop = start + batch
         if round_end > self._capacity:  # every rank tracks it; rank 0 alone writes metadata
-            first = _FIRST_SHARDS * next(iter(self._layouts.values())).rows_per_shard
+            first = _FIRST_SHARDS * self._rows_per_shard
             self._set_rows(max(round_end, _GROWTH * self._capacity, first))
         for name, layout in self._layouts.items():
             rows = self._host_rows(name, payload.pop(name), event is not None)

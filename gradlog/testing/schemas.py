@@ -122,6 +122,12 @@ def _check_root_rules(attrs: dict[str, Any], root: Path) -> None:
                 f"{root}: parameter {name!r} points at array {spec['array']!r}, expected "
                 f"{fmt.array_path(name)!r}."
             )
+        for key, entry in spec.get("arrays", {}).items():
+            path = fmt.form_array_path(name, spec["form"], key)
+            if entry["path"] != path:
+                _fail(f"{root}: array {key!r} of {name!r} is at {entry['path']!r}, not {path!r}.")
+        if "form_spec" in spec and spec["form_spec"]["shape"] != spec["shape"]:
+            _fail(f"{root}: the form_spec of {name!r} has another shape than the parameter.")
         numel = math.prod(spec["shape"])
         if spec["numel"] != numel:
             _fail(f"{root}: parameter {name!r} has numel {spec['numel']}, its shape gives {numel}.")
@@ -175,54 +181,73 @@ def _check_tables(
             _fail(f"{root}: the steps row of step {step} holds a non-finite number: {row}.")
 
 
-def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
-    import zarr
+def _arrays_of(spec: dict[str, Any]) -> list[tuple[str, list[int], Any]]:
+    """``(path, row shape, numpy dtype)`` of every array of a parameter: its form's
+    (version 3) or its one gradient array."""
+    if "arrays" not in spec:
+        return [(spec["array"], spec["shape"], storage_dtype(spec["dtype"]).array_dtype)]
+    return [
+        (e["path"], e["shape"],
+         np.dtype("int64") if e["kind"] == "int64" else storage_dtype(spec["dtype"]).array_dtype)
+        for e in spec["arrays"].values()
+    ]
 
+
+def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
     max_row = max((r["row"] for r in records), default=-1)
     for name, spec in attrs["params"].items():
-        meta_file = root / spec["array"] / "zarr.json"
-        if not meta_file.is_file():
-            if records:
-                _fail(f"{root}: parameter {name!r} has records but no array at {spec['array']}.")
-            continue  # arrays are created at the first append
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        arr = zarr.open_array(str(root / spec["array"]), mode="r")
-        where = f"{root}: array {spec['array']} of {name!r}"
-        if list(arr.shape[1:]) != list(spec["shape"]):
-            _fail(f"{where} has shape {arr.shape}; expected (n_rows, *{spec['shape']}).")
-        if arr.dtype != storage_dtype(spec["dtype"]).array_dtype:
-            _fail(f"{where} has dtype {arr.dtype}; the spec says {spec['dtype']}.")
-        if arr.shape[0] <= max_row:
-            _fail(f"{where} has {arr.shape[0]} rows; committed rows reach {max_row}.")
-        dims = ["record", *(f"dim_{i}" for i in range(len(spec["shape"])))]
-        if meta.get("dimension_names") != dims:
-            _fail(f"{where} has dimension_names {meta.get('dimension_names')}; expected {dims}.")
-        codecs = [c.get("name") for c in meta.get("codecs", [])]
-        if attrs["format_version"] >= 2:
-            config = meta["codecs"][0].get("configuration", {}) if codecs else {}
-            inner = [c.get("name") for c in config.get("codecs", [])]
-            index = [c.get("name") for c in config.get("index_codecs", [])]
-            if (
-                codecs != ["sharding_indexed"]
-                or inner[-1:] != ["crc32c"]
-                or index[-1:] != ["crc32c"]
-            ):
-                _fail(
-                    f"{where} has codecs {codecs} (inner {inner}, index {index}); version 2 "
-                    "arrays are sharded with crc32c on every inner chunk and on the index."
-                )
-        elif not codecs or codecs[-1] != "crc32c":
-            _fail(f"{where} has codecs {codecs}; the chain must end with crc32c.")
+        for path, shape, dtype in _arrays_of(spec):
+            _check_array(attrs, name, path, shape, dtype, bool(records), max_row, root)
+
+
+def _check_array(attrs: dict[str, Any], name: str, path: str, shape: list[int], dtype: Any,
+                 has_records: bool, max_row: int, root: Path) -> None:
+    import zarr
+
+    meta_file = root / path / "zarr.json"
+    if not meta_file.is_file():
+        if has_records:
+            _fail(f"{root}: parameter {name!r} has records but no array at {path}.")
+        return  # arrays are created at the first append
+    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    arr = zarr.open_array(str(root / path), mode="r")
+    where = f"{root}: array {path} of {name!r}"
+    if list(arr.shape[1:]) != list(shape):
+        _fail(f"{where} has shape {arr.shape}; expected (n_rows, *{shape}).")
+    if arr.dtype != dtype:
+        _fail(f"{where} has dtype {arr.dtype}; the spec says {dtype}.")
+    if arr.shape[0] <= max_row:
+        _fail(f"{where} has {arr.shape[0]} rows; committed rows reach {max_row}.")
+    dims = ["record", *(f"dim_{i}" for i in range(len(shape)))]
+    if meta.get("dimension_names") != dims:
+        _fail(f"{where} has dimension_names {meta.get('dimension_names')}; expected {dims}.")
+    codecs = [c.get("name") for c in meta.get("codecs", [])]
+    if attrs["format_version"] >= 2:
+        config = meta["codecs"][0].get("configuration", {}) if codecs else {}
+        inner = [c.get("name") for c in config.get("codecs", [])]
+        index = [c.get("name") for c in config.get("index_codecs", [])]
+        if (
+            codecs != ["sharding_indexed"]
+            or inner[-1:] != ["crc32c"]
+            or index[-1:] != ["crc32c"]
+        ):
+            _fail(
+                f"{where} has codecs {codecs} (inner {inner}, index {index}); version 2 "
+                "arrays are sharded with crc32c on every inner chunk and on the index."
+            )
+    elif not codecs or codecs[-1] != "crc32c":
+        _fail(f"{where} has codecs {codecs}; the chain must end with crc32c.")
 
 
 def _check_v2_rows(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
     """Version 2: each backward call's rows are consecutive and start at a shard boundary."""
     shards = set()
     for spec in attrs["params"].values():
-        meta_file = root / spec["array"] / "zarr.json"
-        if meta_file.is_file():
-            meta = json.loads(meta_file.read_text(encoding="utf-8"))
-            shards.add(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+        for path, _, _ in _arrays_of(spec):
+            meta_file = root / path / "zarr.json"
+            if meta_file.is_file():
+                meta = json.loads(meta_file.read_text(encoding="utf-8"))
+                shards.add(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     if len(shards) > 1:
         _fail(f"{root}: the arrays have different shard sizes {sorted(shards)}; one is required.")
     c = shards.pop() if shards else 1

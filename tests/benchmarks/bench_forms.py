@@ -27,12 +27,21 @@ Tables:
    Johnson-Lindenstrauss prediction ``sqrt(1/r)`` beside.
 4. **Factored vs materialised** inner products and norms (the choice ``prefer_factored``
    makes), medium shapes.
+5. **End to end** (``--e2e``, stage 2): a recorded training step (``GradRecorder`` with the
+   hooks backend, forward + ``rec.backward`` + SGD step + ``rec.flush()``: the writer's
+   work included) against a plain step (forward + backward + SGD step) of an identical
+   model copy without hooks; paired, every repetition times the plain step and then each
+   form's recorded step, ratios within a repetition, medians. Bytes per step from the
+   recorder's plan. The seed case runs with ``--e2e-seed-batch`` datums (default 4) on a
+   CPU: every cost is linear in B, so the ratios are those of B 100.
 
 Usage (on a shared machine keep OpenMP threads from spinning between ops)::
 
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py --threads 1 --clock cpu \\
         --seed-reps 3 --append      # append the tables to tests/benchmarks/RESULTS.md
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_forms.py --threads 1 --clock cpu \\
+        --e2e-only --e2e-reps 5     # section 5 alone
 """
 
 from __future__ import annotations
@@ -351,6 +360,93 @@ def factored_lines(captured: Captured, reps: int) -> list[str]:
     return lines
 
 
+# -- 5. end to end ------------------------------------------------------------------------
+E2E_FORMS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
+    "full": ("full", lambda full: {"form": "full"}),
+    "auto": ("auto (smallest exact)", lambda full: {"form": "auto"}),
+    "auto1": ("auto, budget 1% of full", lambda full: {"form": "auto", "form_budget": full // 100}),
+    "proj1024": ("projection dim 1024", lambda full: {"form": {"form": "projection", "dim": 1024}}),
+    "topk1": ("topk 1%", lambda full: {"form": {"form": "topk", "fraction": 0.01}}),
+    "norm": ("norm", lambda full: {"form": "norm"}),
+}
+"""Table 5's recorder settings by key (``--e2e-forms``): (label, kwargs from full's bytes)."""
+
+
+def e2e_lines(case: str, batch: int, reps: int, forms: list[str]) -> list[str]:
+    """Recorded steps against plain steps, end to end (see the module doc, table 5)."""
+    import copy
+    import shutil
+    import tempfile
+
+    import gradlog
+
+    model, s = build(case)
+    T, V = s["T"], s["vocab"]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, V, (batch, T), generator=gen)
+    y = torch.randint(0, V, (batch, T), generator=gen)
+    full = sum(p.numel() for p in model.parameters()) * 4 * batch  # float32 bytes per step
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer, rec: Any = None) -> float:
+        t0 = clock()
+        losses = F.cross_entropy(m(x).transpose(1, 2), y, reduction="none").mean(1)  # (B,)
+        if rec is None:
+            losses.mean().backward()
+        else:
+            rec.backward(losses)
+        opt.step()
+        opt.zero_grad()
+        if rec is not None:
+            rec.flush()
+        return clock() - t0
+
+    root = Path(tempfile.mkdtemp(prefix="bench_forms_"))
+    runs: dict[str, tuple[Any, nn.Module, torch.optim.Optimizer]] = {}
+    plain_opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the copies stay equal
+    try:
+        for label in forms:
+            m = copy.deepcopy(model)
+            opt = torch.optim.SGD(m.parameters(), lr=0.0)
+            rec = gradlog.GradRecorder(m, root / f"{len(runs)}.gradlog", check_every=0,
+                                       durable=False, **E2E_FORMS[label][1](full))
+            rec.open()
+            runs[label] = (rec, m, opt)
+        step(model, plain_opt)
+        for rec, m, opt in runs.values():
+            step(m, opt, rec)  # plans the forms
+        ratios: dict[str, list[float]] = {label: [] for label in runs}
+        plains = []
+        for _ in range(reps):
+            base = step(model, plain_opt)
+            plains.append(base)
+            for label, (rec, m, opt) in runs.items():
+                ratios[label].append(step(m, opt, rec) / base)
+        lines = [
+            f"### End to end: {case} (B {batch}, T {T}, d {s['d']}, {s['layers']} layers, "
+            f"{reps} reps; plain step {statistics.median(plains):.2f} s)",
+            "",
+            "| form | forms used | bytes per step | vs full | recorded / plain step |",
+            "|---|---|---|---|---|",
+        ]
+        for label, (rec, _, _) in runs.items():
+            used: dict[str, int] = {}
+            for f in (rec.forms or {}).values():
+                used[f.name] = used.get(f.name, 0) + 1
+            kinds = ", ".join(f"{k} x{v}" for k, v in sorted(used.items()))
+            per_step = rec.bytes_per_record * batch
+            name = E2E_FORMS[label][0]
+            lines.append(
+                f"| {name} | {kinds} | {fmt_bytes(per_step)} | {per_step / full:.4f} | "
+                f"**{statistics.median(ratios[label]):.3f}** "
+                f"({min(ratios[label]):.3f}-{max(ratios[label]):.3f}) |"
+            )
+        return lines
+    finally:
+        for rec, _, _ in runs.values():
+            rec.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions, medium case")
@@ -364,6 +460,13 @@ def main() -> None:
         choices=list(CLOCKS),
         default="wall",
         help="wall: perf_counter; cpu: this process's CPU time (use --threads 1 on a busy box)",
+    )
+    parser.add_argument("--e2e", action="store_true", help="also table 5 (end to end)")
+    parser.add_argument("--e2e-only", action="store_true", help="table 5 alone")
+    parser.add_argument("--e2e-reps", type=int, default=5, help="repetitions, end to end")
+    parser.add_argument("--e2e-seed-batch", type=int, default=4, help="B of the seed case")
+    parser.add_argument(
+        "--e2e-forms", default=",".join(E2E_FORMS), help="comma-separated labels of table 5"
     )
     parser.add_argument(
         "--append",
@@ -386,7 +489,7 @@ def main() -> None:
         lines.extend([*rows, ""])
 
     captured: Captured = {}
-    for case in cases:
+    for case in [] if args.e2e_only else cases:
         model, s = build(case)
         emit(bytes_table_lines(case, param_infos(model, s["T"]), s["B"], args.steps))
         if case == "medium":
@@ -405,6 +508,11 @@ def main() -> None:
     if captured:
         emit(accuracy_lines(captured, args.seeds))
         emit(factored_lines(captured, args.reps))
+    if args.e2e or args.e2e_only:
+        forms = [f for f in args.e2e_forms.split(",") if f]
+        for case in cases:
+            batch = CASES[case]["B"] if case == "medium" else args.e2e_seed_batch
+            emit(e2e_lines(case, batch, args.e2e_reps, forms))
 
     if args.append:
         cmd = " ".join(["python", "tests/benchmarks/bench_forms.py", *sys.argv[1:]])

@@ -4,6 +4,7 @@ Run once per format version, with the gradlog that introduced it, and commit the
 
     python tests/golden/make_golden.py              # vN.store, float32
     python tests/golden/make_golden.py 2 bfloat16   # v2-bfloat16.store
+    python tests/golden/make_golden.py 3 forms      # v3-forms.store: FORMS, hooks backend
 
 Every later gradlog must read every golden store and return exactly the values recorded in
 ``vN.expected.json`` beside it (``tests/test_store_golden.py``). Never regenerate an existing
@@ -13,6 +14,9 @@ The run: a float64 two-layer MLP with a parameter name that needs path encoding,
 committed steps (one of them with two micro-batches, batch sizes 3/2/4/1), and the trailing
 debris of a crash (an index part of an uncommitted step and a temporary), which readers must
 ignore.
+
+The ``forms`` variant (version 3) records each parameter in another form (:data:`FORMS`)
+with the hooks backend, so that ``lin.weight`` is kept as exact factors.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ from gradlog.store.format import FORMAT_VERSION
 
 HERE = Path(__file__).resolve().parent
 CALLS = [(0, [0, 1, 2]), (0, [3, 4]), (2, [5, 6, 7, 8]), (3, [1])]  # (step, datum ids)
+FORMS = {
+    "lin.weight": "factors",
+    "lin.bias": {"form": "topk", "k": 2},
+    "out/head.weight": {"form": "projection", "dim": 4},
+    "out/head.bias": "norm",
+}
 
 
 def _model() -> nn.Module:
@@ -60,10 +70,10 @@ def make(version: int = FORMAT_VERSION, variant: str = "", **recorder_kwargs: An
     x, y = _data()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     recorder_kwargs.setdefault("dtype", "float32")
+    recorder_kwargs.setdefault("backend", "loop")
     with gradlog.GradRecorder(
         model,
         path,
-        backend="loop",
         check_every=1,
         metadata={"golden": version},
         **recorder_kwargs,
@@ -93,7 +103,7 @@ def make(version: int = FORMAT_VERSION, variant: str = "", **recorder_kwargs: An
         "format_version": version,
         "steps": run.steps.drop_columns(["time_compute_s", "time_write_s"]).to_pylist(),
         "records": run.datums.to_pylist(),
-        "grads": {name: run.grads(name).tolist() for name in run.param_names},
+        "grads": {name: _stored(run, name) for name in run.param_names},
         "params": run.params.to_pylist(),
         "config_hash": run.attrs["config_hash"],
     }
@@ -101,9 +111,23 @@ def make(version: int = FORMAT_VERSION, variant: str = "", **recorder_kwargs: An
     return path
 
 
+def _stored(run: Any, name: str) -> Any:
+    """What ``run.grads`` returns (a projection's vectors; None for a ``norm`` form)."""
+    import warnings
+
+    if run.params.column("form").to_pylist()[run.param_names.index(name)] == "norm":
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "projected vectors, not gradients"
+        return run.grads(name).tolist()
+
+
 if __name__ == "__main__":
     # python tests/golden/make_golden.py [VERSION [DTYPE]]: DTYPE other than float32 makes the
     # variant store vN-DTYPE.store (version 2 added lossy dtypes).
     version = int(sys.argv[1]) if len(sys.argv) > 1 else FORMAT_VERSION
-    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
-    print(make(version, "" if dtype == "float32" else dtype, dtype=dtype))
+    variant = sys.argv[2] if len(sys.argv) > 2 else "float32"
+    if variant == "forms":
+        print(make(version, "forms", backend="hooks", form=FORMS))
+    else:
+        print(make(version, "" if variant == "float32" else variant, dtype=variant))

@@ -1,0 +1,169 @@
+"""Forms of a run's parameters: planned at the first recorded backward, then applied.
+
+The recorder knows what each parameter's rule hands over (dense gradients, factors, sparse
+rows) and how many tokens a datum has only at the first backward, so that is where the
+requests of ``form=`` become concrete forms (:func:`plan`). This module also says what the
+plan costs (:func:`plan_table`, :func:`check_free_space`) and turns each batch's material
+into the arrays and exact norms the writer takes (:func:`encode`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradlog.config import RecorderConfig
+from gradlog.errors import InputError
+from gradlog.forms import Form, FullForm, Material, ParamInfo, form_from_spec, plan_forms
+from gradlog.forms.base import batch_size, material_shape
+
+__all__ = [
+    "array_specs",
+    "check_free_space",
+    "encode",
+    "forms_from_specs",
+    "keeps_material",
+    "plan",
+    "plan_table",
+]
+
+
+def keeps_material(config: RecorderConfig, names: list[str]) -> frozenset[str]:
+    """Parameters whose request is not plain ``full``: the hooks backend hands their
+    factors or sparse rows over instead of adding them into dense gradients."""
+    out = set()
+    for name in names:
+        request = config.request_for(name)
+        form = request if isinstance(request, str) else request.get("form")
+        if form != FullForm.name:
+            out.add(name)
+    return frozenset(out)
+
+
+def plan(
+    config: RecorderConfig,
+    materials: Mapping[str, Material],
+    *,
+    itemsize: int,
+    tokens: int | None = None,
+) -> dict[str, Form]:
+    """Concrete forms for every parameter from its first batch of material.
+
+    Args:
+        config: The recorder's configuration (``form``, ``form_budget``, seed).
+        materials: Parameter name -> the first backward's material.
+        itemsize: Bytes of one stored float.
+        tokens: Rows per datum to provision for factors and sparse rows (default: the
+            first batch's).
+    """
+    infos = {}
+    for name, material in materials.items():
+        info = ParamInfo.of(material, name=name, itemsize=itemsize)
+        if tokens is not None and info.source != "dense":
+            info = ParamInfo(info.shape, info.source, max(tokens, info.tokens or 0), itemsize, name)
+        infos[name] = info
+    requests = {name: config.request_for(name) for name in materials}
+    batch = batch_size(next(iter(materials.values()))) if materials else 1
+    return plan_forms(infos, requests, budget_per_step=config.form_budget, batch_size=batch)
+
+
+def forms_from_specs(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Form]:
+    """The forms a (resumed) store's parameter specs describe."""
+    return {name: form_from_spec(spec["form_spec"]) for name, spec in specs.items()}
+
+
+def array_specs(form: Form) -> dict[str, dict[str, Any]]:
+    """A form's arrays as the writer and the parameter spec take them: name ->
+    ``{"shape": [...], "kind": "float" | "int64"}``."""
+    return {key: {"shape": list(a.shape), "kind": a.kind} for key, a in form.arrays().items()}
+
+
+def encode(
+    forms: Mapping[str, Form], materials: Mapping[str, Material]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, np.ndarray]]:
+    """Each parameter's arrays for the writer and its exact float64 norms ``(B,)``.
+
+    Raises:
+        InputError: a batch does not fit its planned form (more tokens than provisioned).
+    """
+    arrays: dict[str, dict[str, torch.Tensor]] = {}
+    norms: dict[str, np.ndarray] = {}
+    for name, material in materials.items():
+        form = forms[name]
+        if material_shape(material) != form.shape:
+            raise InputError(
+                f"parameter {name!r} has per-datum gradients of shape "
+                f"{material_shape(material)}, its form was planned for {form.shape}."
+            )
+        try:
+            with torch.no_grad():
+                enc, sq = form.encode_with_norms(material)
+        except InputError as e:
+            raise InputError(
+                f"parameter {name!r} ({form.name}): {e} The form was planned at the first "
+                "recorded backward; pass GradRecorder(..., tokens=N) with the most tokens a "
+                "datum will have to provision for longer batches."
+            ) from None
+        arrays[name] = {k: v.detach() for k, v in enc.items()}
+        norms[name] = sq.clamp_min(0).sqrt().cpu().numpy()
+    return arrays, norms
+
+
+def plan_table(
+    forms: Mapping[str, Form], *, batch: int, itemsize: int, steps: int | None = None
+) -> str:
+    """The start-of-recording summary: per parameter its form and bytes per step (and
+    ``full``'s), the total, and the projected size for ``steps`` steps."""
+    rows = []
+    for name, form in forms.items():
+        per_step = form.nbytes_per_record(itemsize) * batch
+        full = form.numel * itemsize * batch
+        rows.append((name, form.name, per_step, full))
+    total = sum(r[2] for r in rows)
+    total_full = sum(r[3] for r in rows)
+    width = max([len("parameter")] + [len(r[0]) for r in rows])
+    lines = [f"{'parameter':<{width}}  {'form':<10}  {'bytes/step':>12}  {'full bytes/step':>15}"]
+    for name, form_name, per_step, full in rows:
+        lines.append(f"{name:<{width}}  {form_name:<10}  {per_step:>12,}  {full:>15,}")
+    share = f" ({100 * total / total_full:.2f}% of full)" if total_full else ""
+    lines.append(f"{'(total)':<{width}}  {'':<10}  {total:>12,}  {total_full:>15,}{share}")
+    if steps is not None:
+        lines.append(f"projected size for {steps:,} steps: {_fmt_bytes(total * steps)}")
+    return "\n".join(lines)
+
+
+def check_free_space(path: str | os.PathLike[str], nbytes: int) -> str | None:
+    """Warn (and return the message) when ``nbytes`` exceed the free space where ``path``
+    lives; None when they fit or the free space cannot be read."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return None
+    if nbytes <= free:
+        return None
+    message = (
+        f"gradlog: the planned recording needs {_fmt_bytes(nbytes)}, but only "
+        f"{_fmt_bytes(free)} are free where {path} lives. Record less (form= projections, "
+        "form_budget=, params=, every=, dtype='bfloat16') or free space; recording continues "
+        "and fails cleanly, steps committed, if the disk fills."
+    )
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return message
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
