@@ -419,6 +419,8 @@ class StoreWriter:
                 dict(form_spec), {k: dict(v) for k, v in arrays.items()},
             )
         self._use_specs(specs)
+        if self.rank > 0:
+            return  # rank 0 writes the root attributes (every rank plans the same forms)
         meta_file = self.path / "zarr.json"
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
         meta["attributes"]["params"] = {n: s.to_json() for n, s in self.specs.items()}
