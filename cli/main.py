@@ -77,14 +77,29 @@ def train(
     name: Annotated[str, typer.Option(help="Run name, for the default path.")] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    form: Annotated[str, typer.Option(
+        help="How per-datum gradients are kept: full, factors, projection, topk, norm, auto, "
+        "or JSON such as '{\"blocks.*\": {\"form\": \"projection\", \"dim\": 256}}' "
+        "(README: Compact forms).")] = "full",
+    batch_grad: Annotated[str, typer.Option(
+        help="autograd (training bitwise as without gradlog) or sum (Linear weight gradients "
+        "from the per-datum sum: one matmul less).")] = "autograd",
 ) -> None:
     """Train the built-in character-level GPT on the shipped corpus, recording every datum."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from gradlog.demo.train import describe_plan, train_demo
 
+    form_request: Any = form
+    if form.lstrip().startswith("{"):
+        try:
+            form_request = json.loads(form)
+        except json.JSONDecodeError as e:
+            _fail(ValueError(f"--form is not valid JSON ({e}); pass a form name or a JSON "
+                             "object such as '{\"*\": \"norm\"}'."))
     path = out if out is not None else _free_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recorder: dict[str, Any] = {}
 
     with Progress(
         TextColumn("[bold]training[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -94,6 +109,7 @@ def train(
         task = progress.add_task("train", total=steps, loss="-")
 
         def on_start(rec: Any) -> None:
+            recorder["rec"] = rec
             plan = describe_plan(rec, steps, batch_size)
             progress.console.print(
                 f"recording {len(rec.params)} parameters with backend [bold]{backend}[/] into "
@@ -103,12 +119,17 @@ def train(
 
         def on_step(step: int, loss: float) -> None:
             progress.update(task, advance=1, loss=f"{loss:.3f}")
+            plan = getattr(recorder.get("rec"), "plan", None)
+            if plan is not None and form != "full" and not recorder.get("shown"):
+                recorder["shown"] = True  # planned at the first recorded backward
+                progress.console.print(f"forms and bytes per step:\n{plan}")
 
         try:
             summary = train_demo(
                 path, steps=steps, batch_size=batch_size, seq_len=seq_len,
                 params=params or ["*"], backend=backend, dtype=dtype, every=every, seed=seed,
-                overwrite=overwrite, on_step=on_step, on_start=on_start,
+                overwrite=overwrite, on_step=on_step, on_start=on_start, form=form_request,
+                batch_grad=batch_grad,
             )
         except (GradlogError, ValueError) as e:
             _fail(e)

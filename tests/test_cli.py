@@ -56,6 +56,22 @@ def test_train_params_and_every(tmp_path: Path) -> None:
     assert all(".mlp." in n for n in run.param_names)
 
 
+def test_train_forms_and_batch_grad(tmp_path: Path) -> None:
+    out = tmp_path / "r.gradlog"
+    form = '{"blocks.*.weight": {"form": "projection", "dim": 16}, "*": "full"}'
+    result = runner.invoke(
+        app, ["train", *SMALL, "--out", str(out), "--form", form, "--batch-grad", "sum"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "forms and bytes per step" in result.output and "projection" in result.output
+    run = gradlog.open(out)
+    assert run.attrs["backend"]["batch_grad"] == "sum"
+    assert run.form("blocks.0.mlp.fc.weight").name == "projection"
+    assert run.form("head.weight").name == "full"
+    bad = runner.invoke(app, ["train", *SMALL, "--out", str(tmp_path / "b"), "--form", "{x"])
+    assert bad.exit_code == 1 and "not valid JSON" in bad.output
+
+
 def test_info(trained: Path) -> None:
     result = runner.invoke(app, ["info", str(trained)])
     assert result.exit_code == 0, result.output

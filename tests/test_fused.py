@@ -203,3 +203,26 @@ def test_the_default_keeps_its_config_hash() -> None:
 
     assert "batch_grad" not in RecorderConfig().to_json()
     assert RecorderConfig(batch_grad="sum").to_json()["batch_grad"] == "sum"
+
+
+@pytest.mark.parametrize("form", ["factors", "norm"])
+def test_compact_forms_keep_the_ordinary_batch_product(tmp_path: Path, form: str) -> None:
+    """Factored material forms no per-datum gradient to sum: those layers fall back to the
+    ordinary batch product inside FusedLinear; records and p.grad stay exact."""
+    model, loss_fn = _case("gpt")
+    plain, oracle = copy.deepcopy(model), copy.deepcopy(model)
+    run = _record(model, loss_fn, tmp_path / "f.gradlog", batch_grad="sum", form=form)
+    want = _record(oracle, loss_fn, tmp_path / "loop.gradlog", backend="loop")
+    for name in want.param_names:  # exact per-record norms, (step, datum) order alike
+        got, expected = run.norms(name), want.norms(name)
+        assert got.column("datum_id").equals(expected.column("datum_id"))
+        np.testing.assert_allclose(np.asarray(got.column("norm")),
+                                   np.asarray(expected.column("norm")), rtol=1e-9,
+                                   atol=1e-15, err_msg=name)
+    if form == "factors":  # rebuilt from the stored factors
+        for name in want.param_names:
+            np.testing.assert_allclose(run.grads(name), want.grads(name), rtol=1e-9,
+                                       atol=1e-15, err_msg=name)
+    loss_fn(plain).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)

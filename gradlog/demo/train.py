@@ -73,6 +73,8 @@ def train_demo(
     overwrite: bool = False,
     on_step: Callable[[int, float], None] | None = None,
     on_start: Callable[[GradRecorder], None] | None = None,
+    form: Any = "full",
+    batch_grad: str = "autograd",
 ) -> TrainSummary:
     """Train the built-in character-level GPT for ``steps`` steps, recording into ``out``.
 
@@ -92,6 +94,9 @@ def train_demo(
         overwrite: Replace an existing store at ``out``.
         on_step: Called after each step with (step, mean loss).
         on_start: Called once recording has started, with the recorder.
+        form: How per-datum gradients are kept (``GradRecorder(form=...)``).
+        batch_grad: ``GradRecorder(batch_grad=...)``: ``"sum"`` skips autograd's own
+            weight-gradient matmul of the recorded Linear layers.
     """
     torch.manual_seed(seed)
     corpus = CharCorpus(load_corpus())
@@ -111,7 +116,8 @@ def train_demo(
     metadata = {"demo": "CharGPT on the shipped corpus", "seq_len": seq_len, "seed": seed}
     with GradRecorder(
         model, out, params=params, backend=backend, dtype=dtype, every=every, optimizer=opt,
-        overwrite=overwrite, metadata=metadata,
+        overwrite=overwrite, metadata=metadata, form=form, batch_grad=batch_grad,
+        planned_steps=(steps + every - 1) // every,
     ) as rec:
         if on_start is not None:
             on_start(rec)
