@@ -47,6 +47,25 @@ def keeps_material(config: RecorderConfig, names: list[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+DENSE_ENCODED = ("projection", "topk", "norm")
+"""Forms that encode dense per-datum gradients as well as factors (``factors`` and ``auto``
+need the factors to stay compact)."""
+
+
+def dense_for_fused(
+    config: RecorderConfig, keep: frozenset[str], fused: frozenset[str]
+) -> frozenset[str]:
+    """``keep`` without the fused weights (``batch_grad="sum"``) whose form encodes dense
+    gradients: those are formed in the backward, and their sum is the weight gradient."""
+    dense = set()
+    for name in keep & fused:
+        request = config.request_for(name)
+        form = request if isinstance(request, str) else request.get("form")
+        if form in DENSE_ENCODED:
+            dense.add(name)
+    return keep - dense
+
+
 def plan(
     config: RecorderConfig,
     materials: Mapping[str, Material],

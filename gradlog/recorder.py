@@ -293,6 +293,13 @@ class GradRecorder:
         )
         self._backend.keep_material = planning.keeps_material(self.config, list(self.params))
         self._backend.attach()
+        if self.config.batch_grad == "sum":
+            # Fused layers form their per-datum gradients in the backward anyway (their sum
+            # is the weight gradient): forms that encode dense gradients take them as they
+            # are, rather than factors they would form again for the exact norms.
+            self._backend.keep_material = planning.dense_for_fused(
+                self.config, self._backend.keep_material, self._backend.fused_params
+            )
         attrs = self._root_attrs()
         attrs["backend"] = self._backend.describe()
         # How the backward is sparsified (gradlog.sparse), kept in the backend object: no format

@@ -226,3 +226,33 @@ def test_compact_forms_keep_the_ordinary_batch_product(tmp_path: Path, form: str
     loss_fn(plain).mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_projections_of_fused_layers_come_from_their_formed_gradients(tmp_path: Path) -> None:
+    """With batch_grad="sum", projected/top-k/norm Linear weights take the dense per-datum
+    gradients the backward forms (their sum is p.grad): same stored projections as a run
+    recorded full and projected afterwards."""
+    model, loss_fn = _case("gpt")
+    plain, reference = copy.deepcopy(model), copy.deepcopy(model)
+    form = {"blocks.*.weight": {"form": "projection", "dim": 16}, "*": "full"}
+    with gradlog.GradRecorder(model, tmp_path / "p.gradlog", dtype="float64", check_every=1,
+                              batch_grad="sum", form=form) as rec:
+        rec.backward(loss_fn(model))
+        fused = rec._backend.fused_params
+        assert fused and not (rec._backend.keep_material & fused)  # dense material
+    run = gradlog.open(tmp_path / "p.gradlog")
+    full = _record(reference, loss_fn, tmp_path / "full.gradlog")
+    projected = [n for n in run.param_names if run.form(n).name == "projection"]
+    assert set(projected) >= {n for n in fused if n.startswith("blocks.")}
+    for name in projected:
+        with pytest.warns(UserWarning, match="projected"):
+            got = run.grads(name)
+        want = run.project(name, torch.from_numpy(full.grads(name)))
+        # (projection matrices are float32: the recorded and the later projection agree to
+        # float32 rounding)
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+    loss_fn(plain).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)

@@ -70,6 +70,12 @@ class Backend(abc.ABC):
         ``p.grad`` is rounded to that precision while the per-datum gradients are not (rules
         accumulate in the parameter's dtype), so the recorder's self-check allows for it."""
 
+    @property
+    def fused_params(self) -> frozenset[str]:
+        """Recorded weights whose gradient is the sum of their records (the hooks backend's
+        ``batch_grad="sum"``); none by default."""
+        return frozenset()
+
     def attach(self) -> None:  # noqa: B027 - optional hook for backends that install hooks
         """Called when recording starts."""
 

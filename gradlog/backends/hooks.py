@@ -271,6 +271,12 @@ class HooksBackend(Backend):
         self._entries = []
         self._pool = _Pool()  # let go of buffers kept for reuse
 
+    @property
+    def fused_params(self) -> frozenset[str]:
+        """Recorded weights whose gradient is the sum of their records (``batch_grad="sum"``;
+        known once attached)."""
+        return frozenset(e.names["weight"] for e in self._entries if e.fused)
+
     def describe(self) -> dict[str, Any]:
         """Which module computes which recorded parameters, by which rule."""
         return {

@@ -368,6 +368,11 @@ E2E_FORMS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
     "proj1024": ("projection dim 1024", lambda full: {"form": {"form": "projection", "dim": 1024}}),
     "topk1": ("topk 1%", lambda full: {"form": {"form": "topk", "fraction": 0.01}}),
     "norm": ("norm", lambda full: {"form": "norm"}),
+    "proj1024sum": (
+        "projection dim 1024, batch_grad=sum",
+        lambda full: {"form": {"form": "projection", "dim": 1024}, "batch_grad": "sum"},
+    ),
+    "normsum": ("norm, batch_grad=sum", lambda full: {"form": "norm", "batch_grad": "sum"}),
 }
 """Table 5's recorder settings by key (``--e2e-forms``): (label, kwargs from full's bytes)."""
 

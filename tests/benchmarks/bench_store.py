@@ -371,13 +371,19 @@ class NullWriter:
     """Stands in for StoreWriter to time the recorder without any writing."""
 
     def __init__(self, path: Any, *, specs: Any, **kwargs: Any) -> None:
+        self.path = path
         self.rows = 0
         self.last_step = None
         self.next_datum_id = 0
+        self.planned_specs = None
+
+    def set_forms(self, forms: Any) -> None:
+        pass
 
     def append(self, *, datum_ids: Any, grads: Any, **kwargs: Any) -> tuple[int, int]:
         for g in grads.values():
-            g.numpy()  # what the writer would touch first
+            for a in g.values() if isinstance(g, dict) else [g]:
+                np.asarray(a)  # what the writer would touch first
         start, self.rows = self.rows, self.rows + len(datum_ids)
         return start, self.rows
 
