@@ -103,6 +103,9 @@ def similarity(
                     per_row_bytes=f64,
                     on_read=bar.update,
                     what=name,
+                    # no read-ahead: an inner pass left early (the next outer block) would
+                    # leave its reads in flight beside the next pass's, over the budget
+                    prefetch=False,
                 ):
                     y = blk_b.data.astype(np.float64)
                     out[blk_a.positions, blk_b.positions] += x @ y.T
