@@ -32,7 +32,7 @@ from gradlog.errors import (
     UnsupportedLayerError,
 )
 from gradlog.forms import Factors, Form, FullForm, Material, batch_sum
-from gradlog.forms.base import batch_size, material_shape
+from gradlog.forms.base import SCRATCH_ELEMENTS, batch_size, float64_sqnorms, material_shape
 from gradlog.losses import per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.sparse import active_settings, check_settings
@@ -712,11 +712,14 @@ class GradRecorder:
         host: dict[str, Any] = {}
         norms: dict[str, np.ndarray] = {}
         coded = {}
+        scratch = None  # float64_sqnorms' block buffer, shared by the parameters
         for n, g in grads.items():
             if isinstance(g, torch.Tensor) and isinstance(self.forms[n], FullForm):
                 host[n] = g.detach()  # rounded and written by the writer
-                flat = g.detach().reshape(batch, -1).double()
-                norms[n] = torch.linalg.vector_norm(flat, dim=1).cpu().numpy()
+                if scratch is None and g.device.type == "cpu":
+                    scratch = torch.empty(SCRATCH_ELEMENTS, dtype=torch.float64)
+                sq = float64_sqnorms(g.detach().reshape(batch, -1), scratch)  # (B,)
+                norms[n] = sq.sqrt().cpu().numpy()
             else:
                 coded[n] = g
         if coded:

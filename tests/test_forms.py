@@ -220,6 +220,29 @@ def test_float64_norms_of_float32_gradients_are_accurate(n: int) -> None:
     torch.testing.assert_close(sqnorms(x), want, rtol=1e-6, atol=0)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 9),
+    n=st.integers(1, 3000),
+    scratch=st.sampled_from([None, 1, 64, 1 << 18]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
+)
+def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
+                                          dtype: torch.dtype) -> None:
+    x = (rand(B, n, dtype=torch.float64, seed=n) * 3).to(dtype)
+    want = x.double().square().sum(1)  # the naive float64 sum: the oracle
+    buf = None if scratch is None else torch.empty(scratch, dtype=D64)
+    got = forms_base.float64_sqnorms(x, buf)
+    assert got.dtype == D64 and got.shape == (B,)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)  # float64 rounding only
+
+
+def test_float64_sqnorms_of_a_step_of_gradients() -> None:
+    x = rand(32, 4096 * 70 + 3, dtype=torch.float32, seed=3)  # several scratch blocks
+    torch.testing.assert_close(
+        forms_base.float64_sqnorms(x), x.double().square().sum(1), rtol=1e-13, atol=0)
+
+
 def test_prefer_factored_follows_the_counts() -> None:
     assert forms_factors.prefer_factored(1, 8, 1, 8, 256, 256)  # few tokens: factored
     assert not forms_factors.prefer_factored(100, 512, 100, 512, 512, 512)  # many long pairs

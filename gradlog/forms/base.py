@@ -43,6 +43,7 @@ __all__ = [
     "dense_sqnorms",
     "entries",
     "factors_worthwhile",
+    "float64_sqnorms",
     "material_shape",
     "select",
 ]
@@ -386,6 +387,33 @@ def dense_sqnorms(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> tor
     if m < n:
         rest: torch.Tensor = torch.linalg.vector_norm(flat[:, m:], dim=1, dtype=work)  # (B,)
         out += rest.to(dtype).square()
+    return out
+
+
+SCRATCH_ELEMENTS = 1 << 18
+"""float64 elements of :func:`float64_sqnorms`'s scratch (2 MiB: stays in cache)."""
+
+
+def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), every element squared and summed
+    in float64 (the store's exact norms). On the CPU, columns are widened a block at a time
+    into a cache-sized ``scratch`` (float64, at least :data:`SCRATCH_ELEMENTS`; made if None):
+    widening a whole medium-GPT step of float32 gradients at once wrote 844 MiB of fresh
+    memory and took ~8x longer (measured: 36.7 vs 4.7 ms per 32 MiB). Elsewhere (CUDA) one
+    widened copy, which the caching allocator serves without faults."""
+    if flat.dtype == torch.float64 or flat.device.type != "cpu" or flat.dim() != 2:
+        wide = flat.to(torch.float64)
+        return wide.reshape(wide.shape[0], -1).square().sum(1)  # (B,)
+    B, n = flat.shape
+    cols = max(1, SCRATCH_ELEMENTS // max(1, B))
+    if scratch is None or scratch.numel() < B * min(cols, n) or scratch.dtype != torch.float64:
+        scratch = torch.empty(B * min(cols, n), dtype=torch.float64)
+    out = torch.zeros(B, dtype=torch.float64)  # (B,)
+    for start in range(0, n, cols):
+        block = flat[:, start : start + cols]  # (B, c)
+        wide = scratch[: block.numel()].view(block.shape)  # (B, c)
+        wide.copy_(block)
+        out.add_(wide.square_().sum(1))
     return out
 
 
