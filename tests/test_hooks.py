@@ -267,6 +267,34 @@ def test_dropped_results_are_reused_on_cpu() -> None:
         be.detach()
 
 
+def test_results_let_go_of_later_are_reused() -> None:
+    # A writer holds a step's gradients while the next backward runs and lets go after it:
+    # that memory still comes back, and never while it is held.
+    model = tiny_gpt()
+    x, y, mask = gpt_batch(4, 6)
+    be = backend(model)
+
+    def run() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        losses = per_datum_losses(per_token_ce(model(x), y), mask, "mean")
+        return be.backward(losses, losses.mean())
+
+    try:
+        held = run()
+        kept = {n: g.clone() for n, g in held.items()}
+        ptrs = {n: g.data_ptr() for n, g in held.items()}
+        second = run()  # `held` is still held: none of its memory may be handed out
+        assert not {g.data_ptr() for g in second.values()} & set(ptrs.values())
+        for n, g in held.items():
+            assert torch.equal(g, kept[n]), n
+        del held, second
+        third = run()
+        if gradlog.backends.hooks._BASELINE is not None:  # reference counts readable here
+            assert {g.data_ptr() for g in third.values()} & set(ptrs.values())
+    finally:
+        be.detach()
+
+
 def test_step_entry_point(tmp_path: Path) -> None:
     model = tiny_gpt()
     x, y, mask = gpt_batch(4, 6)

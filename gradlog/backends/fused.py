@@ -19,6 +19,7 @@ output the module already computed, outside autograd's view of its inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,11 +33,14 @@ class FusedLink:
     """Between one forward call and its backward: the output to hand over, then the batch
     weight gradient the hooks backend computed from that call's per-datum gradients."""
 
-    __slots__ = ("out", "weight_grad")
+    __slots__ = ("on_grad", "out", "weight_grad")
 
     def __init__(self, out: torch.Tensor) -> None:
         self.out: torch.Tensor | None = out
         self.weight_grad: torch.Tensor | None = None
+        # the hooks backend's handler of the output gradient (instead of a tensor hook on the
+        # output: one Python call less per layer); it sets weight_grad
+        self.on_grad: Callable[[torch.Tensor], None] | None = None
 
 
 class FusedLinear(torch.autograd.Function):
@@ -64,8 +68,11 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
         link: FusedLink = ctx.link
+        on_grad, link.on_grad = link.on_grad, None
+        if on_grad is not None:
+            on_grad(grad)  # per-datum gradients of this call, and their sum in weight_grad
+        x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         d_out = grad.shape[-1]
         g = grad.reshape(-1, d_out)  # (N, d_out)

@@ -86,6 +86,7 @@ from torch import nn
 from gradlog._tree import flatten, leaves
 from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fusable, fuse_output
+from gradlog.backends.heap import keep_heap_resident
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.forms.base import Factors, Rows, entries
 from gradlog.params import check_differentiable
@@ -112,10 +113,12 @@ _SPOT_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3}  # of sum_b w_b |g_b| + 
 _SPOT_ATOL = {torch.float64: 1e-12, torch.float32: 1e-7}  # for gradients that are all noise
 
 
+_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs (e.g. an activation-checkpoint recompute)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def _in_checkpoint_recompute() -> bool:
@@ -187,8 +190,8 @@ class _Call:
         self.entry = entry
         self.args: tuple[Any, ...] | None = args
         self.kwargs: dict[str, Any] | None = kwargs
-        self.versions = tuple(t._version if isinstance(t, torch.Tensor) else None
-                              for t in leaves((args, kwargs)))
+        self.versions = [(t, t._version) for t in leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)]  # (input, its version when used)
         self.grads: list[torch.Tensor | None] = [None] * n_leaves
         self.handles: list[Any] = []
         self.hooked = 0
@@ -208,6 +211,7 @@ class _Call:
         """Drop captured tensors and make the output hooks inert."""
         self.args = self.kwargs = None
         self.grads = []
+        self.versions = []
         self.done = True
         for handle in self.handles:
             handle.remove()
@@ -247,6 +251,8 @@ class HooksBackend(Backend):
         """Hook every module that owns (or whose rule covers) a recorded parameter."""
         if self._handles:
             return
+        if any(p.device.type == "cpu" for p in self.params.values()):
+            keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
         self._entries = self._plan()
         self._sequence_first = [
             name for name, m in self.model.named_modules()
@@ -355,7 +361,11 @@ class HooksBackend(Backend):
                 if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
                     tags = cast(dict[str, Any], t.grad_fn.metadata)
                     tags.setdefault(_TAG, []).append((t.output_nr, call))
-            call.handles.append(t.register_hook(functools.partial(self._on_output_grad, call, i)))
+            on_grad = functools.partial(self._on_output_grad, call, i)
+            if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
+                link.on_grad = on_grad
+            else:
+                call.handles.append(t.register_hook(on_grad))
             call.hooked += 1
         if call is None:
             return None
@@ -439,7 +449,7 @@ class HooksBackend(Backend):
                               dtype=torch.float64)
             index = (draw * sizes.unsqueeze(1)).long()  # (n_params, k) flat entries
             devices = {p.device for p in self.params.values()}
-            on = {d: index.to(d, non_blocking=True) for d in devices}
+            on = {d: index.to(d, non_blocking=True).unbind(0) for d in devices}  # rows (k,)
             for i, (name, p) in enumerate(self.params.items()):
                 if p.numel():
                     self._spot_index[name] = on[p.device][i]
@@ -452,7 +462,7 @@ class HooksBackend(Backend):
         if index is not None and not grad.is_sparse:
             # A few entries of this backward's gradient of the parameter (summed over its
             # uses), to check against the per-datum gradients (see _spot_check).
-            seen = grad.detach().reshape(-1).index_select(0, index)  # (k,)
+            seen = torch.take(grad.detach() if grad.requires_grad else grad, index)  # (k,)
             prior = self._spot_total.get(name)
             self._spot_total[name] = seen if prior is None else prior + seen
 
@@ -517,8 +527,8 @@ class HooksBackend(Backend):
                 self._recomputing = False
             weight = result.get("weight")
             if call.fused is not None and rows is None and isinstance(weight, torch.Tensor):
-                # The call's batch weight gradient, read by FusedLinear.backward, which runs
-                # right after this output hook; before _add, which may add into the tensor.
+                # The call's batch weight gradient, read by FusedLinear.backward right after
+                # this handler returns; taken before _add, which may add into the tensor.
                 call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
             narrow = _narrow_dtype(grads, entry.params)
@@ -569,7 +579,8 @@ class HooksBackend(Backend):
                         f"dimension B={n} first). A shared, unbatched input was taken for a "
                         "datum; please report this with the model."
                     )
-                value = value.to(p.dtype)
+                if value.dtype != p.dtype:
+                    value = value.to(p.dtype)
                 if rows is not None:  # a chunk's datums only
                     if acc is None:
                         acc = self._pool.empty((B, *p.shape), p.dtype, p.device).zero_()
@@ -640,9 +651,8 @@ class HooksBackend(Backend):
         return out
 
     def _check_versions(self, call: _Call) -> None:
-        now = leaves((call.args, call.kwargs))
-        for t, version in zip(now, call.versions):
-            if isinstance(t, torch.Tensor) and version is not None and t._version != version:
+        for t, version in call.versions:
+            if t._version != version:
                 raise BackendError(
                     f"an input of {call.entry.label} was modified in place after the module "
                     f"used it (tensor version {version} -> {t._version}), so its per-datum "
@@ -687,17 +697,20 @@ class HooksBackend(Backend):
             acc = materials.get(name, self._acc.get(name))
             if acc is not None:  # (no contribution at all: _check_coverage reported it)
                 names.append(name)
-                rows.append(entries(acc, self._spot_index[name]).to(torch.float64))  # (B, k)
-                totals.append(total.to(torch.float64))  # (k,)
+                rows.append(entries(acc, self._spot_index[name]))  # (B, k)
+                totals.append(total)  # (k,)
         if not names:
             return
+        if len({(r.dtype, r.device) for r in rows + totals}) > 1:  # cat needs one kind
+            rows = [r.to(torch.float64) for r in rows]
+            totals = [t.to(torch.float64) for t in totals]
         dtype = max((self.params[n].dtype for n in names), key=lambda d: _SPOT_RTOL.get(d, 0))
         rtol, atol = _SPOT_RTOL.get(dtype, 1e-2), _SPOT_ATOL.get(dtype, 1e-4)
         narrow = [self.low_precision[n] for n in names if n in self.low_precision]
         if narrow:  # autocast: autograd's gradient is rounded (see LOW_PRECISION_RTOL)
             rtol = max(rtol, LOW_PRECISION_RTOL * max(torch.finfo(d).eps for d in narrow))
-        ours = torch.cat(rows, 1)  # (B, n*k)
-        total = torch.cat(totals)  # (n*k,)
+        ours = torch.cat(rows, 1).to(torch.float64)  # (B, n*k)
+        total = torch.cat(totals).to(torch.float64)  # (n*k,)
         gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
         scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
         # Floor: a parameter whose true gradient is 0 (a key bias under softmax) holds only
@@ -902,22 +915,28 @@ class _Pool:
     or dropped). Fresh CPU memory is page-faulted in on first touch, and glibc hands large
     freed blocks back to the system, so without reuse every step pays the faults again
     (measured: ~10 ms of a 55 ms step of the small GPT). A buffer that anyone still holds (the
-    returned dict, a numpy view, a slice, a writer queue) is never reused. Off CPU, torch's
-    caching allocator already reuses memory and the pool stays out of the way."""
+    returned dict, a numpy view, a slice, a writer queue) is never reused while held, but is
+    watched for :data:`_WATCH` more backwards: the recorder's writer lets go of a step's
+    gradients a step or two later, and reusing them then saves faulting in a whole step of
+    fresh memory (422 MiB for the medium GPT). Off CPU, torch's caching allocator already
+    reuses memory and the pool stays out of the way."""
 
     def __init__(self) -> None:
-        self._lent: list[torch.Tensor] = []
+        self._lent: list[tuple[torch.Tensor, int]] = []  # (buffer, backwards it was held)
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
 
     def reclaim(self) -> None:
         """Make buffers handed out earlier, and now held by nobody else, available again;
-        forget the others (their holders free them as usual)."""
+        keep watching the others for a few backwards, then forget them (their holders free
+        them as usual)."""
         free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         lent, self._lent = self._lent, []
         while lent:
-            t = lent.pop()
+            t, held = lent.pop()
             if _BASELINE is not None and _references(t) == _BASELINE:  # as in _calibrate
                 free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            elif _BASELINE is not None and held < _WATCH:
+                self._lent.append((t, held + 1))
             del t
         self._free = free
 
@@ -932,8 +951,11 @@ class _Pool:
             return torch.empty(shape, dtype=dtype, device=device)
         stack = self._free.get((tuple(shape), dtype))
         t = stack.pop() if stack else torch.empty(shape, dtype=dtype, device=device)
-        self._lent.append(t)
+        self._lent.append((t, 0))
         return t
+
+
+_WATCH = 3  # backwards a held pool buffer is watched for its holder to let go
 
 
 def _references(t: torch.Tensor) -> tuple[int, int]:
@@ -973,6 +995,10 @@ def _narrow_dtype(grads: list[torch.Tensor | None],
                   params: tuple[nn.Parameter, ...]) -> torch.dtype | None:
     """The dtype of the call's output gradients if it is a narrower floating dtype than its
     parameters' (the layer ran under autocast), else None."""
+    dtype = params[0].dtype
+    if all(g is None or g.dtype == dtype for g in grads) and all(
+            p.dtype == dtype for p in params):
+        return None  # the usual case, without finfo lookups
     bits = min((torch.finfo(p.dtype).bits for p in params if p.is_floating_point()), default=0)
     for g in grads:
         if g is not None and g.is_floating_point() and torch.finfo(g.dtype).bits < bits:

@@ -31,6 +31,11 @@ def as_rows(t: torch.Tensor, batch_size: int, width: int, what: str) -> torch.Te
     return t.reshape(batch_size, -1, width)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (autocast's narrower inputs widened); as is when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.Tensor:
     """``scale * left_b^T right_b`` for each b: (B, N, p), (B, N, q) -> (B, p, q)."""
     B, N, p = left.shape
@@ -49,11 +54,10 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
     """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
     B = cap.batch_size
     dtype = module.weight.dtype
-    g = as_rows(cap.grad_output, B, module.out_features, "Linear output gradient")  # (B,N,d_out)
-    g = g.to(dtype)
-    out: RuleResult = {}
+    g = _as(as_rows(cap.grad_output, B, module.out_features, "Linear output gradient"), dtype)
+    out: RuleResult = {}  # g: (B, N, d_out)
     if "weight" in wanted:
-        a = as_rows(cap.input, B, module.in_features, "Linear input").to(dtype)  # (B, N, d_in)
+        a = _as(as_rows(cap.input, B, module.in_features, "Linear input"), dtype)  # (B,N,d_in)
         if "weight" in cap.factored:  # never formed: the form encodes from the factors
             out["weight"] = Factors(g.detach(), a.detach(), scale=cap.scale)
         else:
@@ -70,10 +74,10 @@ def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> Rule
     B = cap.batch_size
     weight = cast(torch.Tensor, module.weight)  # (d_in, d_out)
     d_in, d_out = weight.shape
-    g = as_rows(cap.grad_output, B, d_out, "Conv1D output gradient").to(weight.dtype)  # (B,N,o)
-    out: RuleResult = {}
+    g = _as(as_rows(cap.grad_output, B, d_out, "Conv1D output gradient"), weight.dtype)
+    out: RuleResult = {}  # g: (B, N, d_out)
     if "weight" in wanted:
-        a = as_rows(cap.input, B, d_in, "Conv1D input").to(weight.dtype)  # (B, N, d_in)
+        a = _as(as_rows(cap.input, B, d_in, "Conv1D input"), weight.dtype)  # (B, N, d_in)
         if "weight" in cap.factored:
             out["weight"] = Factors(a.detach(), g.detach(), scale=cap.scale)
         else:
