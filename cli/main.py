@@ -202,10 +202,13 @@ def info(
         fallback = ", ".join(str(n) or "(the model)" for n in backend["fallback"])
         head.add_row("fell back to torch.func", fallback)
     cfg = summary["config"]
+    extra = "".join(  # options set away from their defaults (older stores lack them)
+        f" {key}={cfg[key]}" for key, default in (("batch_grad", "autograd"), ("form", "full"))
+        if cfg.get(key, default) != default)
     head.add_row("config", f"params={cfg.get('params')} batch_reduction="
                            f"{cfg.get('batch_reduction')} token_reduction="
                            f"{cfg.get('token_reduction')} dtype={cfg.get('dtype')} "
-                           f"every={cfg.get('every')}")
+                           f"every={cfg.get('every')}{extra}")
     head.add_row("steps", f"{summary['steps']}" + (
         f" ({summary['first_step']}..{summary['last_step']})" if summary["steps"] else ""))
     head.add_row("records", f"{summary['records']} ({summary['datums']} distinct datums)")

@@ -32,7 +32,7 @@ from gradlog.errors import (
     UnsupportedLayerError,
 )
 from gradlog.forms import Factors, Form, FullForm, Material, batch_sum
-from gradlog.forms.base import SCRATCH_ELEMENTS, batch_size, float64_sqnorms, material_shape
+from gradlog.forms.base import batch_size, float64_sqnorms, material_shape, norm_scratch
 from gradlog.losses import per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.sparse import active_settings, check_settings
@@ -716,8 +716,8 @@ class GradRecorder:
         for n, g in grads.items():
             if isinstance(g, torch.Tensor) and isinstance(self.forms[n], FullForm):
                 host[n] = g.detach()  # rounded and written by the writer
-                if scratch is None and g.device.type == "cpu":
-                    scratch = torch.empty(SCRATCH_ELEMENTS, dtype=torch.float64)
+                if scratch is None or scratch.device != g.device:
+                    scratch = norm_scratch(g.device)
                 sq = float64_sqnorms(g.detach().reshape(batch, -1), scratch)  # (B,)
                 norms[n] = sq.sqrt().cpu().numpy()
             else:

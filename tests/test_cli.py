@@ -68,6 +68,8 @@ def test_train_forms_and_batch_grad(tmp_path: Path) -> None:
     assert run.attrs["backend"]["batch_grad"] == "sum"
     assert run.form("blocks.0.mlp.fc.weight").name == "projection"
     assert run.form("head.weight").name == "full"
+    info = runner.invoke(app, ["info", str(out)])
+    assert info.exit_code == 0 and "batch_grad=sum" in info.output and "form=" in info.output
     bad = runner.invoke(app, ["train", *SMALL, "--out", str(tmp_path / "b"), "--form", "{x"])
     assert bad.exit_code == 1 and "not valid JSON" in bad.output
 
@@ -78,6 +80,7 @@ def test_info(trained: Path) -> None:
     expected = (f"gradlog v{FORMAT_VERSION}", "CharGPT", "head.weight", "records", "bytes on disk")
     for text in expected:
         assert text in result.output
+    assert "batch_grad=" not in result.output  # options at their defaults are not listed
 
 
 def test_info_json(trained: Path) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "factors_worthwhile",
     "float64_sqnorms",
     "material_shape",
+    "norm_scratch",
     "select",
 ]
 
@@ -361,60 +362,51 @@ def entries(material: Material, flat_index: torch.Tensor) -> torch.Tensor:
     return material.reshape(material.shape[0], -1)[:, flat_index]  # (B, k)
 
 
-NORM_BLOCK = 4096
-"""Elements per partial norm when float32 gradients get float64 norms (see dense_sqnorms)."""
+SCRATCH_ELEMENTS = {"cpu": 1 << 18}
+"""float64 elements of :func:`float64_sqnorms`'s block buffer, by device type: 2 MiB on the
+CPU (stays in cache); elsewhere (CUDA) ``1 << 22`` (32 MiB: a few launches per parameter)."""
 
 
-def dense_sqnorms(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), returned in ``dtype``.
-
-    Float32 (or narrower) rows with float64 norms: partial norms of blocks of
-    :data:`NORM_BLOCK` elements in float32, combined in float64 (relative error ~2e-7,
-    float32's own rounding, at any n); converting the whole tensor to float64 costs ~30x
-    more on CPUs, and one float32 norm over 5e7 elements erred by 3e-3 (measured).
-    """
-    work = torch.promote_types(flat.dtype, torch.float32)
-    if dtype != torch.float64 or work == torch.float64:
-        whole: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=work)  # (B,)
-        return whole.to(dtype).square()
-    B, n = flat.shape
-    m = n - n % NORM_BLOCK
-    out = torch.zeros(B, dtype=dtype, device=flat.device)  # (B,)
-    if m:
-        blocks = flat[:, :m].reshape(B, m // NORM_BLOCK, NORM_BLOCK)  # (B, n_blocks, block)
-        part: torch.Tensor = torch.linalg.vector_norm(blocks, dim=2, dtype=work)  # (B, nb)
-        out += part.to(dtype).square().sum(1)
-    if m < n:
-        rest: torch.Tensor = torch.linalg.vector_norm(flat[:, m:], dim=1, dtype=work)  # (B,)
-        out += rest.to(dtype).square()
-    return out
-
-
-SCRATCH_ELEMENTS = 1 << 18
-"""float64 elements of :func:`float64_sqnorms`'s scratch (2 MiB: stays in cache)."""
+def norm_scratch(device: torch.device) -> torch.Tensor:
+    """A block buffer for :func:`float64_sqnorms` on ``device``, to share between calls."""
+    return torch.empty(SCRATCH_ELEMENTS.get(device.type, 1 << 22), dtype=torch.float64,
+                       device=device)
 
 
 def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), every element squared and summed
-    in float64 (the store's exact norms). On the CPU, columns are widened a block at a time
-    into a cache-sized ``scratch`` (float64, at least :data:`SCRATCH_ELEMENTS`; made if None):
-    widening a whole medium-GPT step of float32 gradients at once wrote 844 MiB of fresh
-    memory and took ~8x longer (measured: 36.7 vs 4.7 ms per 32 MiB). Elsewhere (CUDA) one
-    widened copy, which the caching allocator serves without faults."""
-    if flat.dtype == torch.float64 or flat.device.type != "cpu" or flat.dim() != 2:
-        wide = flat.to(torch.float64)
-        return wide.reshape(wide.shape[0], -1).square().sum(1)  # (B,)
+    in float64: the store's exact norms (FORMAT.md). Columns are widened a block at a time
+    into ``scratch`` (float64, on ``flat``'s device; made if None or too small), never the
+    whole tensor: widening a whole medium-GPT step of float32 gradients at once wrote 844
+    MiB of fresh memory and took ~8x longer on a CPU (measured: 36.7 vs 4.7 ms per 32 MiB),
+    and on a GPU would double the step's gradient memory."""
+    if flat.dtype == torch.float64:
+        return flat.square().sum(1)  # (B,)
     B, n = flat.shape
-    cols = max(1, SCRATCH_ELEMENTS // max(1, B))
-    if scratch is None or scratch.numel() < B * min(cols, n) or scratch.dtype != torch.float64:
-        scratch = torch.empty(B * min(cols, n), dtype=torch.float64)
-    out = torch.zeros(B, dtype=torch.float64)  # (B,)
+    per = SCRATCH_ELEMENTS.get(flat.device.type, 1 << 22)
+    cols = max(1, per // max(1, B))
+    width = B * min(cols, n)
+    if (scratch is None or scratch.numel() < width or scratch.dtype != torch.float64
+            or scratch.device != flat.device):
+        scratch = torch.empty(width, dtype=torch.float64, device=flat.device)
+    out = torch.zeros(B, dtype=torch.float64, device=flat.device)  # (B,)
     for start in range(0, n, cols):
         block = flat[:, start : start + cols]  # (B, c)
         wide = scratch[: block.numel()].view(block.shape)  # (B, c)
         wide.copy_(block)
         out.add_(wide.square_().sum(1))
     return out
+
+
+def dense_sqnorms(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), returned in ``dtype``: float64
+    ones by :func:`float64_sqnorms` (exact; one float32 norm over 5e7 elements erred by 3e-3,
+    measured), others in the wider of ``flat``'s dtype and float32."""
+    if dtype == torch.float64:
+        return float64_sqnorms(flat)
+    work = torch.promote_types(flat.dtype, torch.float32)
+    whole: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=work)  # (B,)
+    return whole.to(dtype).square()
 
 
 def chunks(material: Material) -> Iterator[tuple[int, torch.Tensor]]:
