@@ -520,11 +520,16 @@ class HooksBackend(Backend):
                 factored=self._factored(entry) if rows is None else frozenset(),
             )
             self._recomputing = True
+            grad_mode = torch.is_grad_enabled()  # off already in a backward without create_graph
             try:
-                with torch.no_grad(), _no_autocast(entry.params[0].device.type):
+                if grad_mode:
+                    torch.set_grad_enabled(False)
+                with _no_autocast(entry.params[0].device.type):
                     result = entry.rule.compute(entry.module, cap, entry.wanted)
             finally:
                 self._recomputing = False
+                if grad_mode:
+                    torch.set_grad_enabled(True)
             weight = result.get("weight")
             if call.fused is not None and rows is None and isinstance(weight, torch.Tensor):
                 # The call's batch weight gradient, read by FusedLinear.backward right after

@@ -57,6 +57,9 @@ def layer_norm(module: nn.LayerNorm, cap: Capture, wanted: frozenset[str]) -> Ru
 
 
 def _param_dtype(module: nn.Module) -> torch.dtype:
+    weight = getattr(module, "weight", None)  # (a plain attribute read: no generator)
+    if isinstance(weight, torch.Tensor):
+        return weight.dtype
     return next(module.parameters()).dtype
 
 
