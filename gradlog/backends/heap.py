@@ -12,9 +12,11 @@ medium ~27,000 faults and ~50 ms of its backward.
 :func:`keep_heap_resident` sets two of glibc's ``mallopt`` parameters once per process:
 ``M_MMAP_THRESHOLD`` to 32 MiB (the ceiling glibc's adaptive threshold reaches by itself) and
 ``M_TOP_PAD`` to :data:`DEFAULT_PAD_MB` MiB (free memory kept at the top of the heap instead
-of being returned). The process then keeps up to that much freed memory resident, about what
-``MALLOC_TOP_PAD_`` does when set in the environment; nothing else changes. It is process-wide
-and cannot be undone (glibc has no getter), so it is documented, and skipped:
+of being returned), as ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TOP_PAD_`` would if set in the
+environment. Freed memory then stays with the process rather than going back to the system:
+up to the pad at the top of the heap, and blocks under 32 MiB freed inside it (as glibc does
+by itself once its adaptive threshold has grown). It is process-wide and cannot be undone
+(glibc has no getter), so it is documented, and skipped:
 
 - with ``GRADLOG_HEAP_PAD_MB=0`` (or another size in MiB to use instead),
 - when the user tuned malloc already (``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_THRESHOLD_``,
