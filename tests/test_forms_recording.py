@@ -438,3 +438,49 @@ def test_probe_influence_projects_the_probes_alike(tmp_store: Path) -> None:
             theirs = run.project(name, probe) if _forms(run)[name] == "projection" else probe
             want[i] += lr[i] * float(ours[i] @ np.asarray(theirs).reshape(-1))
     np.testing.assert_allclose(scores, want, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "norm"], ids=[
+    i for i, f in zip(IDS, FORMS) if f != "norm"])
+def test_xarray_and_dask_read_every_form_as_grads_does(tmp_path: Path, form: Any) -> None:
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    _record(tmp_path / "f.gradlog", form, steps=3)
+    run = gradlog.open(tmp_path / "f.gradlog")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # projections say what they return
+        for name in run.param_names:
+            want = run.grads(name, dtype=np.float64)
+            lazy = run.to_dask(name)
+            assert lazy.chunks[0] == (B, B, B)  # one chunk per step's backward call
+            np.testing.assert_array_equal(lazy.compute(), want)
+            part = run.to_dask(name, step=[0, 2], datum=None).compute()
+            np.testing.assert_array_equal(part, run.grads(name, step=[0, 2], dtype=np.float64))
+            arr = run.to_xarray(name, step=[1, 2])
+            axis = "proj" if run.form(name).name == "projection" else "dim"
+            assert arr.dims == ("record", *(f"{axis}_{i}" for i in range(want.ndim - 1)))
+            assert arr.attrs["form"] == run.form(name).name
+            np.testing.assert_array_equal(arr.values, run.grads(name, step=[1, 2]))
+
+
+def test_xarray_and_dask_of_a_norm_parameter_point_to_norms(tmp_path: Path) -> None:
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    _record(tmp_path / "n.gradlog", "norm")
+    run = gradlog.open(tmp_path / "n.gradlog")
+    name = run.param_names[0]
+    for read in (run.to_dask, run.to_xarray, lambda p: run.to_xarray(p, lazy=True)):
+        with pytest.raises(errors.SelectionError, match=r"run\.norms"):
+            read(name)
+
+
+def test_to_dask_of_a_projection_warns_once(tmp_path: Path) -> None:
+    pytest.importorskip("dask")
+    _record(tmp_path / "p.gradlog", PROJECTION)
+    run = gradlog.open(tmp_path / "p.gradlog")
+    name = next(n for n in run.param_names if run.form(n).name == "projection")
+    with pytest.warns(UserWarning, match="projected vectors"):
+        lazy = run.to_dask(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # computing the chunks warns no more
+        lazy.compute()

@@ -38,7 +38,9 @@ def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None)
 
     Chunks follow the store's chunk (or shard) files on the record axis (one backward call's
     rows); nothing is read until computed, and every read is checksum-verified and decoded
-    like :meth:`Run.grads` (float32; float64 for float64 storage). Rows follow
+    like :meth:`Run.grads` (float32; float64 for float64 storage), compact forms included
+    (factors, rows and top-k rebuilt per chunk; a projection's projected vectors, shape
+    ``(n, *ranks)``; ``norm`` keeps no gradient and raises ``SelectionError``). Rows follow
     :meth:`Run.records`.
 
     Each chunk is a task that opens the store by its path and reads its rows
@@ -53,12 +55,12 @@ def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None)
     from gradlog.store.dtypes import storage_dtype
 
     spec = run._check_param(param)
-    shape = [int(d) for d in spec["shape"]]
+    shape, array = _record_shape(run, param)
     rows = np.asarray(run.records(step, datum).column("row"), dtype=np.int64)
     dtype = np.float64 if storage_dtype(spec["dtype"]).array_dtype == np.float64 else np.float32
     if rows.size == 0:
         return da.zeros((0, *shape), dtype=dtype)
-    per_file = int(run._grad_array(param).rows_per_chunk())
+    per_file = int(run._grad_array(param, array).rows_per_chunk())
     # chunk boundaries where the rows cross into the next chunk file
     files = rows // per_file
     cuts = np.flatnonzero(np.diff(files)) + 1
@@ -79,20 +81,38 @@ def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None)
     )
 
 
+def _record_shape(run: Run, param: str) -> tuple[list[int], str]:
+    """What :meth:`Run.grads` returns per record of ``param`` (its shape; a projection's
+    projected shape), and the stored array whose chunks the records follow. A ``norm``
+    parameter keeps no gradient: :class:`~gradlog.errors.SelectionError`, and a projection
+    warns, as in ``grads``."""
+    spec = run._check_param(param)
+    if run.format_version < 3 or spec.get("form", "full") == "full":
+        return [int(d) for d in spec["shape"]], "grad"
+    form = run._form_notice(param, stacklevel=4)
+    if form.name == "projection":
+        return [int(d) for d in form.out_shape], "proj"
+    return [int(d) for d in spec["shape"]], next(iter(spec["arrays"]))
+
+
 def to_xarray(
     run: Run, param: str, step: Selector = None, datum: Selector = None, *, lazy: bool = False
 ) -> Any:
     """``param``'s gradients as an ``xarray.DataArray`` with dimension ``record`` first.
 
     Coordinates along ``record``: ``step``, ``datum_id``, ``row``, ``loss``, ``weight``,
-    ``lr`` (NaN where unknown). The other dimensions are ``dim_0 ...`` as in the store. With
-    ``lazy=True`` the data is a dask array (:func:`to_dask`), otherwise numpy.
+    ``lr`` (NaN where unknown). The other dimensions are ``dim_0 ...`` as in the store, or
+    ``proj_0 ...`` for a parameter recorded as a random projection (the projected vectors,
+    as :meth:`Run.grads` returns them); attribute ``form`` names the form. With ``lazy=True``
+    the data is a dask array (:func:`to_dask`), otherwise numpy.
     """
     xr = _require("xarray", "xarray", "Run.to_xarray")
     records = run.records(step, datum)
     data = to_dask(run, param, step, datum) if lazy else run.grads(param, step, datum)
-    shape = run._check_param(param)["shape"]
-    dims = ["record", *(f"dim_{i}" for i in range(len(shape)))]
+    spec = run._check_param(param)
+    form = spec.get("form", "full") if run.format_version >= 3 else "full"
+    axis = "proj" if form == "projection" else "dim"  # projected vectors: their own axes
+    dims = ["record", *(f"{axis}_{i}" for i in range(data.ndim - 1))]
     coords = {
         name: (
             "record",
@@ -104,5 +124,6 @@ def to_xarray(
         for name in ("step", "datum_id", "row", "loss", "weight", "lr")
     }
     return xr.DataArray(
-        data, dims=dims, coords=coords, name=param, attrs={"run": str(run.path), "param": param}
+        data, dims=dims, coords=coords, name=param,
+        attrs={"run": str(run.path), "param": param, "form": form},
     )

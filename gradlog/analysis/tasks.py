@@ -26,6 +26,7 @@ when the plan reads ahead), per worker thread.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +105,13 @@ def _delayed() -> Any:
 def read_rows(rows: np.ndarray, ref: StoreRef, param: str, dtype: Any) -> np.ndarray:
     """Task: rows ``rows`` (ascending store rows) of ``param``'s gradients, ``(n, *shape)``."""
     run = ref.open()
-    data = run._grad_array(param).read(np.asarray(rows, dtype=np.int64), dtype)
-    return np.asarray(data, dtype=dtype)
+    rows = np.asarray(rows, dtype=np.int64)
+    spec = run._check_param(param)
+    if run.format_version >= 3 and spec.get("form", "full") != "full":
+        with warnings.catch_warnings():  # to_dask warned once, for the whole array
+            warnings.simplefilter("ignore", UserWarning)
+            return run._form_grads(param, rows, dtype)  # rebuilt like Run.grads
+    return np.asarray(run._grad_array(param).read(rows, dtype), dtype=dtype)
 
 
 def _dots_fixed(ref: StoreRef, name: str, rows: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -316,6 +316,16 @@ class Run:
 
     def _form_grads(self, param: str, rows: np.ndarray, dtype: Any) -> np.ndarray:
         """``grads()`` of a parameter recorded with another form than ``full``."""
+        form = self._form_notice(param, stacklevel=4)
+        arrays = self.read_form_arrays(param, rows)
+        if form.name == "projection":
+            return np.asarray(arrays["proj"].numpy(), dtype=dtype)
+        return np.asarray(form.decode(arrays).numpy(), dtype=dtype)
+
+    def _form_notice(self, param: str, *, stacklevel: int = 3) -> Any:
+        """``param``'s form, after what reading its gradients must say: ``norm`` keeps none
+        (:class:`~gradlog.errors.SelectionError`), ``projection`` gives projected vectors
+        (a :class:`UserWarning`, once per parameter)."""
         import warnings
 
         form = self.form(param)
@@ -325,7 +335,6 @@ class Run:
                 "norm is kept. Read it with run.norms(param); record with form 'full', "
                 "'factors', 'projection' or 'auto' to keep more."
             )
-        arrays = self.read_form_arrays(param, rows)
         if form.name == "projection":
             warned: set[str] = self.__dict__.setdefault("_projection_warned", set())
             if param not in warned:
@@ -336,10 +345,9 @@ class Run:
                     "gradients. Inner products between them estimate the gradients' "
                     "(unbiased); project your own gradients alike with run.project(param, g).",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=stacklevel,
                 )
-            return np.asarray(arrays["proj"].numpy(), dtype=dtype)
-        return np.asarray(form.decode(arrays).numpy(), dtype=dtype)
+        return form
 
     def project(self, param: str, grad: Any) -> Any:
         """A gradient the user computed (a test example's, ``(*shape)`` or a batch ``(K,
