@@ -25,7 +25,11 @@ per-datum gradients holds it at the end of the step.
 Methods: gradlog ``hooks`` (default backend), ``vmap`` (``torch.func``; computes ``p.grad``
 from the per-datum gradients), ``loop`` (one backward per datum, the test oracle), torch's
 private ExpandedWeights (``call_for_per_sample_grads``; it refuses the broadcast ``[1, T]``
-position ids, so it gets them expanded to ``(B, T)``), and Opacus hooks if installed.
+position ids, so it gets them expanded to ``(B, T)``), Opacus hooks if installed, and a
+reference that is not a tool: ``minimum.py``, the arithmetic of ``hooks`` with
+``batch_grad="sum"`` hand-written for this one model with as little Python as it allows (no
+checks, no generality). Its ratio is the floor for any eager implementation of these rules on
+the machine; the ``hooks`` rows minus it is gradlog's own bookkeeping.
 
 Usage (on a shared or small machine, keep OpenMP threads from spinning between ops, and
 prefer ``--clock cpu`` when other processes compete for the cores)::
@@ -146,6 +150,16 @@ def methods(
             return [p.grad_sample for p in model.parameters()]  # type: ignore[attr-defined]
 
         out["torch ExpandedWeights"] = (none, expanded, none)
+
+    minimum: dict[str, Step] = {}
+
+    def minimum_setup() -> None:
+        from minimum import minimum_step  # this folder (the script's own directory)
+
+        minimum["step"] = minimum_step(model, x, y, token_losses)
+
+    out["hand-written minimum (reference)"] = (
+        minimum_setup, lambda: minimum["step"](), none)
 
     try:
         from opacus import GradSampleModule
