@@ -8,7 +8,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from gradlog.errors import FrozenParamError, InputError, ParamSelectionError
+from gradlog.errors import (
+    FrozenParamError,
+    InputError,
+    ParamSelectionError,
+    UnsupportedLayerError,
+)
 
 __all__ = ["check_differentiable", "clean_name", "select_params"]
 
@@ -55,7 +60,25 @@ def select_params(model: nn.Module, patterns: Sequence[str]) -> dict[str, nn.Par
             )
         for n, p in trainable:
             selected.setdefault(n, p)
+    _refuse_sparse_grads(model, selected)
     return selected
+
+
+def _refuse_sparse_grads(model: nn.Module, selected: Mapping[str, nn.Parameter]) -> None:
+    """``Embedding``/``EmbeddingBag(sparse=True)`` give sparse gradients, which per-datum
+    accumulation, the self-check and the store do not take: refused before any step."""
+    recorded = {id(p): n for n, p in selected.items()}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "sparse", False) is True and id(weight) in recorded and isinstance(
+                module, (nn.Embedding, nn.EmbeddingBag)):
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} {name!r} has sparse=True, so autograd gives its "
+                f"weight {recorded[id(weight)]!r} a sparse gradient, which gradlog does not "
+                "records. Build it with sparse=False (the optimizer then gets a dense gradient; "
+                "form='rows' still stores only the rows each datum touched), or leave its "
+                "weight out with params=."
+            )
 
 
 def _names(names: Sequence[str], limit: int = 6) -> str:

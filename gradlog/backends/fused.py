@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 __all__ = ["FusedLinear", "FusedLink", "fusable", "fuse_output"]
 
@@ -66,12 +65,13 @@ class FusedLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         link: FusedLink = ctx.link
         on_grad, link.on_grad = link.on_grad, None
         if on_grad is not None:
             on_grad(grad)  # per-datum gradients of this call, and their sum in weight_grad
+        if torch.is_grad_enabled():  # create_graph=True: gradients that will be differentiated
+            link.weight_grad = None  # (the records' sum is not): the ordinary products below
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         d_out = grad.shape[-1]

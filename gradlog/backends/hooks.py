@@ -109,6 +109,7 @@ per-datum gradients (:mod:`gradlog.backends.fused`: one matmul less, float toler
 _TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 _PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
 _SPOT_ENTRIES = 4  # entries per parameter compared with autograd's gradient on every backward
+_DATUM_ENTRIES = 64  # entries per parameter of the datum check (_check_datum)
 _SPOT_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3}  # of sum_b w_b |g_b| + |grad|
 _SPOT_ATOL = {torch.float64: 1e-12, torch.float32: 1e-7}  # for gradients that are all noise
 
@@ -181,6 +182,7 @@ class _Call:
         "primary",
         "received",
         "refusal",
+        "twice",
         "versions",
         "via_consumers",
     )
@@ -203,6 +205,7 @@ class _Call:
         self.done = False
         self.pending = False
         self.via_consumers = False
+        self.twice = False  # its output was differentiated with create_graph=True
         self.refusal: str | None = None  # why the rule cannot compute this call
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
@@ -244,6 +247,7 @@ class HooksBackend(Backend):
         self._recomputing = False  # True while a rule runs (torch.func re-runs modules)
         self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
         self._pool = _Pool()
+        self._datum_checked: set[tuple[str, tuple[int, ...]]] = set()  # _wants_datum_check
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -302,6 +306,7 @@ class HooksBackend(Backend):
         entries: list[_Entry] = []
         taken: set[tuple[int, str]] = set()  # (module, attr) computed by an ancestor's rule
         for mname, module in self.model.named_modules():
+            _refuse_parametrization(mname, module, by_id)
             names: dict[str, str] = {}
             rule = find_rule(module)
             if rule is not None:
@@ -349,6 +354,11 @@ class HooksBackend(Backend):
             # one, whose outputs never receive gradients (the original call's do). It is
             # re-rooted like the original call, which saved the same tensors.
             return output if link is not None else None
+        replaced = link is not None
+        if entry.fallback:
+            aliased = _alias_outputs(output)
+            if aliased is not None:
+                output, replaced = aliased, True
         outputs = leaves(output)
         call: _Call | None = None
         seen: set[int] = set()
@@ -365,10 +375,16 @@ class HooksBackend(Backend):
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
                 link.on_grad = on_grad
             else:
-                call.handles.append(t.register_hook(on_grad))
+                target = t if entry.fallback or i != call.primary else _made_base(
+                    t, call.versions)
+                if target is not t:  # see _made_base: the view's own hook may never fire
+                    geometry = (t.shape, t.stride(),
+                                int(t.storage_offset() - target.storage_offset()))
+                    on_grad = functools.partial(self._on_base_grad, call, i, geometry)
+                call.handles.append(target.register_hook(on_grad))
             call.hooked += 1
         if call is None:
-            return None
+            return output if replaced else None
         call.fused = link
         chunk = _current_chunk()
         if chunk is not None and chunk.differentiated:
@@ -389,7 +405,7 @@ class HooksBackend(Backend):
         self._live.append(weakref.ref(call))
         if len(self._live) % 256 == 0:
             self._live = [r for r in self._live if r() is not None]
-        return output if link is not None else None
+        return output if replaced else None
 
     # -- backward ---------------------------------------------------------------------------
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
@@ -401,10 +417,15 @@ class HooksBackend(Backend):
         self._reset(B)
         self._pool.reclaim()
         try:
+            self._refuse_double_backward()
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
+            datum_check = (losses.grad_fn is not None and self._wants_datum_check(B)
+                           and not _has_reentrant_checkpoint(batch_loss.grad_fn))
             self._armed = True
             try:
-                batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
+                # the ordinary backward: p.grad exactly as without gradlog (the graph is kept
+                # for one more backward of a single datum's loss when checking one)
+                batch_loss.backward(retain_graph=datum_check or None)
             finally:
                 self._armed = False
                 for handle in self._consumer_handles:
@@ -416,17 +437,99 @@ class HooksBackend(Backend):
             materials = self._merge_materials()
             self._check_coverage()
             self._spot_check(materials)
-            return {
+            out = {
                 name: materials[name] if name in materials
                 else self._acc[name] if name in self._acc
                 else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
                 for name, p in self.params.items()
             }
+            if datum_check:
+                self._check_datum(losses, out)
+            return out
         finally:
             for call in self._touched:
                 call.release()
             self._reset(0)
             self._pool.release()
+
+    # -- one datum against its own backward ----------------------------------------------------
+    def _wants_datum_check(self, B: int) -> bool:
+        """Check one datum on the first backward, and again whenever this forward has calls
+        whose batch layout shapes alone cannot settle (a new set of them): a layer output
+        with several leading dimensions of size B (sequence length == batch size), or a
+        module called more than once (reuse, or once per datum by hand). Sums over the batch
+        cannot see a wrong split between datums; one datum's own backward can."""
+        if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
+            return False
+        calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
+        uses: dict[int, int] = {}
+        for c in calls:
+            uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
+        unsure = frozenset(
+            (c.entry.name, tuple(c.out_shape)) for c in calls
+            if uses[id(c.entry)] > 1 or sum(n == B for n in c.out_shape) > 1)
+        first = not self._datum_checked
+        if not first and unsure <= self._datum_checked:
+            return False
+        self._datum_checked |= unsure | {("", ())}
+        return True
+
+    def _check_datum(self, losses: torch.Tensor, records: Mapping[str, Any]) -> None:
+        """Datum b's records against ``autograd.grad(losses[b])`` at a few entries per
+        parameter (b drawn at random). Runs after the batch's backward, on its kept graph."""
+        b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
+        # Under autocast the datum's own backward runs in the narrow dtype through every
+        # layer it crosses (not only the layers whose own gradient is narrow): one tolerance.
+        narrow = max((torch.finfo(d).eps for d in self.low_precision.values()), default=0.0)
+        names = [n for n, p in self.params.items() if p.numel()]
+        if not names:
+            return
+        got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
+                                  allow_unused=True)  # frees the kept graph
+        ours, theirs = [], []
+        for name, grad in zip(names, got):
+            p = self.params[name]
+            index = torch.randint(p.numel(), (_DATUM_ENTRIES,), generator=self._spot_rng)
+            index = index.to(p.device)
+            mine = entries(records[name], index)[b].to(torch.float64)  # (k,)
+            ours.append(mine)
+            theirs.append(torch.zeros_like(mine) if grad is None
+                          else torch.take(grad, index).to(torch.float64))  # (k,)
+        dtype = max((self.params[n].dtype for n in names), key=lambda d: _SPOT_RTOL.get(d, 0))
+        rtol, atol = _SPOT_RTOL.get(dtype, 1e-2), _SPOT_ATOL.get(dtype, 1e-4)
+        rtol = max(rtol, LOW_PRECISION_RTOL * narrow)
+        a = torch.stack([o.to(ours[0].device) for o in ours])  # (n, k)
+        c = torch.stack([t.to(ours[0].device) for t in theirs])  # (n, k)
+        scale = a.abs() + c.abs()  # (n, k)
+        # as in _spot_check: a parameter whose true gradient is 0 holds rounding noise only,
+        # so the tolerance also scales with the largest gradient seen
+        over = ((a - c).abs() - rtol * (scale + scale.max()) - atol).amax(1)  # (n,)
+        bad = [n for n, g in zip(names, over.tolist()) if g > 0]
+        if bad:
+            raise BackendError(
+                f"the per-datum gradients of {bad[:6]} for datum {b} of the batch differ from "
+                f"that datum's own gradient (autograd.grad of losses[{b}]). Likely causes: "
+                "(1) one datum's loss depends on the other datums of the batch (in-batch "
+                "negatives of a contrastive loss, a loss normalised over the batch): the "
+                "hooks backend then gives each datum's share of the batch gradient, not "
+                "d losses[b] / d theta; (2) a layer ran on a layout where gradlog mistook "
+                "the batch dimension (a sequence-first tensor whose sequence length equals "
+                "the batch size, a layer called once per datum by hand). p.grad is complete; "
+                "nothing of this step was recorded. Use backend='loop', or for (2) a batch "
+                "size different from the sequence length."
+            )
+
+    def _refuse_double_backward(self) -> None:
+        twice = {c.entry.label for c in (r() for r in self._live)
+                 if c is not None and c.twice and not c.done}
+        if twice:
+            raise UnsupportedLayerError(
+                f"the loss differentiates a gradient taken through {sorted(twice)} "
+                "(autograd.grad(..., create_graph=True) before the backward, e.g. a gradient "
+                "penalty): its per-datum gradients include second-order terms that the hooks "
+                "backend's per-layer rules do not see. Nothing was computed; p.grad is "
+                "untouched. Use backend='loop' for this loss."
+            )
 
     def _reset(self, batch_size: int) -> None:
         if batch_size:
@@ -470,7 +573,12 @@ class HooksBackend(Backend):
         if call.done or call.via_consumers:
             return
         if not self._armed:  # a backward gradlog does not record: just let go of the inputs
-            call.release()
+            if torch.is_grad_enabled():
+                # create_graph=True (a gradient penalty in the loss): the recorded backward
+                # will differentiate this gradient; kept to refuse it (_refuse_double_backward)
+                call.twice = True
+            else:
+                call.release()
             return
         self._touched.append(call)
         if self._error is not None:
@@ -482,6 +590,14 @@ class HooksBackend(Backend):
         elif not call.pending:
             call.pending = True
             self._partial.append(call)
+
+    def _on_base_grad(self, call: _Call, i: int,
+                      geometry: tuple[torch.Size, tuple[int, ...], int],
+                      grad: torch.Tensor) -> None:
+        """The gradient of the base of output ``i`` (see :func:`_made_base`), viewed as the
+        output: the output's gradient."""
+        size, stride, offset = geometry
+        self._on_output_grad(call, i, grad.contiguous().as_strided(size, stride, offset))
 
     def _finish(self, call: _Call) -> None:
         self._compute(call, call.grads)
@@ -1009,6 +1125,75 @@ def _narrow_dtype(grads: list[torch.Tensor | None],
         if g is not None and g.is_floating_point() and torch.finfo(g.dtype).bits < bits:
             return g.dtype
     return None
+
+
+def _alias_outputs(output: Any) -> Any:
+    """A module whose outputs feed each other (``nn.LSTMCell``: ``h = o * tanh(c)``): the
+    gradient autograd gives output ``c`` includes the path through ``h``, which the
+    ``torch.func`` fallback counts again from ``h``'s gradient. Handing the caller aliases
+    (``view_as``) of the outputs and hooking those gives each output's gradient from outside
+    the module only. None when fewer than two outputs need a gradient (nothing to do)."""
+    flat, rebuild = flatten(output)
+    if sum(isinstance(t, torch.Tensor) and t.requires_grad for t in flat) < 2:
+        return None
+    return rebuild([t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                    for t in flat])
+
+
+def _has_reentrant_checkpoint(root: Any) -> bool:
+    """Whether the graph holds a ``torch.utils.checkpoint(use_reentrant=True)`` segment (its
+    backward refuses ``autograd.grad``, so no datum check runs)."""
+    stack, seen = [root], {id(root)}
+    keep = [root]  # node wrappers alive, so their ids stay unique
+    while stack:
+        node = stack.pop()
+        if "CheckpointFunction" in type(node).__name__:
+            return True
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                keep.append(child)
+                stack.append(child)
+    return False
+
+
+def _distributed() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _made_base(t: torch.Tensor, inputs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Where to hook output ``t`` of a layer with a built-in rule: ``t``, or, when ``t`` is a
+    view of a whole tensor the call made (a Linear on ``(B, T, d)`` views its 2-D matmul's
+    result; ``MultiheadAttention(batch_first=True)`` transposes its projection's), that
+    tensor. An in-place op on the view (``ReLU(inplace=True)`` after the layer) rebuilds the
+    view's autograd history and drops a hook on ``t``; the base keeps its own, which receives
+    the gradient of the output as the layer returned it. (The built-in layers use that
+    tensor only through the view, so its gradient is the output's.)"""
+    base = t._base
+    if (base is None or base.grad_fn is None or base.numel() != t.numel()
+            or not base.is_contiguous()):
+        return t
+    if any(base is x or base is x._base for x, _ in inputs):  # a view of an input
+        return t
+    return base
+
+
+def _refuse_parametrization(name: str, module: nn.Module, recorded: Mapping[int, str]) -> None:
+    """Refuse recorded parameters held by ``torch.nn.utils.parametrize`` (e.g.
+    ``parametrizations.weight_norm``): the layer's rule gives the gradient of the weight the
+    parametrization computes, not of its originals, and the chain through it per datum is
+    not built."""
+    if type(module).__name__ != "ParametrizationList":
+        return
+    held = [recorded[id(p)] for p in module.parameters() if id(p) in recorded]
+    if held:
+        raise UnsupportedLayerError(
+            f"parameter(s) {held} are the originals of a torch.nn.utils.parametrize "
+            f"parametrization ({name!r}, e.g. parametrizations.weight_norm or orthogonal): the "
+            "hooks backend cannot compute per-datum gradients through a parametrization. Use "
+            "backend='vmap' or backend='loop', leave these parameters out with params=, or "
+            "record the plain weight (torch.nn.utils.parametrize.remove_parametrizations)."
+        )
 
 
 def _find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:

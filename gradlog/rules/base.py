@@ -33,6 +33,7 @@ __all__ = [
     "Rule",
     "RuleFn",
     "RuleResult",
+    "attributes",
     "find_rule",
     "one_feature_dim",
     "own_params",
@@ -86,10 +87,17 @@ class Capture:
 
     @property
     def input(self) -> torch.Tensor:
-        """The first positional argument, for layers with one input."""
-        if not self.args or not isinstance(self.args[0], torch.Tensor):
-            raise TypeError("this call has no tensor as its first positional argument")
-        return self.args[0]
+        """The layer's one input: the first positional argument, or the only tensor passed by
+        keyword (``linear(input=x)``)."""
+        if self.args:
+            if not isinstance(self.args[0], torch.Tensor):
+                raise TypeError("this call has no tensor as its first positional argument")
+            return self.args[0]
+        tensors = [v for v in self.kwargs.values() if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1:
+            raise TypeError(f"this call has no positional input and {len(tensors)} tensor "
+                            "keyword arguments; call the layer with its input first")
+        return tensors[0]
 
     @property
     def grad_output(self) -> torch.Tensor:
@@ -152,6 +160,21 @@ def widen(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters a module holds directly (``recurse=False``), by attribute name."""
     return dict(module.named_parameters(recurse=False))
+
+
+def attributes(*names: str) -> Callable[[nn.Module], dict[str, nn.Parameter]]:
+    """``covers`` of a closed-form rule: only the module's own parameters named ``names``.
+
+    A module may hold other parameters that its forward turns into these attributes
+    (``torch.nn.utils.prune``'s ``weight_orig``, legacy ``weight_norm``'s ``weight_g`` and
+    ``weight_v``, set up by forward pre-hooks); the formula does not give their gradients,
+    so they are left to the ``torch.func`` fallback, which re-runs the module's forward."""
+
+    def covers(module: nn.Module) -> dict[str, nn.Parameter]:
+        return {a: p for a, p in module.named_parameters(recurse=False) if a in names}
+
+    covers.__name__ = f"attributes{names}"
+    return covers
 
 
 def _batch_first(module: nn.Module) -> int:

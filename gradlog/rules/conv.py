@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, register_rule
+from gradlog.rules.base import Capture, RuleResult, attributes, register_rule
 
 __all__ = ["conv"]
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, name="conv")
+@register_rule(nn.Conv1d, nn.Conv2d, name="conv", covers=attributes("weight", "bias"))
 def conv(module: nn.Conv1d | nn.Conv2d, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """Per-datum weight ``G_b U_b^T`` (per group) and bias ``sum_l g_{b,:,l}``."""
     B = cap.batch_size

@@ -15,12 +15,20 @@ import torch
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RowGrads, RuleResult, one_feature_dim, register_rule
+from gradlog.rules.base import (
+    Capture,
+    RowGrads,
+    RuleResult,
+    attributes,
+    one_feature_dim,
+    register_rule,
+)
 
 __all__ = ["embedding"]
 
 
-@register_rule(nn.Embedding, name="embedding", feature_dims=one_feature_dim)
+@register_rule(nn.Embedding, name="embedding", feature_dims=one_feature_dim,
+               covers=attributes("weight"))
 def embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """Rows ``idx_{b,n}`` of datum b get ``g_{b,n}``; ``padding_idx`` rows get nothing;
     ``scale_grad_by_freq`` divides by each index's count in the whole call (as autograd

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, register_rule, widen
+from gradlog.rules.base import Capture, RuleResult, attributes, register_rule, widen
 
 __all__ = ["group_norm"]
 
 
-@register_rule(nn.GroupNorm, name="group_norm")
+@register_rule(nn.GroupNorm, name="group_norm", covers=attributes("weight", "bias"))
 def group_norm(module: nn.GroupNorm, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """GroupNorm affine parameters, per channel, summed over spatial positions."""
     B, C = cap.batch_size, module.num_channels

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, register_rule, widen
+from gradlog.rules.base import Capture, RuleResult, attributes, register_rule, widen
 
 __all__ = ["layer_norm", "per_datum_sum", "rms_norm"]
+
+_WEIGHT_BIAS = attributes("weight", "bias")  # not e.g. prune's weight_orig
 
 
 def per_datum_sum(t: torch.Tensor, batch_size: int, n_trailing: int) -> torch.Tensor:
@@ -47,7 +49,8 @@ def _affine(
     return out
 
 
-@register_rule(nn.LayerNorm, name="layer_norm", feature_dims=_normalized_dims)
+@register_rule(nn.LayerNorm, name="layer_norm", feature_dims=_normalized_dims,
+               covers=_WEIGHT_BIAS)
 def layer_norm(module: nn.LayerNorm, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """LayerNorm: ``x_hat = (x - mean) / sqrt(var + eps)`` over ``normalized_shape``."""
     shape, dtype = tuple(module.normalized_shape), _param_dtype(module)
@@ -65,7 +68,8 @@ def _param_dtype(module: nn.Module) -> torch.dtype:
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
 
-    @register_rule(nn.RMSNorm, name="rms_norm", feature_dims=_normalized_dims)
+    @register_rule(nn.RMSNorm, name="rms_norm", feature_dims=_normalized_dims,
+                   covers=attributes("weight"))
     def rms_norm(module: nn.RMSNorm, cap: Capture, wanted: frozenset[str]) -> RuleResult:
         """RMSNorm: ``x_hat = x / sqrt(mean(x^2) + eps)`` over ``normalized_shape``."""
         shape, dtype = tuple(module.normalized_shape), _param_dtype(module)

@@ -15,9 +15,11 @@ from torch import nn
 
 from gradlog.errors import BackendError
 from gradlog.forms.base import Factors
-from gradlog.rules.base import Capture, RuleResult, one_feature_dim, register_rule
+from gradlog.rules.base import Capture, RuleResult, attributes, one_feature_dim, register_rule
 
 __all__ = ["as_rows", "conv1d_gpt2", "linear"]
+
+_WEIGHT_BIAS = attributes("weight", "bias")  # not e.g. prune's weight_orig
 
 
 def as_rows(t: torch.Tensor, batch_size: int, width: int, what: str) -> torch.Tensor:
@@ -49,7 +51,7 @@ def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.T
     return out.baddbmm_(left.transpose(1, 2), right, beta=0.0, alpha=scale)  # (B, p, q)
 
 
-@register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim)
+@register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim, covers=_WEIGHT_BIAS)
 def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
     B = cap.batch_size
@@ -67,7 +69,8 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
     return out
 
 
-@register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim)
+@register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim,
+               covers=_WEIGHT_BIAS)
 def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W (d_in, d_out): weight
     ``A_b^T G_b``. Matched by class name, so transformers is never imported."""

@@ -1,0 +1,315 @@
+"""The hooks backend on models off the beaten path: pruned and weight-normed layers, layers
+called by keyword, outputs modified in place, modules whose outputs feed each other,
+gradient penalties, sparse embeddings, and the one-datum check that catches a batch split
+that shapes alone cannot settle (sequence length == batch size, coupled losses).
+
+Each case is compared with the loop backend (float64), or refused with an error naming the
+cause; none may give silently wrong per-datum gradients."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune as prune
+from torch import nn
+
+import gradlog
+from gradlog.backends import BACKENDS
+from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.params import select_params
+
+D64 = torch.float64
+B = 4
+
+
+def per_datum(model: nn.Module, losses_of: Callable[[], torch.Tensor], name: str,
+              **options: object) -> dict[str, torch.Tensor]:
+    be = BACKENDS[name](model, select_params(model, ["*"]), batch_reduction="mean",
+                        randomness="different", **options)
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = losses_of()
+        grads = be.backward(losses, be.reduce_batch(losses))
+        return {n: g if isinstance(g, torch.Tensor) else g.dense() for n, g in grads.items()}
+    finally:
+        be.detach()
+
+
+def assert_hooks_match_loop(model: nn.Module, losses_of: Callable[[], torch.Tensor],
+                            **options: object) -> None:
+    want = per_datum(model, losses_of, "loop")
+    got = per_datum(model, losses_of, "hooks", **options)
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def squares(out: torch.Tensor) -> torch.Tensor:
+    """A per-datum loss (B,) from any (B, ...) output."""
+    return (out ** 2).flatten(1).sum(1)
+
+
+# -- parameters a layer's formula does not give ---------------------------------------------
+@pytest.mark.parametrize("wrap", ["prune", "weight_norm"])
+def test_pruned_and_weight_normed_layers_use_the_fallback(wrap: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    if wrap == "prune":  # weight = weight_orig * weight_mask, set by a forward pre-hook
+        prune.l1_unstructured(model[0], "weight", amount=0.3)
+    else:  # weight = weight_g * weight_v / |weight_v| (the legacy, deprecated form)
+        with pytest.warns(FutureWarning):
+            torch.nn.utils.weight_norm(model[0])
+    x = torch.randn(B, 4, dtype=D64)
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+def test_a_parametrized_weight_is_refused_when_recording_starts(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    with pytest.raises(UnsupportedLayerError, match=r"parametriz.*backend='vmap'"), \
+            gradlog.GradRecorder(model, tmp_path / "r.gradlog"):
+        pass
+    # the rest of the model can still be recorded
+    x = torch.randn(B, 4)
+    with gradlog.GradRecorder(model, tmp_path / "p.gradlog", params="2.*") as rec:
+        rec.backward(squares(model(x)))
+    assert gradlog.open(tmp_path / "p.gradlog").grads("2.weight", step=0).shape == (B, 2, 5)
+
+
+# -- how a layer is called ------------------------------------------------------------------
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Linear(3, 4), (B, 5, 3)),
+    (nn.LayerNorm(3), (B, 5, 3)),
+    (nn.Conv1d(3, 2, 2), (B, 3, 6)),
+    (nn.GroupNorm(1, 3), (B, 3, 6)),
+], ids=["linear", "layer_norm", "conv1d", "group_norm"])
+def test_a_layer_called_with_its_input_by_keyword(layer: nn.Module,
+                                                  shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    layer = layer.double()
+    x = torch.randn(*shape, dtype=D64)
+    assert_hooks_match_loop(layer, lambda: squares(torch.tanh(layer(input=x))))
+
+
+def test_an_embedding_called_by_keyword() -> None:
+    emb = nn.Embedding(7, 3).double()
+    idx = torch.randint(0, 7, (B, 5))
+    assert_hooks_match_loop(emb, lambda: squares(torch.tanh(emb(input=idx))))
+
+
+# -- outputs modified in place --------------------------------------------------------------
+@pytest.mark.parametrize("op", ["relu_", "add_", "mul_"])
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_an_output_modified_in_place_after_a_3d_linear(op: str, batch_grad: str) -> None:
+    """A Linear on (B, T, d) returns a view of its 2-D matmul; an in-place op on that view
+    rebuilds its history, which used to drop the hook on the output."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            getattr(h, op)(*(() if op == "relu_" else (1.5,)))
+            return self.b(torch.tanh(h))
+
+    model = Model().double()
+    x = torch.randn(B, 5, 4, dtype=D64)
+    assert_hooks_match_loop(model, lambda: squares(model(x)), batch_grad=batch_grad)
+
+
+def test_attention_output_modified_in_place() -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    q = torch.randn(B, 5, 8, dtype=D64)
+
+    def losses() -> torch.Tensor:
+        out, _ = mha(q, q, q)
+        out += q  # in place on a transposed view of the output projection's result
+        return squares(out)
+
+    assert_hooks_match_loop(mha, losses)
+
+
+# -- modules whose outputs feed each other ------------------------------------------------------
+class _Pair(nn.Module):
+    """Returns (tanh(z), z): its first output is computed from its second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=D64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = x * self.w
+        return torch.tanh(z), z
+
+
+@pytest.mark.parametrize("use", ["first", "both"])
+def test_outputs_computed_from_each_other_are_not_counted_twice(use: str) -> None:
+    torch.manual_seed(0)
+    pair = _Pair()
+    x = torch.randn(B, 3, dtype=D64)
+
+    def losses() -> torch.Tensor:
+        y, z = pair(x)
+        return squares(y) + (squares(z.sin()) if use == "both" else 0)
+
+    assert_hooks_match_loop(pair, losses)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_lstm_cell_unrolled_by_hand(steps: int) -> None:
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(2, 3).double()
+    xs = torch.randn(steps, B, 2, dtype=D64)
+
+    def losses() -> torch.Tensor:
+        h = c = torch.zeros(B, 3, dtype=D64)
+        for x in xs:
+            h, c = cell(x, (h, c))
+        return squares(h)
+
+    assert_hooks_match_loop(cell, losses)
+
+
+# -- gradient penalties -----------------------------------------------------------------------
+def _penalised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    xi = x.clone().requires_grad_(True)
+    out = model(xi).flatten(1).sum(1)  # (B,)
+    (g,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+    return out ** 2 + (g.flatten(1).norm(dim=1) - 1) ** 2  # (B,)
+
+
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_a_gradient_penalty_is_refused_and_unrecorded_steps_train_as_without(
+        tmp_path: Path, batch_grad: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 3, 4)
+    _penalised(plain, x).mean().backward()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", batch_grad=batch_grad,
+                              every=2) as rec:
+        with pytest.raises(UnsupportedLayerError, match=r"create_graph=True.*backend='loop'"):
+            rec.backward(_penalised(model, x), step=0)
+        assert all(p.grad is None for p in model.parameters())  # refused before the backward
+        rec.backward(_penalised(model, x), step=1)  # not recorded: trains as without gradlog
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+# -- sparse gradients -------------------------------------------------------------------------
+def test_a_sparse_embedding_is_refused_when_recording_starts(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    with pytest.raises(UnsupportedLayerError, match=r"sparse=True.*sparse=False"):
+        gradlog.GradRecorder(model, tmp_path / "r.gradlog")
+    with gradlog.GradRecorder(model, tmp_path / "ok.gradlog", params="1.*") as rec:
+        rec.backward(squares(model(torch.randint(0, 10, (B, 5)))))
+
+
+# -- the one-datum check ----------------------------------------------------------------------
+class _SequenceFirstByHand(nn.Module):
+    """Transposes to (T, B, d) itself: no module says batch_first=False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 3)
+        h = torch.tanh(self.lin(x.transpose(0, 1))).cumsum(0)  # (T, B, 3): within a datum
+        return self.head(h[-1])  # (B, 2)
+
+
+@pytest.mark.parametrize("T", [5, B])
+def test_a_sequence_first_layout_by_hand(T: int) -> None:
+    """T != B: the batch is found at dim 1 and the gradients are exact. T == B: either
+    leading dimension could be the batch; the first backward checks one datum against its
+    own backward, which refuses the wrong split (sums over the batch cannot see it)."""
+    torch.manual_seed(0)
+    model = _SequenceFirstByHand().double()
+    x = torch.randn(B, T, 3, dtype=D64)
+    if T != B:
+        assert_hooks_match_loop(model, lambda: squares(model(x)))
+    else:
+        with pytest.raises(BackendError, match="differ from that datum's own gradient"):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+def test_a_loss_coupling_the_datums_is_refused() -> None:
+    """In-batch negatives: datum b's loss depends on every datum's embedding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(6, 4, dtype=D64)
+
+    def info_nce() -> torch.Tensor:
+        z = F.normalize(model(x), dim=1)  # (B, 3)
+        logits = z @ z.t() / 0.5  # (B, B)
+        return F.cross_entropy(logits, torch.arange(6), reduction="none")  # (B,)
+
+    with pytest.raises(BackendError, match="depends on the other datums"):
+        per_datum(model, info_nce, "hooks")
+
+
+def test_the_datum_check_passes_a_gpt_whose_length_equals_the_batch(tmp_path: Path) -> None:
+    from gradlog.testing.zoo import gpt_batch, per_token_ce, tiny_gpt
+
+    model = tiny_gpt()
+    x, y, mask = gpt_batch(8, 8)  # B == T
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        for _ in range(2):
+            rec.backward(per_token_ce(model(x), y), mask=mask)
+    assert list(gradlog.open(tmp_path / "r.gradlog").steps["step"].to_pylist()) == [0, 1]
+
+
+def test_the_datum_check_runs_once_per_new_ambiguous_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradlog.backends import hooks
+
+    runs: list[int] = []
+    original = hooks.HooksBackend._check_datum
+
+    def counted(self: hooks.HooksBackend, losses: torch.Tensor, records: object) -> None:
+        runs.append(int(losses.shape[0]))
+        original(self, losses, records)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hooks.HooksBackend, "_check_datum", counted)
+    model = _SequenceFirstByHand().double()
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        for T in (5, 5, 6, 6):  # no ambiguity: only the first backward checks
+            model.zero_grad()
+            losses = squares(model(torch.randn(B, T, 3, dtype=D64)))
+            be.backward(losses, losses.mean())
+    finally:
+        be.detach()
+    assert runs == [B]
+
+
+def test_no_datum_check_under_reentrant_checkpointing() -> None:
+    """torch refuses autograd.grad through reentrant checkpoints: the check is skipped."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
+    head = nn.Linear(4, 1).double()
+    model = nn.ModuleDict({"inner": inner, "head": head})
+    x = torch.randn(B, 4, dtype=D64, requires_grad=True)
+
+    def losses() -> torch.Tensor:
+        return squares(head(checkpoint(inner, x, use_reentrant=True)))
+
+    with tempfile.TemporaryDirectory():
+        got = per_datum(model, losses, "hooks")
+    assert got["inner.0.weight"].shape == (B, 4, 4)
