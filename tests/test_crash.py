@@ -45,6 +45,7 @@ WORKER = textwrap.dedent(
 
     args = globals().get("ARGS") or sys.argv[1:]  # ARGS when run by a forkserver child
     path, steps, crash_at, resume = args[0], int(args[1]), int(args[2]), args[3]
+    form = args[4] if len(args) > 4 else "full"  # "topk": a compact form for 0.weight
     ops = [0]
     armed = [False]  # store creation is not counted: resume starts from a created store
 
@@ -95,8 +96,9 @@ WORKER = textwrap.dedent(
     for step in range(start):  # replay training up to the resume point, unrecorded
         losses(step).mean().backward()
         opt.step(); opt.zero_grad()
+    forms = {} if form == "full" else {"form": {"0.weight": form}}
     with gradlog.GradRecorder(model, path, backend="loop", resume=resume == "resume",
-                              queue_bytes=1 << 12) as rec:
+                              queue_bytes=1 << 12, **forms) as rec:
         armed[0] = True
         print("ready", flush=True)
         for step in range(start, steps):
@@ -124,8 +126,10 @@ def _context() -> Any:
     return ctx
 
 
-def _start(tmp: Path, path: Path, crash_at: int = 0, resume: bool = False) -> Any:
-    args = [str(path), str(STEPS), str(crash_at), "resume" if resume else "new"]
+def _start(
+    tmp: Path, path: Path, crash_at: int = 0, resume: bool = False, form: str = "full"
+) -> Any:
+    args = [str(path), str(STEPS), str(crash_at), "resume" if resume else "new", form]
     proc = _context().Process(
         target=runpy.run_path,
         args=(str(_worker_script(tmp)),),
@@ -135,7 +139,9 @@ def _start(tmp: Path, path: Path, crash_at: int = 0, resume: bool = False) -> An
     return proc
 
 
-def _run(tmp: Path, path: Path, crash_at: int = 0, resume: bool = False) -> int:
+def _run(
+    tmp: Path, path: Path, crash_at: int = 0, resume: bool = False, form: str = "full"
+) -> int:
     """Run the worker to its end or its death; returns its exit code (-9: killed)."""
     if not crash_at:  # nothing to kill: run it here, it is the same code
         argv = sys.argv
@@ -145,13 +151,14 @@ def _run(tmp: Path, path: Path, crash_at: int = 0, resume: bool = False) -> int:
             str(STEPS),
             "0",
             "resume" if resume else "new",
+            form,
         ]
         try:
             runpy.run_path(sys.argv[0], run_name="__main__")
         finally:
             sys.argv = argv
         return 0
-    proc = _start(tmp, path, crash_at, resume)
+    proc = _start(tmp, path, crash_at, resume, form)
     proc.join(300)
     if proc.exitcode not in (0, -signal.SIGKILL):
         raise AssertionError(f"the worker failed with exit code {proc.exitcode} (see stderr)")
@@ -271,3 +278,37 @@ def test_the_reference_run_is_deterministic(tmp_path: Path, reference: Path) -> 
     np.testing.assert_array_equal(
         gradlog.open(again).datums.column("row"), gradlog.open(reference).datums.column("row")
     )
+
+
+@pytest.fixture(scope="module")
+def topk_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("topk-reference")
+    path = tmp / "ref.gradlog"
+    assert _run(tmp, path, form="topk") == 0
+    assert gradlog.open(path).attrs["params"]["0.weight"]["form"] == "topk"
+    return path
+
+
+# A compact form is planned at the first backward: the root attributes are rewritten with the
+# planned forms (operations 1-2), then the form's arrays and group and the other arrays are
+# created (3-14), the shards written (15-19), the index part (20-21), then the sync and the
+# commit (22-25). A crash before the commit leaves forms in the root attributes and, from 7
+# on, a group at grads/0.weight: the resumed run must plan again, not read it as an array.
+FORM_POINTS = {
+    3: "after the planned forms are stored",
+    7: "after the form's group is created",
+    16: "a shard of step 0, cut in half",
+    22: "after step 0's index part",
+}
+
+
+@pytest.mark.parametrize("crash_at", list(FORM_POINTS), ids=list(FORM_POINTS.values()))
+def test_kill_9_in_the_first_step_of_a_compact_form_run_then_resume(
+    tmp_path: Path, topk_reference: Path, crash_at: int
+) -> None:
+    path = tmp_path / f"crash-{crash_at}.gradlog"
+    assert _run(tmp_path, path, crash_at=crash_at, form="topk") == -signal.SIGKILL
+    assert _assert_prefix_of_reference(path, topk_reference) == []  # nothing committed
+    assert _run(tmp_path, path, resume=True, form="topk") == 0
+    assert _assert_prefix_of_reference(path, topk_reference) == list(range(STEPS))
+    assert not verify(path).notes

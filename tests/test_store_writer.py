@@ -9,6 +9,7 @@ come from a naive per-datum ``torch.autograd.grad`` loop, never from gradlog.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -402,6 +403,99 @@ def test_resume_discards_what_a_crash_left(tmp_store: Path) -> None:
     assert not (tmp_store / "grads/0.weight/c.9.0.0").exists()  # past the trimmed rows
     _assert_holds(tmp_store, {**{s: expected[s] for s in range(2)}, **more})
     assert verify(tmp_store).ok and not verify(tmp_store).notes
+
+
+def _writer_attrs() -> dict[str, Any]:
+    config = {"params": ["*"], "backend": "loop", "batch_reduction": "mean",
+              "token_reduction": "mean", "dtype": "float32", "every": 1, "check_every": 0,
+              "check_rtol": 1e-4, "vmap_randomness": "different", "metadata": {},
+              "compression": "none"}
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return {"format": "gradlog", "format_version": 3, "gradlog_version": "0.2.0",
+            "torch_version": "2.4.0", "created": "2025-01-01T00:00:00+00:00",
+            "model": {"class": "M", "n_parameters": 7}, "config": config,
+            "config_hash": hashlib.sha256(canonical).hexdigest(), "backend": {"name": "loop"}}
+
+
+def _planned(form: str) -> dict[str, Any]:
+    """What the recorder passes to StoreWriter.set_forms: ``w`` in ``form``, ``b`` full."""
+    full_w = ({"form": "full", "shape": [3, 2]}, {"grad": {"shape": [3, 2], "kind": "float"}})
+    topk_w = ({"form": "topk", "shape": [3, 2], "k": 6},
+              {"values": {"shape": [6], "kind": "float"}, "index": {"shape": [6], "kind": "int64"}})
+    full_b = ({"form": "full", "shape": []}, {"grad": {"shape": [], "kind": "float"}})
+    return {"w": topk_w if form == "topk" else full_w, "b": full_b}
+
+
+def _append(writer: writer_module.StoreWriter, form: str, batch: int) -> np.ndarray:
+    gw = np.arange(batch * 6, dtype=np.float32).reshape(batch, 3, 2) - 5
+    grads: dict[str, Any] = {"w": gw, "b": np.ones(batch, dtype=np.float32)}
+    if form == "topk":  # every entry kept: the form holds the whole gradient
+        grads["w"] = {"values": gw.reshape(batch, 6),
+                      "index": np.tile(np.arange(6, dtype=np.int64), (batch, 1))}
+    writer.append(step=0, micro=0, datum_ids=np.arange(batch), losses=np.ones(batch),
+                  weights=np.full(batch, 1 / batch), lr=None, grads=grads,
+                  norms={"w": np.linalg.norm(gw.reshape(batch, -1), axis=1),
+                         "b": np.ones(batch)})
+    return gw
+
+
+@pytest.mark.parametrize(("crashed", "resumed"), [("topk", "full"), ("full", "topk"),
+                                                  ("topk", "topk")])
+def test_resume_with_nothing_committed_plans_forms_and_arrays_afresh(
+    tmp_store: Path, crashed: str, resumed: str
+) -> None:
+    """A crash in the first step leaves planned forms in the root attributes and the arrays
+    (or form groups) of that plan; nothing was committed, so the resumed run plans again and
+    none of it may be read as, or left beside, the new plan's arrays."""
+    specs = {"w": writer_module.ParamSpec("w", (3, 2), "float32", "float32"),
+             "b": writer_module.ParamSpec("b", (), "float32", "float32")}
+    first = writer_module.StoreWriter(tmp_store, attrs=_writer_attrs(), specs=specs,
+                                      durable=False)
+    first.set_forms(_planned(crashed))
+    _append(first, crashed, batch=8)
+    first.flush()  # written, never committed: a crash
+    again = writer_module.StoreWriter(tmp_store, attrs=_writer_attrs(), specs=specs,
+                                      durable=False, resume=True)
+    assert again.last_step is None and again.planned_specs is None
+    again.set_forms(_planned(resumed))
+    gw = _append(again, resumed, batch=3)  # another shard size than the crashed attempt's
+    again.commit({"step": 0, "first_row": 0, "n_records": 3, "n_micro": 1, "tokens": 3,
+                  "loss_mean": 1.0, "lr": None, "time_compute_s": 0.0, "time_write_s": 0.0})
+    again.close()
+    report = verify(tmp_store)
+    assert report.ok, [(c.name, c.problems) for c in report.checks]
+    run = gradlog.open(tmp_store)
+    assert run.attrs["params"]["w"]["form"] == resumed
+    np.testing.assert_array_equal(run.grads("w"), gw)
+    node = json.loads((tmp_store / "grads/w/zarr.json").read_text())["node_type"]
+    assert node == ("array" if resumed == "full" else "group")
+    leftovers = {"values", "index"} if crashed == "topk" and resumed == "full" else set()
+    assert not leftovers & {p.name for p in (tmp_store / "grads/w").iterdir()}
+
+
+def _probe_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _loss(model, *batch)
+
+
+def test_resume_without_probes_discards_the_crashed_attempts_probe_parts(tmp_store: Path) -> None:
+    _train(tmp_store, range(4), probes=(_probe_loss, _batch(99)))
+    # a crash after step 3's records and probe part were written, before its commit
+    (tmp_store / "steps/step-000000000003.parquet").unlink()
+    (tmp_store / "probes/index/.step-000000000004.parquet.tmp").write_bytes(b"partial")
+    assert sorted(set(gradlog.open(tmp_store).probes.column("step").to_pylist())) == [0, 1, 2]
+    more = _train(tmp_store, range(3, 5), resume=True, model=_replayed(3))  # no probes now
+    run = gradlog.open(tmp_store)
+    assert run.steps.column("step").to_pylist() == [0, 1, 2, 3, 4]
+    # step 3 was recorded again without probes: the crashed attempt's probes are not its own
+    assert sorted(set(run.probes.column("step").to_pylist())) == [0, 1, 2]
+    with pytest.raises(errors.SelectionError, match="step 3 has no probe record"):
+        run.probe_grads("2.bias", step=3)
+    assert sorted(os.listdir(tmp_store / "probes/index")) == [
+        f"step-{s:012d}.parquet" for s in range(3)
+    ]
+    np.testing.assert_allclose(run.grads("0.weight", step=3), more[3]["0.weight"], rtol=1e-5)
+    report = verify(tmp_store)
+    assert report.ok and not report.notes, ([c.problems for c in report.checks], report.notes)
 
 
 def test_resume_never_deletes_outside_the_store(tmp_store: Path, tmp_path: Path) -> None:

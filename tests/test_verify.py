@@ -30,14 +30,24 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 runner = CliRunner()
 
 
-def _record(path: Path, *, dtype: str = "float32", steps: int = 3, batch: int = 4) -> None:
+def _record(
+    path: Path, *, dtype: str = "float32", steps: int = 3, batch: int = 4, probes: bool = False
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     x, y = torch.randn(steps * batch, 3), torch.randn(steps * batch, 2)
-    with gradlog.GradRecorder(model, path, backend="loop", dtype=dtype) as rec:
+    extra: dict[str, Any] = {}
+    if probes:  # two probes, ids 7 and 9: one probe chunk per step and parameter
+        extra = {"probes": (_probe_loss, (torch.randn(2, 3), torch.randn(2, 2))),
+                 "probe_ids": [7, 9]}
+    with gradlog.GradRecorder(model, path, backend="loop", dtype=dtype, **extra) as rec:
         for s in range(steps):
             xb, yb = x[s * batch : (s + 1) * batch], y[s * batch : (s + 1) * batch]
             rec.backward(((model(xb) - yb) ** 2).sum(1), step=s)
+
+
+def _probe_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch[0]) - batch[1]) ** 2).sum(1)
 
 
 def _shard(path: Path, param: str = "0.weight", shard: int = 1) -> Path:
@@ -67,8 +77,10 @@ def test_an_intact_store_verifies(tmp_store: Path, dtype: str) -> None:
         "arrays",
         "checksums",
         "schemas",
+        "probes",
     ]
     assert report.check("commit log").summary == "3 committed steps (0..2)"
+    assert report.check("probes").summary == "no probes"
     assert report.check("checksums").summary.startswith("12 chunk files read")  # 4 params x 3
     result = _cli(tmp_store)
     assert result.exit_code == 0, result.output
@@ -210,3 +222,128 @@ def test_an_index_part_lacking_a_column_is_refused_by_read_and_verify(tmp_store:
         _ = gradlog.open(tmp_store).datums
     problems = verify(tmp_store).check("index").problems
     assert "index/step-000000000001-000000.parquet lacks column(s) ['weight']." in problems
+
+
+# -- probes -----------------------------------------------------------------------------------
+def _probe_part(path: Path, step: int) -> Path:
+    return path / f"probes/index/step-{step:012d}.parquet"
+
+
+def _edit_probe_part(path: Path, step: int, edit: Any) -> None:
+    part = _probe_part(path, step)
+    table = pq.read_table(part)
+    rows = table.to_pylist()
+    edit(rows)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+
+
+def test_an_intact_store_with_probes_verifies(tmp_store: Path) -> None:
+    _record(tmp_store, probes=True)
+    report = verify(tmp_store)
+    assert report.ok, [c.problems for c in report.checks]
+    assert report.check("probes").summary.startswith(
+        "6 probe records of 3 steps (2 probes), 12 chunks read"
+    )
+    assert _cli(tmp_store).exit_code == 0
+
+
+def test_a_flipped_byte_in_a_probe_chunk_is_detected_by_read_and_verify(tmp_store: Path) -> None:
+    _record(tmp_store, probes=True)
+    _flip(tmp_store / "probes/grads/2.weight/c/1/0/0")
+    run = gradlog.open(tmp_store)
+    with pytest.raises(errors.StoreCorruptError, match="checksum"):
+        run.probe_grads("2.weight", step=1)
+    report = verify(tmp_store)
+    assert not report.ok
+    [problem] = report.check("probes").problems
+    assert "probes/grads/2.weight" in problem and "c/1/0/0" in problem and "checksum" in problem
+    assert report.check("checksums").ok  # the training records are intact
+    result = _cli(tmp_store)
+    assert result.exit_code == 1 and "FAIL probes" in result.output
+
+
+def _lose_part(path: Path) -> None:
+    _probe_part(path, 1).unlink()
+
+
+def _reorder(rows: list[dict[str, Any]]) -> None:
+    rows[0]["probe_id"], rows[1]["probe_id"] = rows[1]["probe_id"], rows[0]["probe_id"]
+
+
+def _edit(field: str, value: Any) -> Any:
+    def edit(rows: list[dict[str, Any]]) -> None:
+        rows[1][field] = value
+    return edit
+
+
+PROBE_DAMAGE = {
+    "a lost probe part": (_lose_part, "probe rows [2, 3] are in no committed probe part"),
+    "another step inside": (
+        lambda p: _edit_probe_part(p, 1, _edit("step", 2)),
+        "probes/index/step-000000000001.parquet holds steps [1, 2], its name says 1",
+    ),
+    "probe ids out of order": (
+        lambda p: _edit_probe_part(p, 1, _reorder),
+        "holds probe ids [9, 7], not probe_ids [7, 9] in order",
+    ),
+    "a negative norm": (
+        lambda p: _edit_probe_part(p, 2, _edit("norm/0.bias", -1.0)),
+        "probe 9 at step 2: a non-finite loss or a negative or non-finite norm",
+    ),
+    "a non-finite loss": (
+        lambda p: _edit_probe_part(p, 0, _edit("loss", float("nan"))),
+        "probe 9 at step 0: a non-finite loss or a negative or non-finite norm",
+    ),
+    "an unreadable part": (
+        lambda p: _probe_part(p, 2).write_bytes(b"PAR1 garbage"),
+        "probes/index/step-000000000002.parquet does not read",
+    ),
+    "a part lacking a column": (
+        lambda p: pq.write_table(pq.read_table(_probe_part(p, 2)).drop_columns(["loss"]),
+                                 _probe_part(p, 2)),
+        "probes/index/step-000000000002.parquet lacks column(s) ['loss']",
+    ),
+    "a lost probe array": (
+        lambda p: shutil.rmtree(p / "probes/grads/0.bias"),
+        "probe array probes/grads/0.bias of '0.bias' is missing",
+    ),
+    "a short probe array": (
+        lambda p: _resize_probe_array(p, "0.weight", 4),
+        "probe array probes/grads/0.weight declares 4 rows; committed probe rows reach 5",
+    ),
+    "a lost probes group": (
+        lambda p: (p / "probes/zarr.json").unlink(),
+        "probes/zarr.json is missing",
+    ),
+}
+
+
+def _resize_probe_array(path: Path, param: str, rows: int) -> None:
+    meta_file = path / "probes/grads" / param / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["shape"][0] = rows
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", list(PROBE_DAMAGE), ids=list(PROBE_DAMAGE))
+def test_damaged_probes_are_detected(tmp_store: Path, damage: str) -> None:
+    _record(tmp_store, probes=True)
+    do, expected = PROBE_DAMAGE[damage]
+    do(tmp_store)
+    report = verify(tmp_store)
+    problems = report.check("probes").problems
+    assert any(expected in p for p in problems), problems
+    assert not report.ok
+    assert all(c.ok for c in report.checks if c.name != "probes")
+
+
+def test_uncommitted_probe_parts_are_notes_and_a_step_may_lack_probes(tmp_store: Path) -> None:
+    _record(tmp_store, probes=True)
+    (tmp_store / "steps/step-000000000002.parquet").unlink()  # a crash before step 2 commits
+    (tmp_store / "probes/index/.step-000000000003.parquet.tmp").write_bytes(b"partial")
+    report = verify(tmp_store)
+    assert report.ok, [c.problems for c in report.checks]
+    assert "uncommitted probes/index/step-000000000002.parquet (ignored by readers)" in report.notes
+    assert any("temporary probes/index/.step-000000000003" in n for n in report.notes)
+    _probe_part(tmp_store, 1).unlink()  # the last committed step without probes: allowed
+    assert verify(tmp_store).ok

@@ -36,6 +36,7 @@ __all__ = [
     "PROBES_GROUP",
     "ProbeArray",
     "ProbeWriter",
+    "parse_probe_part_name",
     "probe_array_path",
     "probe_index_schema",
     "probe_part_name",
@@ -57,6 +58,12 @@ def probe_array_path(param: str) -> str:
 def probe_part_name(step: int) -> str:
     """File (in ``probes/index/``) of the probe rows of one step."""
     return f"step-{step:012d}.parquet"
+
+
+def parse_probe_part_name(name: str) -> int | None:
+    """The step of a probe part's file name, or None for any other name (temporaries)."""
+    m = _PROBE_PART.match(name)
+    return int(m.group(1)) if m is not None else None
 
 
 def probe_index_schema(params: Sequence[str]) -> Any:
@@ -160,7 +167,13 @@ class ProbeArray:
         directory = root / probe_array_path(name)
         if not (directory / "zarr.json").is_file():
             raise StoreCorruptError(f"{self.where} is missing, though probe records exist.")
-        self.array = zarr.open_array(str(directory), mode="r")
+        try:
+            self.array = zarr.open_array(str(directory), mode="r")
+        except Exception as e:  # zarr raises many kinds for metadata it cannot parse
+            raise StoreFormatError(
+                f"{self.where}: its zarr.json does not open as a Zarr array ({e}); the store was "
+                "damaged: run `gradlog verify`."
+            ) from None
         if tuple(self.array.shape[1:]) != self.shape or self.array.dtype != self.dtype.array_dtype:
             raise StoreFormatError(
                 f"{self.where} has shape {self.array.shape} and dtype {self.array.dtype}; the "
@@ -170,6 +183,22 @@ class ProbeArray:
     @property
     def chunk_rows(self) -> int:
         return int(self.array.chunks[0])
+
+    def chunk_keys(self, chunk: int) -> list[str]:
+        """Keys (in the array's directory) of the chunks holding record chunk ``chunk``."""
+        rest = tuple(int(n) for n in self.array.cdata_shape[1:])
+        return [self.array.metadata.encode_chunk_key((chunk, *i)) for i in np.ndindex(*rest)]
+
+    def _damaged(self, rows: np.ndarray) -> str:
+        """Which chunk of ``rows`` fails to decode (each is read alone), for error messages."""
+        c = self.chunk_rows
+        for chunk in np.unique(rows // c):
+            lo = int(chunk) * c
+            try:
+                self.array[lo : min(lo + c, self.array.shape[0])]
+            except ValueError:
+                return "chunk " + ", ".join(self.chunk_keys(int(chunk)))
+        return "a chunk"
 
     def read(self, rows: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
         """Rows ``rows`` (sorted) as ``(n, *shape)`` of ``dtype``.
@@ -191,7 +220,9 @@ class ProbeArray:
             else:
                 stored = np.asarray(self.array.oindex[rows])
         except ValueError as e:
-            raise StoreCorruptError(f"{self.where}: a chunk fails its checksum: {e}") from None
+            raise StoreCorruptError(
+                f"{self.where}: {self._damaged(rows)} fails its checksum: {e}"
+            ) from None
         return np.asarray(from_storage(stored, self.dtype, dtype))
 
 

@@ -1,6 +1,6 @@
 """``gradlog verify RUN``: check a store from end to end, reading every byte of its records.
 
-:func:`verify` runs five checks and reports every problem it finds (it does not stop at the
+:func:`verify` runs seven checks and reports every problem it finds (it does not stop at the
 first):
 
 - **root**: the root ``zarr.json`` parses, names a gradlog store of a known version, its
@@ -16,10 +16,17 @@ first):
   in version 2, the shard index's), so damage anywhere is found;
 - **schemas**: root attributes and every committed index and steps row against the JSON
   Schemas (with ``jsonschema`` when it is installed; otherwise the structural checks above,
-  which gradlog knows itself, stand in).
+  which gradlog knows itself, stand in);
+- **probes** (FORMAT.md section 11; "no probes" for a store without them): the probes group
+  lists distinct probe ids, every probe part of a committed step is readable, named after its
+  step and holds one row per probe in ``probe_ids`` order with finite losses and norms, the
+  committed probe rows are ``0 .. n-1`` (a gap is a lost part; a committed step may have no
+  probe part), and every probe array covers them with every chunk holding one read and its
+  crc32c verified.
 
-Uncommitted leftovers of a crash (index parts of steps that never committed, temporaries) are
-reported as notes, not problems: readers ignore them and ``resume=True`` discards them.
+Uncommitted leftovers of a crash (index and probe parts of steps that never committed,
+temporaries) are reported as notes, not problems: readers ignore them and ``resume=True``
+discards them.
 
 Nothing is written and nothing from the store is executed. Imports no torch.
 """
@@ -96,7 +103,7 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
         run = Run(root)
     except GradlogError as e:
         check.problems.append(str(e))
-        for name in ("commit log", "index", "arrays", "checksums", "schemas"):
+        for name in ("commit log", "index", "arrays", "checksums", "schemas", "probes"):
             report.checks.append(Check(name, skipped="the store does not open"))
         return report
     attrs = run.attrs
@@ -110,6 +117,7 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
     arrays = _check_arrays(run, records, report)
     _check_checksums(run, arrays, records, report)
     _check_schemas(attrs, step_rows, records, report)
+    _check_probes(run, steps, report)
     for c in report.checks:
         if len(c.problems) > max_problems:
             extra = len(c.problems) - max_problems
@@ -387,6 +395,140 @@ def _check_schemas(
                 f"{where} breaks {name}.schema.json at {error.json_path}: {error.message}"
             )
     check.summary = f"{len(items)} objects valid against schemas/*.schema.json"
+
+
+# -- probes -----------------------------------------------------------------------------------
+def _check_probes(run: Any, steps: dict[int, dict[str, Any]], report: Report) -> None:
+    from gradlog.store.probes import (
+        PROBE_INDEX_DIR,
+        PROBES_GROUP,
+        ProbeArray,
+        parse_probe_part_name,
+        probe_array_path,
+        probe_index_schema,
+        read_probe_ids,
+    )
+
+    check = Check("probes")
+    report.checks.append(check)
+    root = run.path
+    group = root / PROBES_GROUP
+    directory = root / PROBE_INDEX_DIR
+    if not group.is_dir() and not (group / "zarr.json").is_file():
+        check.summary = "no probes"
+        return
+    ids: list[int] | None = None
+    try:
+        ids = read_probe_ids(root)
+    except GradlogError as e:
+        check.problems.append(str(e))
+    if ids is None and not check.problems:
+        check.problems.append(
+            f"{PROBES_GROUP}/zarr.json is missing: the store has probe data but not the group "
+            "that lists their probe_ids (FORMAT.md section 11)."
+        )
+    elif ids is not None and not ids:
+        check.problems.append(f"{PROBES_GROUP}/zarr.json lists no probe id; it needs one.")
+    params = list(run.attrs["params"])
+    schema = probe_index_schema(params)
+    norm_columns = [fmt.norm_column(n) for n in params]
+    parts: dict[int, list[dict[str, Any]]] = {}
+    entries = sorted(sfs.listdir(directory)) if directory.is_dir() else []
+    for entry in entries:
+        where = f"{PROBE_INDEX_DIR}/{entry}"
+        if entry.startswith("."):
+            report.notes.append(f"temporary {where} (an interrupted write)")
+            continue
+        step = parse_probe_part_name(entry)
+        if step is None:
+            check.problems.append(f"{where} is not a probe part name.")
+            continue
+        if step not in steps:
+            report.notes.append(f"uncommitted {where} (ignored by readers)")
+            continue
+        try:
+            table = sfs.read_parquet(directory / entry, schema=schema)
+        except Exception as e:
+            check.problems.append(f"{where} does not read: {e}")
+            continue
+        if _nulls(table):
+            check.problems.append(f"{where} lacks column(s) {_nulls(table)}.")
+            continue
+        records = table.to_pylist()
+        held = sorted({r["step"] for r in records})
+        if held != [step]:
+            check.problems.append(f"{where} holds steps {held}, its name says {step}.")
+            continue
+        got = [r["probe_id"] for r in records]
+        if ids is not None and got != ids:
+            check.problems.append(
+                f"{where} holds probe ids {got[:10]}, not probe_ids {ids[:10]} in order (one row "
+                "per probe)."
+            )
+        numbers = [r["row"] for r in records]
+        if numbers and numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+            check.problems.append(f"{where}: rows {numbers[:6]}... are not consecutive.")
+        for r in records:
+            values = [r["loss"], *(r[c] for c in norm_columns)]
+            if not all(math.isfinite(v) for v in values) or any(r[c] < 0 for c in norm_columns):
+                check.problems.append(
+                    f"probe {r['probe_id']} at step {step}: a non-finite loss or a negative or "
+                    "non-finite norm."
+                )
+        parts[step] = records
+    # Rows are assigned consecutively from 0 in write order, and a resumed run continues after
+    # the committed ones: committed probe rows are 0 .. n-1 in step order. A step without a
+    # probe part holds none, so a gap means a part was lost.
+    in_order = np.asarray([r["row"] for s in sorted(parts) for r in parts[s]], dtype=np.int64)
+    rows, counts = np.unique(in_order, return_counts=True)
+    if (counts > 1).any():
+        check.problems.append(f"probe rows {rows[counts > 1][:8].tolist()} are used twice.")
+    elif (np.diff(in_order) < 0).any():
+        check.problems.append("probe rows do not follow the order of the steps.")
+    max_row = int(rows[-1]) if rows.size else -1
+    lost = np.setdiff1d(np.arange(max_row + 1), rows)
+    if lost.size:
+        check.problems.append(
+            f"probe rows {lost[:8].tolist()} are in no committed probe part: a probe part was "
+            "lost (probe rows are assigned consecutively from 0, FORMAT.md section 11)."
+        )
+    n_chunks = 0
+    for name, spec in run.attrs["params"].items():
+        if not rows.size:
+            break  # no probe records: the arrays may not exist yet
+        try:
+            array = ProbeArray(root, name, spec)
+        except GradlogError as e:
+            check.problems.append(str(e))
+            continue
+        path = probe_array_path(name)
+        declared = int(array.array.shape[0])
+        if declared <= max_row:
+            check.problems.append(
+                f"probe array {path} declares {declared} rows; committed probe rows reach "
+                f"{max_row}."
+            )
+            continue
+        codecs = getattr(array.array.metadata, "codecs", ())  # v3 metadata has codecs
+        if not codecs or type(codecs[-1]).__name__ != "Crc32cCodec":
+            check.problems.append(
+                f"probe array {path}: its codecs do not end with crc32c, so its chunks carry no "
+                "checksum (FORMAT.md section 11)."
+            )
+        per_chunk = array.chunk_rows
+        for chunk in np.unique(rows // per_chunk):
+            try:
+                array.read(rows[rows // per_chunk == chunk])  # checksums verified
+            except GradlogError as e:
+                check.problems.append(str(e))
+            # zarr leaves an all-zero chunk unwritten (fill value), so an absent chunk file is
+            # not damage here, unlike a training shard (FORMAT.md section 4.1)
+            n_chunks += len(array.chunk_keys(int(chunk)))
+    n_probes = len(ids) if ids is not None else "?"
+    check.summary = (
+        f"{in_order.size} probe records of {len(parts)} steps ({n_probes} probes), "
+        f"{n_chunks} chunks read, crc32c verified"
+    )
 
 
 _ROOT_KEYS = {

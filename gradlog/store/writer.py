@@ -68,6 +68,7 @@ from gradlog.store.dtypes import (
     to_storage_torch,
 )
 from gradlog.store.fs import StorePath
+from gradlog.store.probes import PROBE_INDEX_DIR, PROBES_GROUP, parse_probe_part_name
 from gradlog.store.ranks import RANKS_DIR, merge_rows, rank_part, wait_for_ranks
 
 __all__ = ["DEFAULT_QUEUE_BYTES", "ParamSpec", "StoreWriter"]
@@ -490,7 +491,8 @@ class StoreWriter:
                     f"{where}: parameter {name!r} is stored as {stored[name]}, this recorder "
                     f"has {spec}; resume with the same model and dtype."
                 )
-        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP):
+        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP, PROBES_GROUP,
+                    PROBE_INDEX_DIR):
             target = self.path / sub
             if target.is_symlink() or not _inside(self.path, target):
                 raise StoreResumeError(
@@ -506,31 +508,33 @@ class StoreWriter:
                                  for k, v in stored[name]["arrays"].items()})
                 for name, spec in self.specs.items()
             })
-        for key, array in self._targets.items():
-            meta_file = self.path / array.rel / "zarr.json"
-            if meta_file.is_file():
-                layout, rows = _read_layout(meta_file)
-                if layout.array_dtype != self._dtypes[key].array_dtype:
-                    raise StoreResumeError(
-                        f"{meta_file}: array dtype {layout.array_dtype} is not that of storage "
-                        f"dtype {array.dtype.name}; the store is damaged."
-                    )
-                self._layouts[key] = layout
-                self.compression[key] = layout.compression
-                self._capacity = rows if not self._capacity else min(self._capacity, rows)
         steps = run.steps
         datums = run.datums
-        if self._layouts and len(self._layouts) != len(self._targets):
-            if datums.num_rows:
-                missing = [k for k in self._targets if k not in self._layouts]
+        if datums.num_rows:  # the arrays hold committed rows: continue them
+            for key, array in self._targets.items():
+                meta_file = self.path / array.rel / "zarr.json"
+                if meta_file.is_file():
+                    layout, rows = _read_layout(meta_file)
+                    if layout.array_dtype != self._dtypes[key].array_dtype:
+                        raise StoreResumeError(
+                            f"{meta_file}: array dtype {layout.array_dtype} is not that of "
+                            f"storage dtype {array.dtype.name}; the store is damaged."
+                        )
+                    self._layouts[key] = layout
+                    self.compression[key] = layout.compression
+                    self._capacity = rows if not self._capacity else min(self._capacity, rows)
+            missing = [k for k in self._targets if k not in self._layouts]
+            if missing:
                 raise StoreResumeError(
                     f"{where}: arrays of {missing[:5]} are missing though records were "
                     "committed; the store is damaged (run `gradlog verify`)."
                 )
-            # A crash while the first call created its arrays: nothing was committed, so
-            # start the arrays afresh (their metadata and shards are overwritten).
-            self._layouts.clear()
-            self._capacity = 0
+        elif cleanup:
+            # Nothing was committed: the run plans its forms again at its first backward and
+            # creates its arrays afresh. A crashed attempt's arrays and form groups may be of
+            # another plan (a group where an array now goes, or the reverse) and another shard
+            # size; none of their rows is committed, so they go.
+            self._remove_arrays(stored)
         if steps.num_rows:
             self.last_step = int(steps.column("step")[-1].as_py())
         if datums.num_rows:
@@ -549,21 +553,38 @@ class StoreWriter:
         if not cleanup:
             return
         # Discard what the crash left: uncommitted index parts and temporaries. Their rows are
-        # past the committed ones and will be overwritten. Rank parts of uncommitted steps go
-        # too: a step recorded again must not be committed on a crashed attempt's part.
+        # past the committed ones and will be overwritten. Rank parts and probe parts of
+        # uncommitted steps go too: a step recorded again must not be committed on a crashed
+        # attempt's part (nor show its probes when it is recorded again without probes).
         done = {int(s) for s in steps.column("step").to_pylist()}
-        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, RANKS_DIR):
-            if sub == RANKS_DIR and not (self.path / sub).is_dir():
-                continue  # recorded by one process
+        for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, RANKS_DIR, PROBE_INDEX_DIR):
+            if sub in (RANKS_DIR, PROBE_INDEX_DIR) and not (self.path / sub).is_dir():
+                continue  # recorded by one process, or without probes
             for entry in sfs.listdir(self.path / sub):
                 parsed = fmt.parse_part_name(entry)
+                probe_step = parse_probe_part_name(entry) if sub == PROBE_INDEX_DIR else None
                 stale = entry.startswith(".") or (
                     sub == fmt.INDEX_DIR
                     and parsed is not None
                     and (parsed[0], parsed[1] or 0) not in committed
-                ) or (sub == RANKS_DIR and parsed is not None and parsed[0] not in done)
+                ) or (sub == RANKS_DIR and parsed is not None and parsed[0] not in done) or (
+                    probe_step is not None and probe_step not in done
+                )
                 if stale and (self.path / sub / entry).is_file():
                     (self.path / sub / entry).unlink()
+
+    def _remove_arrays(self, stored: Mapping[str, Any]) -> None:
+        """Delete every parameter's array or form group (resuming a store without records)."""
+        for name in stored:
+            directory = self.path / fmt.array_path(name)
+            if directory.is_symlink() or not _inside(self.path, directory):
+                raise StoreResumeError(
+                    f"{directory} is a symbolic link or leaves the store; resume=True never "
+                    "deletes outside the store. Copy the store without links and resume the "
+                    "copy."
+                )
+            if directory.exists():
+                sfs.remove_tree(directory)
 
     # -- arrays ---------------------------------------------------------------------------------
     def _array_dir(self, key: str) -> StorePath:
