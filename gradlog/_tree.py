@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,17 @@ def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     if isinstance(tree, dict):
         keys = list(tree)
         leaves, rebuild_values = flatten([tree[k] for k in keys])
-        return leaves, lambda ls: dict(zip(keys, rebuild_values(ls)))
+
+        def rebuild_dict(ls: list[Any]) -> Any:
+            values = rebuild_values(ls)
+            if type(tree) is dict:
+                return dict(zip(keys, values))
+            out = copy.copy(tree)  # a subclass (Hugging Face's ModelOutput) keeps its type
+            for k, v in zip(keys, values):
+                out[k] = v
+            return out
+
+        return leaves, rebuild_dict
     return [tree], lambda ls: ls[0]
 
 

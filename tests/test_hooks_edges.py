@@ -271,30 +271,135 @@ def test_the_datum_check_passes_a_gpt_whose_length_equals_the_batch(tmp_path: Pa
     assert list(gradlog.open(tmp_path / "r.gradlog").steps["step"].to_pylist()) == [0, 1]
 
 
-def test_the_datum_check_runs_once_per_new_ambiguous_layout(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_datum_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from gradlog.backends import hooks
 
     runs: list[int] = []
-    original = hooks.HooksBackend._check_datum
+    original = hooks.HooksBackend._datum_probe
 
-    def counted(self: hooks.HooksBackend, losses: torch.Tensor, records: object) -> None:
+    def counted(self: hooks.HooksBackend, losses: torch.Tensor, batch_loss: torch.Tensor,
+                ) -> object:
         runs.append(int(losses.shape[0]))
-        original(self, losses, records)  # type: ignore[arg-type]
+        return original(self, losses, batch_loss)
 
-    monkeypatch.setattr(hooks.HooksBackend, "_check_datum", counted)
+    monkeypatch.setattr(hooks.HooksBackend, "_datum_probe", counted)
+    return runs
+
+
+def test_the_datum_check_runs_once_per_new_ambiguous_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _count_datum_checks(monkeypatch)
     model = _SequenceFirstByHand().double()
     be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
                            randomness="different")
     be.attach()
     try:
-        for T in (5, 5, 6, 6):  # no ambiguity: only the first backward checks
+        for T in (5, 5, 6, 7, 6):  # no ambiguity: only the first backward checks
             model.zero_grad()
             losses = squares(model(torch.randn(B, T, 3, dtype=D64)))
             be.backward(losses, losses.mean())
     finally:
         be.detach()
     assert runs == [B]
+
+
+@pytest.mark.parametrize("case", ["classes == B", "reused module", "rank == B"])
+def test_the_datum_check_does_not_rerun_for_layouts_it_has_seen(
+        monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A feature dimension equal to B is not ambiguous, and a reused module's layout is
+    checked once whatever the sequence length."""
+    runs = _count_datum_checks(monkeypatch)
+    torch.manual_seed(0)
+    enc, head = nn.Linear(3, 6), nn.Linear(6, B if case == "classes == B" else 2)
+    lora = nn.Sequential(nn.Linear(3, B), nn.Linear(B, 6))  # rank B adapter
+    model = nn.ModuleDict({"enc": enc, "head": head, "lora": lora}).double()
+
+    def losses(x: torch.Tensor) -> torch.Tensor:
+        if case == "reused module":  # a siamese pair through one encoder
+            h = torch.tanh(enc(x)) + torch.tanh(enc(x.flip(1)))
+        elif case == "rank == B":
+            h = torch.tanh(enc(x) + lora(x))
+        else:
+            h = torch.tanh(enc(x))
+        return squares(head(h.mean(1)))
+
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        for T in (5, 6, 7, 8, 9):  # (T never equals B)
+            model.zero_grad()
+            loss = losses(torch.randn(B, T, 3, dtype=D64))
+            be.backward(loss, loss.mean())
+    finally:
+        be.detach()
+    assert len(runs) == 1
+
+
+def test_the_datum_check_adds_no_peak_memory_of_its_own() -> None:
+    """The datum's own gradient is sampled and freed before the batch's backward allocates
+    the per-datum gradients: the first (checked) step holds no more than the next."""
+    import gc
+    import weakref
+
+    from gradlog.backends import hooks
+
+    big: list[weakref.ref[torch.Tensor]] = []
+    original = torch.autograd.grad
+
+    def tracked(*args: object, **kwargs: object) -> object:
+        out = original(*args, **kwargs)  # type: ignore[arg-type]
+        big.extend(weakref.ref(g) for g in out if g is not None)
+        return out
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        hooks.torch.autograd.grad = tracked  # type: ignore[assignment]
+        losses = squares(model(torch.randn(B, 8, dtype=D64)))
+        original_backward = torch.Tensor.backward
+
+        def backward(t: torch.Tensor, *args: object, **kwargs: object) -> None:
+            gc.collect()
+            assert big and all(r() is None for r in big)  # the datum's gradient is gone
+            original_backward(t, *args, **kwargs)  # type: ignore[arg-type]
+
+        torch.Tensor.backward = backward  # type: ignore[method-assign]
+        try:
+            be.backward(losses, losses.mean())
+        finally:
+            torch.Tensor.backward = original_backward  # type: ignore[method-assign]
+    finally:
+        hooks.torch.autograd.grad = original  # type: ignore[assignment]
+        be.detach()
+
+
+def test_no_datum_check_when_the_user_has_backward_hooks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their side effects would run twice."""
+    runs = _count_datum_checks(monkeypatch)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    seen: list[int] = []
+    model[0].weight.register_hook(lambda g: seen.append(1))
+    x = torch.randn(B, 3, dtype=D64)
+    per_datum(model, lambda: squares(model(x)), "hooks")
+    assert runs == [] and seen == [1]  # no check: the hook fired once
+
+
+def test_the_datum_check_allows_autocast_rounding_in_layers_it_does_not_record(
+        tmp_path: Path) -> None:
+    """Under bf16 autocast, recording only LayerNorms (float32 gradients of their own): the
+    datum's own backward still crosses bf16 matmuls, and B=3 makes 1/B inexact."""
+    from gradlog.testing.zoo import gpt_batch, per_token_ce, tiny_gpt
+
+    model = tiny_gpt(n_embd=16, n_layer=2)
+    x, y, mask = gpt_batch(3, 8)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", params="*ln*") as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        rec.backward(per_token_ce(logits.float(), y), mask=mask)
 
 
 def test_no_datum_check_under_reentrant_checkpointing() -> None:

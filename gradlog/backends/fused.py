@@ -38,8 +38,9 @@ class FusedLink:
         self.out: torch.Tensor | None = out
         self.weight_grad: torch.Tensor | None = None
         # the hooks backend's handler of the output gradient (instead of a tensor hook on the
-        # output: one Python call less per layer); it sets weight_grad
-        self.on_grad: Callable[[torch.Tensor], None] | None = None
+        # output: one Python call less per layer); it sets weight_grad, and returns False
+        # when it let the gradient pass (a backward it does not record: kept for the next)
+        self.on_grad: Callable[[torch.Tensor], bool] | None = None
 
 
 class FusedLinear(torch.autograd.Function):
@@ -67,9 +68,8 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         link: FusedLink = ctx.link
-        on_grad, link.on_grad = link.on_grad, None
-        if on_grad is not None:
-            on_grad(grad)  # per-datum gradients of this call, and their sum in weight_grad
+        if link.on_grad is not None and link.on_grad(grad):
+            link.on_grad = None  # per-datum gradients of this call, their sum in weight_grad
         if torch.is_grad_enabled():  # create_graph=True: gradients that will be differentiated
             link.weight_grad = None  # (the records' sum is not): the ordinary products below
         x, weight = ctx.saved_tensors

@@ -151,6 +151,7 @@ class _Entry:
     params: tuple[nn.Parameter, ...]
     fallback: bool
     fused: bool = False  # batch_grad="sum": the weight gradient is the sum of the records
+    hook_base: bool = False  # see Rule.views_own_result and _made_base
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:
@@ -247,7 +248,9 @@ class HooksBackend(Backend):
         self._recomputing = False  # True while a rule runs (torch.func re-runs modules)
         self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
         self._pool = _Pool()
-        self._datum_checked: set[tuple[str, tuple[int, ...]]] = set()  # _wants_datum_check
+        self._datum_checked: set[tuple[str, int, tuple[int, ...]]] = set()  # layouts checked
+        self._probing = False  # inside the datum check's backward (_datum_probe)
+        self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -333,7 +336,10 @@ class HooksBackend(Backend):
         params = tuple(self.params[n] for n in dict.fromkeys(names.values()))
         fused = (self.batch_grad == "sum" and not fallback and "weight" in names
                  and rule.name in ("linear", "conv1d_gpt2") and fusable(module))
-        return _Entry(module, name, rule, names, params, fallback, fused)
+        # (a fallback entry of a layer whose own rule knows its forward: a pruned Linear)
+        own = rule if not fallback else find_rule(module)
+        hook_base = own is not None and own.views_own_result
+        return _Entry(module, name, rule, names, params, fallback, fused, hook_base)
 
     # -- capture (forward) ------------------------------------------------------------------
     def _on_forward(self, entry: _Entry, module: nn.Module, args: tuple[Any, ...],
@@ -356,7 +362,8 @@ class HooksBackend(Backend):
             return output if link is not None else None
         replaced = link is not None
         if entry.fallback:
-            aliased = _alias_outputs(output)
+            aliased = _alias_outputs(output, [(t, 0) for t in leaves((args, kwargs))
+                                              if isinstance(t, torch.Tensor)])
             if aliased is not None:
                 output, replaced = aliased, True
         outputs = leaves(output)
@@ -373,10 +380,10 @@ class HooksBackend(Backend):
                     tags.setdefault(_TAG, []).append((t.output_nr, call))
             on_grad = functools.partial(self._on_output_grad, call, i)
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
-                link.on_grad = on_grad
+                link.on_grad = functools.partial(self._on_fused_grad, call, i)
             else:
-                target = t if entry.fallback or i != call.primary else _made_base(
-                    t, call.versions)
+                target = _made_base(t, call.versions) if (
+                    entry.hook_base and i == call.primary) else t
                 if target is not t:  # see _made_base: the view's own hook may never fire
                     geometry = (t.shape, t.stride(),
                                 int(t.storage_offset() - target.storage_offset()))
@@ -386,6 +393,9 @@ class HooksBackend(Backend):
         if call is None:
             return output if replaced else None
         call.fused = link
+        narrow = _autocast_dtype(entry.params[0].device.type)
+        if narrow is not None:  # (the datum check's tolerance)
+            self._autocast.add(narrow)
         chunk = _current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
@@ -419,13 +429,10 @@ class HooksBackend(Backend):
         try:
             self._refuse_double_backward()
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
-            datum_check = (losses.grad_fn is not None and self._wants_datum_check(B)
-                           and not _has_reentrant_checkpoint(batch_loss.grad_fn))
+            datum = self._datum_probe(losses, batch_loss) if self._wants_datum_check(B) else None
             self._armed = True
             try:
-                # the ordinary backward: p.grad exactly as without gradlog (the graph is kept
-                # for one more backward of a single datum's loss when checking one)
-                batch_loss.backward(retain_graph=datum_check or None)
+                batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
             finally:
                 self._armed = False
                 for handle in self._consumer_handles:
@@ -443,58 +450,94 @@ class HooksBackend(Backend):
                 else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
                 for name, p in self.params.items()
             }
-            if datum_check:
-                self._check_datum(losses, out)
+            if datum is not None:
+                self._check_datum(datum, out)
             return out
         finally:
             for call in self._touched:
                 call.release()
             self._reset(0)
+            self._autocast = set()  # (what the next forward runs under)
             self._pool.release()
 
     # -- one datum against its own backward ----------------------------------------------------
     def _wants_datum_check(self, B: int) -> bool:
-        """Check one datum on the first backward, and again whenever this forward has calls
-        whose batch layout shapes alone cannot settle (a new set of them): a layer output
-        with several leading dimensions of size B (sequence length == batch size), or a
-        module called more than once (reuse, or once per datum by hand). Sums over the batch
-        cannot see a wrong split between datums; one datum's own backward can."""
+        """Check one datum on the first backward, and again whenever a forward has a layout
+        not checked yet that shapes alone cannot settle: a layer output with several leading
+        dimensions of size B (a sequence-first tensor whose length equals the batch size), or
+        a module called more than once (reuse, or once per datum by hand). A wrong split
+        between datums still sums to ``p.grad``; one datum's own backward sees it."""
         if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
             return False
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         uses: dict[int, int] = {}
         for c in calls:
             uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
-        unsure = frozenset(
-            (c.entry.name, tuple(c.out_shape)) for c in calls
-            if uses[id(c.entry)] > 1 or sum(n == B for n in c.out_shape) > 1)
-        first = not self._datum_checked
-        if not first and unsure <= self._datum_checked:
+        unsure: set[tuple[str, int, tuple[int, ...]]] = set()
+        for c in calls:
+            shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
+            lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
+            at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
+            if len(at) > 1 or uses[id(c.entry)] > 1:
+                unsure.add((c.entry.name, uses[id(c.entry)], at if len(at) > 1 else ()))
+        if self._datum_checked and unsure <= self._datum_checked:
             return False
-        self._datum_checked |= unsure | {("", ())}
-        return True
+        self._datum_checked |= unsure | {("", 0, ())}
+        return not self._foreign_backward_hooks()
 
-    def _check_datum(self, losses: torch.Tensor, records: Mapping[str, Any]) -> None:
-        """Datum b's records against ``autograd.grad(losses[b])`` at a few entries per
-        parameter (b drawn at random). Runs after the batch's backward, on its kept graph."""
-        b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
-        # Under autocast the datum's own backward runs in the narrow dtype through every
-        # layer it crosses (not only the layers whose own gradient is narrow): one tolerance.
-        narrow = max((torch.finfo(d).eps for d in self.low_precision.values()), default=0.0)
+    def _foreign_backward_hooks(self) -> bool:
+        """Backward hooks of the user's own (on parameters or modules) would fire again in
+        the datum check's extra backward, with side effects (gradient statistics): then no
+        check. (Hooks on activations cannot be seen; README says so.)"""
+        recorded = {id(p) for p in self.params.values()}
+        for p in self.model.parameters():
+            if len(p._backward_hooks or ()) > (1 if id(p) in recorded else 0):
+                return True
+        module_hooks = torch.nn.modules.module
+        if getattr(module_hooks, "_global_backward_hooks", None) or getattr(
+                module_hooks, "_global_backward_pre_hooks", None):
+            return True
+        return any(m._backward_hooks or m._backward_pre_hooks for m in self.model.modules())
+
+    def _datum_probe(self, losses: torch.Tensor,
+                     batch_loss: torch.Tensor) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
+        """Before the batch's backward: ``autograd.grad(losses[b])`` for a random datum b,
+        kept at a few random entries per parameter (the rest is freed before the batch's
+        backward allocates its per-datum gradients, so the check adds no peak memory)."""
         names = [n for n, p in self.params.items() if p.numel()]
-        if not names:
-            return
-        got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
-                                  allow_unused=True)  # frees the kept graph
-        ours, theirs = [], []
+        if (not names or losses.grad_fn is None
+                or _has_reentrant_checkpoint(batch_loss.grad_fn)):  # (refuses autograd.grad)
+            return None
+        b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
+        self._probing = True  # the hooks let this backward pass (see _on_output_grad)
+        try:
+            got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
+                                      retain_graph=True, allow_unused=True)
+        finally:
+            self._probing = False
+        sampled: dict[str, tuple[Any, Any]] = {}
         for name, grad in zip(names, got):
             p = self.params[name]
             index = torch.randint(p.numel(), (_DATUM_ENTRIES,), generator=self._spot_rng)
             index = index.to(p.device)
+            sampled[name] = (index, None if grad is None else torch.take(grad, index))
+        return b, sampled
+
+    def _check_datum(self, datum: tuple[int, dict[str, tuple[Any, Any]]],
+                     records: Mapping[str, Any]) -> None:
+        """Datum b's records against its own gradient at the probe's entries."""
+        b, sampled = datum
+        # Under autocast the datum's own backward runs in the narrow dtype through every
+        # layer it crosses, recorded or not: one tolerance for all.
+        narrow = max((torch.finfo(d).eps for d in (*self.low_precision.values(),
+                                                   *self._autocast)), default=0.0)
+        names, ours, theirs = list(sampled), [], []
+        for name in names:
+            index, theirs_k = sampled[name]
             mine = entries(records[name], index)[b].to(torch.float64)  # (k,)
             ours.append(mine)
-            theirs.append(torch.zeros_like(mine) if grad is None
-                          else torch.take(grad, index).to(torch.float64))  # (k,)
+            theirs.append(torch.zeros_like(mine) if theirs_k is None
+                          else theirs_k.to(mine.device, torch.float64))  # (k,)
         dtype = max((self.params[n].dtype for n in names), key=lambda d: _SPOT_RTOL.get(d, 0))
         rtol, atol = _SPOT_RTOL.get(dtype, 1e-2), _SPOT_ATOL.get(dtype, 1e-4)
         rtol = max(rtol, LOW_PRECISION_RTOL * narrow)
@@ -569,8 +612,17 @@ class HooksBackend(Backend):
             prior = self._spot_total.get(name)
             self._spot_total[name] = seen if prior is None else prior + seen
 
+    def _on_fused_grad(self, call: _Call, i: int, grad: torch.Tensor) -> bool:
+        """A fused call's output gradient (from FusedLinear.backward); False when it was let
+        pass (the datum check's backward): the call then keeps this handler for the batch's."""
+        if self._probing:
+            return False
+        self._on_output_grad(call, i, grad)
+        return True
+
     def _on_output_grad(self, call: _Call, i: int, grad: torch.Tensor) -> None:
-        if call.done or call.via_consumers:
+        # (a tensor hook: returns None, or autograd would take the result as the gradient)
+        if self._probing or call.done or call.via_consumers:
             return
         if not self._armed:  # a backward gradlog does not record: just let go of the inputs
             if torch.is_grad_enabled():
@@ -1099,6 +1151,17 @@ def _calibrate() -> tuple[int, int] | None:
 _BASELINE = _calibrate()
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs ``device_type`` ops in here, or None when it is off (or this
+    torch cannot say)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch without these signatures
+        return None
+
+
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Rules compute in the parameters' dtype even if the caller's backward runs in autocast."""
     try:
@@ -1127,17 +1190,47 @@ def _narrow_dtype(grads: list[torch.Tensor | None],
     return None
 
 
-def _alias_outputs(output: Any) -> Any:
+def _alias_outputs(output: Any, inputs: list[tuple[torch.Tensor, int]]) -> Any:
     """A module whose outputs feed each other (``nn.LSTMCell``: ``h = o * tanh(c)``): the
     gradient autograd gives output ``c`` includes the path through ``h``, which the
-    ``torch.func`` fallback counts again from ``h``'s gradient. Handing the caller aliases
-    (``view_as``) of the outputs and hooking those gives each output's gradient from outside
-    the module only. None when fewer than two outputs need a gradient (nothing to do)."""
+    ``torch.func`` fallback counts again from ``h``'s gradient. The outputs another output
+    was computed from are handed to the caller as aliases (``view_as``), whose hooks get
+    only the gradient from outside the module. None when no output feeds another (the usual
+    case: outputs stay as they are, and an in-place op on them keeps their hooks)."""
     flat, rebuild = flatten(output)
-    if sum(isinstance(t, torch.Tensor) and t.requires_grad for t in flat) < 2:
+    outs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(outs) < 2:
         return None
-    return rebuild([t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
-                    for t in flat])
+    fed = _outputs_feeding_others(outs, inputs)
+    if not fed:
+        return None
+    return rebuild([t.view_as(t) if any(t is f for f in fed) else t for t in flat])
+
+
+def _outputs_feeding_others(outs: list[torch.Tensor],
+                            inputs: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The outputs whose autograd edge another output's history reaches inside the call
+    (the walk stops at the call's inputs and at leaves)."""
+    edges = {(id(t.grad_fn), t.output_nr): t for t in outs if t.grad_fn is not None}
+    stop = {id(x.grad_fn) for x, _ in inputs if x.grad_fn is not None}
+    fed: list[torch.Tensor] = []
+    for t in outs:
+        if t.grad_fn is None:
+            continue
+        stack, seen, keep = [t.grad_fn], {id(t.grad_fn)}, [t.grad_fn]
+        while stack:
+            node = stack.pop()
+            for child, nr in node.next_functions:
+                if child is None:
+                    continue
+                hit = edges.get((id(child), nr))
+                if hit is not None and hit is not t and not any(hit is f for f in fed):
+                    fed.append(hit)
+                if id(child) not in seen and id(child) not in stop:
+                    seen.add(id(child))
+                    keep.append(child)
+                    stack.append(child)
+    return fed
 
 
 def _has_reentrant_checkpoint(root: Any) -> bool:

@@ -50,6 +50,7 @@ def _refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     batch_dim=_batch_dim,
     uses_torch_func=True,
     refuse=_refuse,
+    views_own_result=True,  # batch_first: a transpose of out_proj's result
 )
 def multihead_attention(
     module: nn.MultiheadAttention, cap: Capture, wanted: frozenset[str]

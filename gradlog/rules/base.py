@@ -209,6 +209,12 @@ class Rule:
             may then be any leading dimension (sequence-first models); the backend finds it
             by size and moves it first (in inputs and output gradients) before calling the
             rule. None: the batch is at ``batch_dim``.
+        views_own_result: The layer's first output may be a view of a whole tensor its
+            forward made and uses only through that view (``F.linear`` on ``(B, T, d)``
+            views its 2-D matmul's result). The backend then hooks that tensor instead of
+            the output, so an in-place op on the output (``ReLU(inplace=True)`` after the
+            layer), which rebuilds the view's history and drops hooks on it, loses nothing.
+            Only for layers whose forward is known to do so; a wrong True double-counts.
     """
 
     name: str
@@ -218,6 +224,7 @@ class Rule:
     uses_torch_func: bool = False
     refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None
     feature_dims: Callable[[nn.Module], int] | None = None
+    views_own_result: bool = False
 
 
 RULES: dict[type[nn.Module] | str, Rule] = {}
@@ -232,6 +239,7 @@ def register_rule(
     uses_torch_func: bool = False,
     refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None,
     feature_dims: Callable[[nn.Module], int] | None = None,
+    views_own_result: bool = False,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator registering ``compute`` as the rule for module types ``keys``.
 
@@ -247,6 +255,7 @@ def register_rule(
         uses_torch_func: See :class:`Rule`.
         refuse: See :class:`Rule`.
         feature_dims: See :class:`Rule`.
+        views_own_result: See :class:`Rule`.
     """
     if not keys:
         raise TypeError("register_rule needs at least one module type or class name")
@@ -260,6 +269,7 @@ def register_rule(
             uses_torch_func=uses_torch_func,
             refuse=refuse,
             feature_dims=feature_dims,
+            views_own_result=views_own_result,
         )
         for key in keys:
             if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):

@@ -51,7 +51,8 @@ def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.T
     return out.baddbmm_(left.transpose(1, 2), right, beta=0.0, alpha=scale)  # (B, p, q)
 
 
-@register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim, covers=_WEIGHT_BIAS)
+@register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim, covers=_WEIGHT_BIAS,
+               views_own_result=True)
 def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
     B = cap.batch_size
@@ -70,7 +71,7 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
 
 
 @register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim,
-               covers=_WEIGHT_BIAS)
+               covers=_WEIGHT_BIAS, views_own_result=True)
 def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W (d_in, d_out): weight
     ``A_b^T G_b``. Matched by class name, so transformers is never imported."""

@@ -38,7 +38,7 @@ def _refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 @register_rule(nn.RNN, nn.LSTM, nn.GRU, name="rnn", batch_dim=_batch_dim, uses_torch_func=True,
-               refuse=_refuse)
+               refuse=_refuse, views_own_result=True)
 def rnn(module: nn.RNNBase, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """Per-datum gradients of every weight and bias of every layer and direction."""
     reason = _refuse(module, cap.args, cap.kwargs)
