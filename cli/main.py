@@ -234,7 +234,7 @@ def _share(part: int, whole: int) -> str:
 
 
 # -- reading a run: ls, show, norms, influence, export, plot -----------------------------------
-_SELECTOR_HELP = "an int, A:B (steps A..B-1), or a comma list"
+_SELECTOR_HELP = "an int, A:B (A..B-1; either end may be left open), or a comma list"
 
 
 def _selector(text: str | None, what: str) -> Any:
@@ -265,6 +265,40 @@ def _open_run(run_path: str) -> Any:
     except GradlogError as e:
         _fail(e)
     return run
+
+
+def _with_gradients(run: Any, params: list[str] | None) -> list[str]:
+    """The parameters of a command that reads gradients: those given with -p, or by default
+    every one that keeps gradients, saying which are skipped (form 'norm' keeps only norms)."""
+    from rich.markup import escape
+
+    from gradlog.errors import SelectionError
+
+    forms = dict(zip(run.params.column("name").to_pylist(), run.params.column("form").to_pylist()))
+    if params:
+        for name in params:  # unknown names: the library's error lists the recorded ones
+            if forms.get(name) == "norm":
+                _fail(SelectionError(
+                    f"parameter {name!r} was recorded with form 'norm': only each record's exact "
+                    f"norm is kept (gradlog norms RUN -p {name} shows them), so it has no "
+                    "gradients to read. Choose other parameters with -p/--param."
+                ))
+        return list(params)
+    names = [n for n, form in forms.items() if form != "norm"]
+    skipped = [n for n, form in forms.items() if form == "norm"]
+    if not names:
+        _fail(SelectionError(
+            "every parameter was recorded with form 'norm': only each record's exact norm is "
+            "kept, so there are no gradients to read. Use gradlog norms or gradlog influence "
+            "--self."
+        ))
+    if skipped:
+        err_console.print(
+            f"note: skipping {escape(', '.join(skipped))}: recorded with form 'norm' (only "
+            "norms are kept: gradlog norms shows them). Choose parameters with -p/--param.",
+            highlight=False, soft_wrap=True,
+        )
+    return names
 
 
 def _finite(value: Any) -> Any:
@@ -300,7 +334,7 @@ RunArg = Annotated[str, typer.Argument(metavar="RUN", help=_RUN_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 StepOpt = Annotated[str | None, typer.Option("--step", "-s", help=f"Steps: {_SELECTOR_HELP}.")]
 DatumOpt = Annotated[
-    str | None, typer.Option("--datum", "-d", help="Datum ids: an int or a comma list.")
+    str | None, typer.Option("--datum", "-d", help=f"Datum ids: {_SELECTOR_HELP}.")
 ]
 ParamsOpt = Annotated[
     list[str] | None, typer.Option("--param", "-p", help="Parameter (repeat for several).")
@@ -364,8 +398,8 @@ def show(
 ) -> None:
     """Statistics of a slice of gradients: shape, norm, mean, std, min, max."""
     run = _open_run(run_path)
+    names = _with_gradients(run, params)
     try:
-        names = params or run.param_names
         results = [run.stats(name, _selector(step, "step"), _selector(datum, "datum"),
                              max_memory=max_memory) for name in names]
     except GradlogError as e:
@@ -397,16 +431,12 @@ def norms(
     as_json: JsonOpt = False,
 ) -> None:
     """Exact per-record gradient norms (step, datum_id, row, param, norm)."""
-    import pyarrow as pa
-
     run = _open_run(run_path)
     try:
-        names = params or [None]
-        tables = [run.norms(name, _selector(step, "step"), _selector(datum, "datum"))
-                  for name in names]
+        table = run.norms(params or None, _selector(step, "step"), _selector(datum, "datum"))
     except GradlogError as e:
         _fail(e)
-    table = pa.concat_tables(tables).sort_by([("row", "ascending"), ("param", "ascending")])
+    table = table.sort_by([("row", "ascending"), ("param", "ascending")])
     if out is not None:
         suffix = out.suffix.lower()
         if suffix not in (".parquet", ".csv"):
@@ -472,8 +502,9 @@ def influence(
             table = run.self_influence(top=top, params=params, weighted=weighted, lr=lr)
         else:
             assert probe is not None
-            table = run.influence(probe, top=top, params=params, weighted=weighted, lr=lr,
-                                  max_memory=max_memory, progress=_progress())
+            table = run.influence(probe, top=top, params=_with_gradients(run, params),
+                                  weighted=weighted, lr=lr, max_memory=max_memory,
+                                  progress=_progress())
     except GradlogError as e:
         _fail(e)
     rows = table.to_pylist()
@@ -516,8 +547,9 @@ def export(
 ) -> None:
     """Export records and their gradients to one parquet or npz file."""
     run = _open_run(run_path)
+    names = _with_gradients(run, params)
     try:
-        summary = run.export(out, format=format, params=params, step=_selector(step, "step"),
+        summary = run.export(out, format=format, params=names, step=_selector(step, "step"),
                              datum=_selector(datum, "datum"), max_memory=max_memory,
                              progress=_progress())
     except GradlogError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +71,44 @@ def _ids_to_numpy(datum_ids: Any, batch: int) -> np.ndarray:
             "datum, in the order of the batch."
         )
     return ids.astype(np.int64)
+
+
+def _lr_value(lr: Any, what: str) -> float:
+    """``lr`` as a float, refused unless it is one finite number: a NaN or infinite rate
+    would be stored, and the run would then read as damaged and score NaN influence."""
+    value = lr
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy() if value.numel() == 1 else None
+    if isinstance(value, np.ndarray):
+        value = value.reshape(()).item() if value.size == 1 else None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InputError(
+            f"{what}={lr!r} must be a number (the learning rate applied at this step), got "
+            f"{type(lr).__name__}. The step was refused before any backward: p.grad is "
+            "unchanged and earlier steps are committed."
+        )
+    value = float(value)
+    if not np.isfinite(value):
+        raise InputError(
+            f"{what}={value} is not finite. The step was refused before any backward: p.grad "
+            "is unchanged and earlier steps are committed. Pass the learning rate applied at "
+            "this step" + (" as lr=." if what != "lr" else " (or lr=None to record none).")
+        )
+    return value
+
+
+def _on_step_of(optimizer: Any, hook: Callable[..., None]) -> Any:
+    """Register ``hook`` to run after each step of ``optimizer`` (or of the torch optimizer a
+    wrapper holds, e.g. accelerate's ``AcceleratedOptimizer``); its handle, or None."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        return None
+    try:
+        return inner.register_step_post_hook(hook)
+    except (AttributeError, RuntimeError, TypeError):  # an optimizer without the hooks
+        return None
 
 
 class GradRecorder:
@@ -241,6 +280,12 @@ class GradRecorder:
         ]
         self._last_step: int | None = None
         self._pending: dict[str, Any] | None = None  # the step being recorded, until committed
+        # What says the pending step is complete when an exception leaves the block (see
+        # _pending_complete): the step the last backward/step call was for, and whether the
+        # optimizer stepped after the pending step's last micro-batch.
+        self._attempted: int | None = None
+        self._optimizer_stepped = False
+        self._optimizer_hook: Any = None
         self._next_datum = 0
         self._n_checked = 0
         if probes is not None and not (
@@ -267,9 +312,24 @@ class GradRecorder:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is not None and self._dist is not None:
-            self._pending = None  # other ranks may not have finished this step: not committed
-        self.close()
+        # An exception leaving the block: the step in progress is committed only when it is
+        # known to be complete; otherwise it is left uncommitted, as after a crash.
+        self.close(failed=exc is not None)
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizer_stepped = True
+
+    def _pending_complete(self) -> bool:
+        """Whether the step in progress is known to have all its micro-batches: a later step
+        was begun (its backward failed, e.g. a NaN loss), or the optimizer stepped after the
+        step's last micro-batch. Under DDP never (other ranks may not have finished it)."""
+        p = self._pending
+        if p is None:
+            return True
+        if self._dist is not None:
+            return False
+        return (self._attempted is not None and self._attempted != p["step"]) or (
+            self._optimizer_stepped)
 
     def open(self) -> None:
         """Create the store and start recording (``with`` does this)."""
@@ -293,6 +353,7 @@ class GradRecorder:
         )
         self._backend.keep_material = planning.keeps_material(self.config, list(self.params))
         self._backend.attach()
+        self._optimizer_hook = _on_step_of(self.optimizer, self._on_optimizer_step)
         if self.config.batch_grad == "sum":
             # Fused layers form their per-datum gradients in the backward anyway (their sum
             # is the weight gradient): forms that encode dense gradients take them as they
@@ -385,8 +446,21 @@ class GradRecorder:
         assert writer is not None
         return writer
 
-    def close(self) -> None:
-        """Commit the last step, remove hooks and finish the store (``with`` does this)."""
+    def close(self, *, failed: bool = False) -> None:
+        """Commit the last step, remove hooks and finish the store (``with`` does this).
+
+        Args:
+            failed: True when training failed (``with`` passes it when an exception leaves
+                the block): the step in progress is then committed only if it is known to be
+                complete (a later step was begun, or the optimizer stepped after its last
+                micro-batch), else left uncommitted as after a crash; ``resume=True``
+                records it again.
+        """
+        if failed and not self._pending_complete():
+            self._pending = None
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         try:
             if self._pending is not None and self._writer is not None:
                 self._commit()
@@ -440,7 +514,9 @@ class GradRecorder:
             datum_ids: One int per datum (its index in the dataset); default: a counter.
             step: The optimizer step (non-decreasing; repeating it accumulates micro-batches
                 into one step); default: the previous step + 1.
-            lr: The learning rate applied at this step (stored for influence).
+            lr: The learning rate applied at this step (stored for influence); default:
+                the optimizer's, if one was given. A NaN, infinite or non-numeric rate is
+                refused with :class:`~gradlog.errors.InputError` before any backward.
             mask: For ``(B, T)`` losses, which tokens count (bool or 0/1).
 
         Returns:
@@ -448,9 +524,11 @@ class GradRecorder:
         """
         self._require_open()
         assert self._backend is not None  # for mypy: _require_open checked it
+        self._note_attempt(step)
         reduced = per_datum_losses(losses, mask, self.config.token_reduction)
         self._check_losses(reduced, datum_ids)
         check_differentiable(self.params, reduced)  # frozen parameters, losses without grad
+        lr = None if lr is None else _lr_value(lr, "lr")
         step = self._resolve_step(step)
         if not self._records(step):
             self._backend.reduce_batch(reduced).backward()
@@ -481,6 +559,8 @@ class GradRecorder:
         """
         self._require_open()
         assert self._backend is not None
+        self._note_attempt(step)
+        lr = None if lr is None else _lr_value(lr, "lr")
         step = self._resolve_step(step)
         seen_tokens: list[int] = []
 
@@ -541,6 +621,13 @@ class GradRecorder:
                     "a batch of one. This can never be supported for training-mode BatchNorm."
                 )
 
+    def _note_attempt(self, step: Any) -> None:
+        """The step a backward/step call is for, noted before anything can refuse it."""
+        if step is None:
+            self._attempted = 0 if self._last_step is None else self._last_step + 1
+        elif isinstance(step, (int, np.integer)) and not isinstance(step, bool):
+            self._attempted = int(step)
+
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
             step = 0 if self._last_step is None else self._last_step + 1
@@ -578,6 +665,11 @@ class GradRecorder:
     ) -> torch.Tensor:
         assert self._writer is not None
         check_settings(self.model, self._sparse)
+        if lr is None and self.optimizer is not None:  # checked before the backward, as lr=
+            lr = _lr_value(
+                self.optimizer.param_groups[0]["lr"],
+                "the optimizer's learning rate (param_groups[0]['lr'])",
+            )
         check = self._due_for_check()
         before = self._snapshot_grads() if check else {}
 
@@ -616,8 +708,6 @@ class GradRecorder:
         )
         counted = self._next_datum + (sum(sizes) if datum_ids is None else 0)  # every rank's
         self._next_datum = max(counted, int(ids.max()) + 1)
-        if lr is None and self.optimizer is not None:
-            lr = float(self.optimizer.param_groups[0]["lr"])
         host, norms = self._encode(grads, batch)
         loss_np = losses.detach().double().cpu().numpy()
         micro = 0 if self._pending is None else self._pending["n_micro"]
@@ -656,6 +746,7 @@ class GradRecorder:
         p = self._pending
         p["n_records"] += stop - start
         p["n_micro"] += 1
+        self._optimizer_stepped = False
         p["tokens"] += tokens
         p["loss_sum"] += float(loss_np.sum())
         p["time_compute_s"] += t1 - t0

@@ -118,6 +118,22 @@ def test_show_errors_list_what_exists(store: Path) -> None:
     assert "is not a selection" in _error("show", str(store), "--step", "two")
 
 
+def test_datum_ranges(store: Path, tmp_path: Path) -> None:
+    """--datum A:B selects datum ids A..B-1, as --step A:B selects steps."""
+    run = gradlog.open(store)
+    shown = json.loads(_ok("show", str(store), "-p", "0.weight", "--datum", "1:3", "--json"))[0]
+    assert shown == run.stats("0.weight", datum=slice(1, 3))
+    assert shown["n_records"] == run.records(datum=[1, 2]).num_rows > 0
+    rows = json.loads(_ok("norms", str(store), "-p", "2.bias", "-d", "20:", "--json"))
+    assert rows == run.norms("2.bias", datum=slice(20, None)).to_pylist()
+    assert {r["datum_id"] for r in rows} == {20, 21, 22, 23}
+    _ok("export", str(store), "--out", str(tmp_path / "r.npz"), "-d", ":2", "-s", "0:4")
+    with np.load(tmp_path / "r.npz") as z:
+        assert sorted(set(z["datum_id"].tolist())) == [0, 1] and z["step"].max() < 4
+    assert "is not a selection" in _error("show", str(store), "--datum", "1:x")
+    assert "is not a selection" in _error("norms", str(store), "--datum", "1.5")
+
+
 def test_norms(store: Path, tmp_path: Path) -> None:
     run = gradlog.open(store)
     text = _text("norms", str(store), "--limit", "3")
@@ -190,6 +206,44 @@ def test_export(store: Path, tmp_path: Path) -> None:
     assert "datum 77 has no record" in _error(
         "export", str(store), "--out", str(tmp_path / "x.npz"), "-d", "77"
     )
+
+
+def test_norm_form_parameters(tmp_path: Path) -> None:
+    """A parameter recorded with form 'norm' keeps no gradient: commands that read gradients
+    skip it by default and say so; naming it with -p says which option to change."""
+    torch.manual_seed(0)
+    path = tmp_path / "forms.gradlog"
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    probe = (lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x[:2], y[:2]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradlog.GradRecorder(
+        model, path, form={"0.bias": "norm"}, optimizer=opt, probes=probe
+    ) as rec:
+        for idx in torch.arange(12).split(4):
+            rec.backward(F.cross_entropy(model(x[idx]), y[idx], reduction="none"), datum_ids=idx)
+            opt.step()
+            opt.zero_grad()
+    run = gradlog.open(path)
+    kept = ["0.weight", "2.weight", "2.bias"]
+    for args in (["show"], ["export", "--out", str(tmp_path / "e.npz")], ["influence", "--probe",
+                                                                          "0"]):
+        result = runner.invoke(app, [args[0], str(path), *args[1:], "--json"])
+        assert result.exit_code == 0, result.output
+        assert "skipping 0.bias" in " ".join(result.stderr.split())
+        data = json.loads(result.stdout)
+        if args[0] == "show":
+            assert [r["param"] for r in data] == kept
+        elif args[0] == "export":
+            assert data["params"] == kept
+        else:
+            assert data["rows"] == run.influence(0, params=kept).to_pylist()
+    for args in (["show"], ["export", "--out", str(tmp_path / "e.npz")], ["influence", "--probe",
+                                                                          "0"]):
+        text = _error(args[0], str(path), *args[1:], "-p", "0.bias")
+        assert "form 'norm'" in text and "-p/--param" in text and "params=" not in text
+    assert "0.bias" in _ok("norms", str(path), "-p", "0.bias")  # norms are kept
+    assert "skipping" not in _ok("influence", str(path), "--self")  # from the norms
 
 
 def _png_size(path: Path) -> tuple[int, int]:

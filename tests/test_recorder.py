@@ -94,6 +94,130 @@ def test_non_finite_loss_is_refused_before_backward(recording: Any) -> None:
     assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1]
 
 
+@pytest.mark.parametrize(
+    ("lr", "message"),
+    [
+        (float("nan"), "lr=nan is not finite"),
+        (float("inf"), "lr=inf is not finite"),
+        (torch.tensor(float("nan")), "lr=nan is not finite"),
+        ("0.1", "lr='0.1' must be a number"),
+        (True, "lr=True must be a number"),
+        (torch.tensor([0.1, 0.2]), "must be a number"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["backward", "step"])
+def test_bad_learning_rate_is_refused_before_backward(
+    recording: Any, lr: Any, message: str, entry: str
+) -> None:
+    """A NaN lr would be stored and make the run read as damaged and influence NaN."""
+    model, rec, path = recording
+    for p in model.parameters():
+        p.grad = None
+    x, y = mlp_batch(4, seed=1)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1], reduction="none")
+
+    with pytest.raises(InputError, match=message):
+        if entry == "backward":
+            rec.backward(loss_fn(model, (x, y)), step=1, lr=lr)
+        else:
+            rec.step(loss_fn, (x, y), step=1, lr=lr)
+    assert all(p.grad is None for p in model.parameters())  # no backward ran
+    rec.backward(loss_fn(model, (x, y)), step=1, lr=torch.tensor(0.5))  # a tensor lr is fine
+    rec.close()
+    run = gradlog.open(path)
+    assert run.steps.column("lr").to_pylist() == [None, 0.5]
+
+
+def test_bad_learning_rate_of_the_optimizer_is_refused(tmp_path: Any) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", optimizer=opt) as rec:
+        rec.backward(_losses(model), step=0)
+        opt.param_groups[0]["lr"] = float("nan")  # e.g. a scheduler gone wrong
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(InputError, match=r"optimizer's learning rate .*is not finite"):
+            rec.backward(_losses(model, seed=1), step=1)
+        assert all(p.grad is None for p in model.parameters())
+        opt.param_groups[0]["lr"] = 0.2
+        rec.backward(_losses(model, seed=1), step=1)
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert run.steps.column("lr").to_pylist() == [0.1, 0.2]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("data loader failed"), KeyboardInterrupt()])
+def test_an_exception_leaves_the_step_in_progress_uncommitted(
+    tmp_path: Any, error: BaseException
+) -> None:
+    """As a crash does: the step being accumulated when the loop failed is not committed (its
+    records would not sum to p.grad), the steps before are, and resuming redoes it."""
+    model = mlp()
+    path = tmp_path / "r.gradlog"
+    with pytest.raises(type(error)), gradlog.GradRecorder(model, path) as rec:
+        for step in range(3):
+            for micro in range(4):
+                if step == 2 and micro == 2:
+                    raise error
+                rec.backward(_losses(model, seed=4 * step + micro), step=step)
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    assert run.steps.column("n_micro").to_pylist() == [4, 4]
+    with gradlog.GradRecorder(model, path, resume=True) as rec:
+        rec.backward(_losses(model), step=2)  # the failed step is recorded again
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1, 2]
+
+
+def test_an_exception_keeps_a_step_known_to_be_complete(tmp_path: Any) -> None:
+    """The pending step is complete when a later step was begun (a NaN loss refused at the
+    next step's backward) or when the optimizer stepped after its last micro-batch (the
+    data loader failed before the next step): it is committed, as without the exception."""
+    from gradlog.errors import NonFiniteLossError
+
+    model = mlp()
+    path = tmp_path / "nan.gradlog"
+    with pytest.raises(NonFiniteLossError), gradlog.GradRecorder(model, path) as rec:
+        rec.backward(_losses(model), step=0)
+        rec.backward(_losses(model), step=1)
+        rec.backward(_losses(model) * float("nan"), step=2)
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1]
+
+    path = tmp_path / "opt.gradlog"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="loader"), gradlog.GradRecorder(
+            model, path, optimizer=opt) as rec:
+        for step in range(2):
+            for micro in range(2):
+                rec.backward(_losses(model, seed=micro), step=step)
+            opt.step()
+            opt.zero_grad()
+        raise RuntimeError("data loader failed")
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    assert run.steps.column("n_micro").to_pylist() == [2, 2]
+
+    path = tmp_path / "mid.gradlog"  # the same, failing between micro-batches: not committed
+    with pytest.raises(RuntimeError, match="loader"), gradlog.GradRecorder(
+            model, path, optimizer=opt) as rec:
+        rec.backward(_losses(model), step=0)
+        opt.step()
+        rec.backward(_losses(model), step=1)
+        raise RuntimeError("data loader failed")
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0]
+
+
+def test_close_commits_the_step_in_progress_unless_training_failed(tmp_path: Any) -> None:
+    model = mlp()
+    for failed, steps in ((False, [0, 1]), (True, [0])):
+        path = tmp_path / f"{failed}.gradlog"
+        rec = gradlog.GradRecorder(model, path)
+        rec.open()
+        rec.backward(_losses(model), step=0)
+        rec.backward(_losses(model), step=1)
+        rec.close(failed=failed)
+        assert gradlog.open(path).steps.column("step").to_pylist() == steps
+
+
 def test_param_pattern_matching_nothing(tmp_path: Any) -> None:
     with pytest.raises(ParamSelectionError, match=r"'blocks\.\*' matches no parameter.*0\.weight"):
         gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", params="blocks.*")

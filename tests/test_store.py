@@ -301,6 +301,12 @@ def sel_run(tmp_store: Path) -> tuple[gradlog.Run, Expected]:
         (None, 5, lambda s, d: d == 5),
         (None, [3, 9], lambda s, d: d in (3, 9)),
         ([2, 6], [5, 8], lambda s, d: s in (2, 6) and d in (5, 8)),
+        (None, slice(3, 6), lambda s, d: 3 <= d < 6),  # datum ids 3, 4, 5
+        (slice(2, None), slice(None, 5), lambda s, d: s >= 2 and d < 5),
+        (None, slice(100, 200), lambda s, d: False),  # a range of ids, like a step slice
+        (torch.tensor(2), torch.tensor(5), lambda s, d: s == 2 and d == 5),  # 0-d tensors
+        (np.array(4), np.int64(6), lambda s, d: s == 4 and d == 6),  # 0-d array, numpy int
+        (torch.tensor([0, 6]), np.array([3, 5]), lambda s, d: s in (0, 6) and d in (3, 5)),
         (None, None, lambda s, d: True),
     ],
 )
@@ -359,6 +365,71 @@ def test_unknown_selections_raise_selection_error_with_nearby_values(
         run.records(step=2, datum=4)
     with pytest.raises(LookupError):  # the builtin it refines
         run.norms("nope")
+
+
+def test_scalar_selectors_select_like_the_int(sel_run: tuple[gradlog.Run, Expected]) -> None:
+    run, _ = sel_run
+    with pytest.raises(errors.SelectionError, match=r"step 3 is not a committed step"):
+        run.records(step=torch.tensor(3))  # not silently nothing
+    with pytest.raises(errors.SelectionError, match=r"step 999 is not a committed step"):
+        run.records(step=np.array(999))
+    with pytest.raises(errors.SelectionError, match=r"datum 7 has no record"):
+        run.grads("0.bias", datum=torch.tensor(7))
+    want = run.trajectory("0.weight", 5)
+    for datum in (torch.tensor(5), np.array(5), np.int32(5)):
+        got = run.trajectory("0.weight", datum)
+        assert np.array_equal(got.steps, want.steps) and np.array_equal(got.grads, want.grads)
+    assert run.norms("0.bias", datum=torch.tensor(5)).num_rows == want.steps.size
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [2.0, "2", b"2", True, np.float64(2.0), np.array(2.0), torch.tensor(2.0), torch.tensor(True),
+     [1.5], [True, False], ["2"], [[0, 2]], {"step": 2}, object(), slice(0.5, 3), slice(0, 4, 2)],
+    ids=repr,
+)
+def test_non_integer_selectors_are_refused(
+    sel_run: tuple[gradlog.Run, Expected], bad: Any
+) -> None:
+    run, _ = sel_run
+    for kwargs in ({"step": bad}, {"datum": bad}):
+        with pytest.raises(errors.SelectionError, match=r"(step|datum)="):
+            run.records(**kwargs)
+        with pytest.raises(errors.SelectionError, match=r"(step|datum)="):
+            run.grads("0.bias", **kwargs)
+
+
+def test_datum_slices_everywhere(sel_run: tuple[gradlog.Run, Expected]) -> None:
+    run, _ = sel_run
+    ids = np.asarray(run.datums.column("datum_id"))
+    keep = (ids >= 3) & (ids < 6)
+    assert run.records(datum=slice(3, 6)).column("row").to_pylist() == list(
+        np.asarray(run.datums.column("row"))[keep]
+    )
+    assert np.array_equal(run.grads("0.weight", datum=slice(3, 6)), run.grads("0.weight")[keep])
+    assert run.norms(datum=slice(3, 6)).num_rows == 4 * int(keep.sum())
+    assert run.stats("0.bias", datum=slice(3, 6))["n_records"] == int(keep.sum())
+    assert run.similarity("0.bias", a={"datum": slice(3, 6)}).shape == (keep.sum(), keep.sum())
+
+
+def test_a_parameter_list_is_a_clear_selection_error(
+    sel_run: tuple[gradlog.Run, Expected],
+) -> None:
+    run, _ = sel_run
+    names = ["0.weight", "0.bias"]
+    for call in (
+        lambda: run.grads(names),  # type: ignore[arg-type]
+        lambda: run.stats(names),  # type: ignore[arg-type]
+        lambda: run.trajectory(names, 5),  # type: ignore[arg-type]
+        lambda: run.to_dask(names),  # type: ignore[arg-type]
+        lambda: run.norms(3),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(errors.SelectionError, match=r"one parameter name"):
+            call()
+    both = run.norms(names, step=2)  # norms is a long table: several parameters are natural
+    assert both.to_pylist() == pa.concat_tables(
+        [run.norms(n, step=2) for n in names]
+    ).sort_by([("row", "ascending")]).to_pylist()
 
 
 # -- format and commit rule ---------------------------------------------------------------------
@@ -515,6 +586,45 @@ def test_open_while_recording_sees_the_committed_prefix(tmp_store: Path) -> None
         assert run.refresh().datums.num_rows == 5
     assert run.refresh().datums.num_rows == 9
     validate_store(tmp_store)
+
+
+def test_refresh_rereads_forms_and_grown_arrays(tmp_store: Path) -> None:
+    """A run opened before recording starts (a dashboard): forms are planned at the first
+    backward and arrays grow as steps commit; refresh() (or a first read after commits) must
+    see them, not report damage."""
+    model = _mlp()
+    x, y = _dataset()
+
+    def probe_loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (m(batch) ** 2).sum(1)
+
+    form = {"0.weight": "factors", "2.bias": "norm"}
+    with gradlog.GradRecorder(
+        model, tmp_store, form=form, probes=(probe_loss, x[-2:]), probe_ids=[7, 9]
+    ) as rec:
+        watching = gradlog.open(tmp_store)
+        unread = gradlog.open(tmp_store)  # first read only after steps are committed
+        assert watching.params.column("form").to_pylist() == ["full"] * 4
+        assert watching.steps.num_rows == 0 and watching.probes.num_rows == 0
+        for step in range(2):
+            rec.backward(_losses(model, x[4 * step : 4 * step + 4], y[4 * step : 4 * step + 4]))
+        rec.flush()
+        watching.refresh()
+        assert watching.probe_grads("0.bias").shape == (2, 4)  # opens the probe array
+        for step in range(2, 6):
+            rec.backward(_losses(model, x[4 * step : 4 * step + 4], y[4 * step : 4 * step + 4]))
+        rec.flush()
+        watching.refresh()
+        fresh = gradlog.open(tmp_store)
+        for run in (watching, unread):
+            assert run.steps.column("step").to_pylist() == [0, 1, 2, 3, 4]
+            assert run.params.to_pylist() == fresh.params.to_pylist()
+            assert run.params.column("form").to_pylist() == ["factors", "full", "full", "norm"]
+            assert np.array_equal(run.grads("0.weight", step=0), fresh.grads("0.weight", step=0))
+            with pytest.raises(errors.SelectionError, match="form 'norm'"):
+                run.grads("2.bias")
+            assert run.probe_grads("0.bias").shape == (10, 4)
+            assert np.array_equal(run.probe_grads("2.weight"), fresh.probe_grads("2.weight"))
 
 
 def test_empty_run_reads_as_empty(tmp_store: Path) -> None:

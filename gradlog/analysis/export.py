@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
 from gradlog.analysis.selection import params_of, reader
 from gradlog.errors import InputError
 
@@ -50,7 +50,9 @@ def export(
         run: The run.
         out: The file to write (replaced if it exists).
         format: ``"parquet"`` or ``"npz"``; default: from the file's extension.
-        params: Parameters to export (default: all).
+        params: Parameters to export (default: every parameter that keeps gradients: those
+            recorded with form ``norm`` keep only norms, in ``run.norms()``, and are skipped;
+            naming one is a ``SelectionError``). The summary lists those exported.
         step: Step selection, as :meth:`Run.records`.
         datum: Datum selection, as :meth:`Run.records`.
         max_memory: Working-memory cap (bytes or ``"512MiB"``).
@@ -67,7 +69,7 @@ def export(
             f"export format {format!r} is not one of {list(FORMATS)}; pass format= or use a "
             "file name ending in .parquet or .npz."
         )
-    names = params_of(run, params)
+    names = params_of(run, params, gradients=True)
     records = run.records(step, datum)
     budget = memory_bytes(max_memory)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +110,10 @@ def _parquet(
     widest = max(readers.values(), key=lambda r: r.row_bytes)
     others = sum(r.row_bytes for r in readers.values()) - widest.row_bytes
     total = sum(rows.size * r.row_bytes for r in readers.values())
+    name = next(n for n, r in readers.items() if r is widest)
+    require_memory(budget, "export", [  # the blocks below get half of it
+        (name, widest, 2 * least_budget(widest, rows, per_row_bytes=2 * others))
+    ])
     with (
         pq.ParquetWriter(path, schema, compression="zstd") as out,
         progress_bar(progress, total, "export") as bar,
@@ -133,6 +139,7 @@ def _npz(run: Run, path: Path, names: list[str], records: Any, budget: int, prog
     keys = records.column("step").to_numpy()
     readers = {n: reader(run, n) for n in names}
     total = sum(rows.size * r.row_bytes for r in readers.values())
+    require_memory(budget, "export", [(n, r, least_budget(r, rows)) for n, r in readers.items()])
     with (
         zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
         progress_bar(progress, total, "export") as bar,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
 from gradlog.analysis.selection import (
     params_of,
     per_datum,
@@ -83,7 +83,7 @@ def record_influence(
 
     budget = memory_bytes(max_memory)
     if isinstance(probe, Mapping):
-        names = params_of(run, list(probe) if params is None else params)
+        names = params_of(run, list(probe) if params is None else params, gradients=True)
         missing = [n for n in names if n not in probe]
         if missing:
             raise InputError(
@@ -100,7 +100,7 @@ def record_influence(
                 f"probe must be a recorded probe id (int) or a dict {{param: gradient}}, got "
                 f"{type(probe).__name__}."
             )
-        names = params_of(run, params)
+        names = params_of(run, params, gradients=True)
         mine = run.probe_records(probe=int(probe))
         records = run.datums.filter(
             pc.is_in(run.datums.column("step"), value_set=mine.column("step"))
@@ -116,6 +116,19 @@ def record_influence(
         return records, dots
     # position -> probe row at that record's step (probe rows ascend with steps)
     at = probe_rows[np.searchsorted(probe_steps, steps)] if probe_rows is not None else None
+    readers = {n: reader(run, n) for n in names}
+    needs = []  # a fixed gradient is held beside the blocks; a probe's rows are read with them
+    for name, train in readers.items():
+        if at is None:
+            needs.append((name, train, least_budget(train, rows) + vectors[name].nbytes))
+            continue
+        probes = reader(run, name, probes=True)
+
+        def probe_cost(i0: int, i1: int, probes: Any = probes) -> int:
+            return int(probes.read_cost(np.unique(at[i0:i1])))
+
+        needs.append((name, train, least_budget(train, rows, extra_cost=probe_cost)))
+    require_memory(budget, "influence", needs)
 
     if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
         from gradlog.analysis.tasks import influence_dots
@@ -123,7 +136,6 @@ def record_influence(
         return records, coef * influence_dots(
             run, names, rows, steps, at, vectors, budget, scheduler
         )
-    readers = {n: reader(run, n) for n in names}
     total = sum(rows.size * r.row_bytes for r in readers.values())
     with progress_bar(progress, total, "influence") as bar:
         for name in names:
@@ -190,7 +202,9 @@ def influence(
             TracIn with one fixed test gradient rather than one per checkpoint.
         top: Return the ``top`` proponents (largest positive scores) and the ``top``
             opponents (most negative scores); None: every datum.
-        params: Parameters to sum over (default: all recorded, or the dict's keys).
+        params: Parameters to sum over (default: the dict's keys, or every parameter that
+            keeps gradients: those recorded with form ``norm`` keep only norms and are
+            skipped; naming one is a ``SelectionError``).
         weighted: Multiply by each record's weight ``w_b`` (module doc).
         lr: Use this learning rate for every step instead of the recorded one.
         max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).

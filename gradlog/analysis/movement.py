@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
 from gradlog.analysis.selection import params_of, per_datum, ranked, reader, record_coefficients
 
 if TYPE_CHECKING:
@@ -46,11 +46,16 @@ def record_movement(
 ) -> tuple[Any, np.ndarray, float]:
     """Per record ``<c_r, delta>`` and ``||delta||``: ``(records, projections, norm)``."""
     budget = memory_bytes(max_memory)
-    names = params_of(run, params)
+    names = params_of(run, params, gradients=True)
     records = run.records(step=steps)
     coef = -record_coefficients(records, lr=lr, weighted=True, what="movers")  # -lr_t w_r
     rows = records.column("row").to_numpy()
     keys = records.column("step").to_numpy()
+    readers = {n: reader(run, n) for n in names}
+    # each scan holds the parameter's change and einsum's output beside its blocks
+    require_memory(budget, "movers", [
+        (n, r, least_budget(r, rows) + 2 * r.numel * 8) for n, r in readers.items()
+    ])
     if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
         from gradlog.analysis.tasks import movement
 
@@ -58,7 +63,6 @@ def record_movement(
         return records, coef * proj, float(np.sqrt(norm_sq))
     proj = np.zeros(rows.size, dtype=np.float64)
     norm_sq = 0.0
-    readers = {n: reader(run, n) for n in names}
     total = 2 * sum(rows.size * r.row_bytes for r in readers.values())
     with progress_bar(progress, total, "movers") as bar:
         for name in names:
@@ -96,7 +100,9 @@ def movers(
 
     Args:
         run: The run.
-        params: A parameter name, a list of them (their joint change), or None (all).
+        params: A parameter name, a list of them (their joint change), or None: every
+            parameter that keeps gradients (those recorded with form ``norm`` keep only
+            norms and are skipped; naming one is a ``SelectionError``).
         steps: Step selection (int, list, range, slice); None: every recorded step.
         top: The ``top`` data that moved the parameter most along its change ("along") and
             the ``top`` that pushed most against it ("against"); None: every datum.

@@ -36,8 +36,10 @@ __all__ = [
     "MemoryTooSmallError",
     "block_plan",
     "blocks",
+    "least_budget",
     "memory_bytes",
     "progress_bar",
+    "require_memory",
 ]
 
 DEFAULT_MAX_MEMORY = 256 << 20
@@ -366,6 +368,48 @@ def _plan(
             j = k
         b += 1
     return plan
+
+
+def least_budget(
+    reader: ArrayReader,
+    rows: np.ndarray,
+    *,
+    per_row_bytes: int = 0,
+    extra_cost: Callable[[int, int], int] | None = None,
+) -> int:
+    """The least ``budget`` a scan of ``rows`` (as :func:`blocks` takes them) runs in: what its
+    smallest block, one row, holds. That is the same for every row (one row touches one chunk
+    of each array), so the first row's is every row's; 0 for no rows."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return 0
+    extra = extra_cost(0, 1) if extra_cost is not None else 0
+    return int(reader.read_cost(rows[:1]) + per_row_bytes + extra)
+
+
+def require_memory(
+    max_memory: int, what: str, needs: Sequence[tuple[str, ArrayReader, int]]
+) -> None:
+    """Refuse ``max_memory`` below what an analysis needs, before it starts.
+
+    Analyses give their scans a share of ``max_memory`` (similarity half to each side) or
+    less what they hold beside them (movers' change vector), so :func:`blocks`' own error
+    would quote that share. They check here first, with ``needs``: per scan, the parameter,
+    its reader and the ``max_memory`` that scan needs (its :func:`least_budget` mapped back).
+
+    Raises:
+        MemoryTooSmallError: naming ``max_memory`` as the caller passed it and the least one
+            with which every scan of the analysis fits.
+    """
+    if not needs:
+        return
+    name, r, need = max(needs, key=lambda n: n[2])
+    if max_memory < need:
+        raise MemoryTooSmallError(
+            f"max_memory={max_memory} bytes is too small for {what}: one row of {name} is "
+            f"{r.row_bytes} bytes, stored in chunks of {r.chunk_rows} rows, and {what} needs "
+            f"about {need} bytes to read it. Pass max_memory >= {need}."
+        )
 
 
 def _fits(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,18 +49,44 @@ class MissingLearningRateError(InputError):
     """The learning rate an analysis needs was not recorded (it is null in the index)."""
 
 
-def params_of(run: Run, params: str | Sequence[str] | None) -> list[str]:
-    """Recorded parameter names selected by ``params`` (None: all), checked."""
+def params_of(
+    run: Run, params: str | Sequence[str] | None, *, gradients: bool = False
+) -> list[str]:
+    """Recorded parameter names selected by ``params`` (None: all), checked.
+
+    With ``gradients`` (analyses that read gradients), None selects every parameter that
+    keeps them: those recorded with form ``norm`` keep only their norms and are skipped;
+    naming one is a :class:`~gradlog.errors.SelectionError`.
+    """
     if params is None:
         names = run.param_names
+        if gradients:
+            names = [n for n in names if run._check_param(n).get("form", "full") != "norm"]
+            if not names:
+                raise SelectionError(
+                    f"every parameter of {run.path} was recorded with form 'norm': only each "
+                    "record's exact norm is kept, so there are no gradients to compare. Use "
+                    "run.norms() or run.self_influence()."
+                )
     elif isinstance(params, str):
         names = [params]
-    else:
+    elif isinstance(params, Iterable):
         names = list(params)
+    else:
+        raise SelectionError(
+            f"params={params!r}: expected a parameter name, a list of names, or None."
+        )
     if not names:
         raise SelectionError("no parameter selected: pass a parameter name, a list, or None.")
     for name in names:
-        run._check_param(name)
+        spec = run._check_param(name)
+        if gradients and spec.get("form", "full") == "norm":
+            raise SelectionError(
+                f"parameter {name!r} was recorded with form 'norm': only each record's exact "
+                "norm is kept (run.norms(param)), so it cannot enter similarities, influence, "
+                "movement or exports. Select other parameters with params= (params=None "
+                "selects every parameter that keeps gradients)."
+            )
     return names
 
 
@@ -74,10 +100,10 @@ def reader(run: Run, param: str, *, probes: bool = False) -> ArrayReader:
     spec = run._check_param(param)
     form = spec.get("form", "full")
     if form == "norm":
-        raise SelectionError(
+        raise SelectionError(  # params= selections are refused earlier, by params_of
             f"parameter {param!r} was recorded with form 'norm': only each record's exact norm "
-            "is kept (run.norms(param)), so it cannot enter similarities, influence or "
-            "movement. Select other parameters with params=."
+            "is kept (read it with run.norms(param)), so it has no gradients to read. Choose a "
+            "parameter recorded with another form."
         )
     if form not in _FORMS:
         raise StoreFormatError(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, memory_bytes, progress_bar
+from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
 from gradlog.analysis.selection import params_of, reader, records_of
 from gradlog.errors import InputError
 
@@ -34,7 +34,9 @@ def similarity(
 
     Args:
         run: The run.
-        params: A parameter, a list of them (their gradients concatenated), or None (all).
+        params: A parameter, a list of them (their gradients concatenated), or None: every
+            parameter that keeps gradients (those recorded with form ``norm`` keep only
+            norms and are skipped; naming one is a ``SelectionError``).
         a: The rows' records: None (every record), a dict ``{"step": ..., "datum": ...}`` as
             :meth:`Run.records` takes, or a table from ``run.records(...)``.
         b: The columns' records, likewise; None with ``a`` given means the same as ``a``.
@@ -53,7 +55,7 @@ def similarity(
     if kind not in KINDS:
         raise InputError(f"kind={kind!r} is not one of {list(KINDS)}.")
     budget = memory_bytes(max_memory)
-    names = params_of(run, params)
+    names = params_of(run, params, gradients=True)
     rec_a = records_of(run, a, "a")
     rec_b = rec_a if b is None and a is not None else records_of(run, b, "b")
     same = rec_b is rec_a or (a is None and b is None)
@@ -61,6 +63,12 @@ def similarity(
     rows_b, order_b = _sorted_rows(rec_b)
     steps_a = rec_a.column("step").to_numpy()[order_a]
     steps_b = rec_b.column("step").to_numpy()[order_b]
+    readers = {n: reader(run, n) for n in names}
+    # each side's blocks get half of max_memory (a block of a and one of b are held at once)
+    require_memory(budget, "similarity", [
+        (n, r, 2 * least_budget(r, rows, per_row_bytes=r.numel * 8))
+        for n, r in readers.items() for rows in (rows_a, rows_b)
+    ])
     if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
         from gradlog.analysis.tasks import similarity_parts
 
@@ -71,7 +79,6 @@ def similarity(
     out = np.zeros((rows_a.size, rows_b.size), dtype=np.float64)
     sq_a = np.zeros(rows_a.size, dtype=np.float64)
     sq_b = np.zeros(rows_b.size, dtype=np.float64)
-    readers = {n: reader(run, n) for n in names}
     half = budget // 2
     with progress_bar(progress, None, "similarity") as bar:
         for name in names:

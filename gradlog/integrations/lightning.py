@@ -79,7 +79,8 @@ class GradlogCallback(Callback):  # type: ignore[misc, unused-ignore]
         self.session.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.session.close()  # commit what is complete; the store stays resumable
+        # committed steps stay, the step in progress only if it is known to be complete
+        self.session.close(failed=True)
 
 
 def recorded_loss(

@@ -102,11 +102,11 @@ class RecordingSession:
             self.close()
             raise InputError(f"gradlog recorded nothing during a training step: {how}")
 
-    def close(self) -> None:
-        """Commit the last step and close the store."""
+    def close(self, *, failed: bool = False) -> None:
+        """Commit the last step and close the store (``failed``: see GradRecorder.close)."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
-            recorder.close()
+            recorder.close(failed=failed)
 
     def loss(
         self,

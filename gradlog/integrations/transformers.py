@@ -157,12 +157,15 @@ class GradlogTrainerMixin:
         self.loss_is_scaled_for_ga = False
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        failed = True
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+            out = super().train(*args, **kwargs)  # type: ignore[misc]
+            failed = False
+            return out
         finally:  # also when training fails: hooks off the model, complete steps committed
             for callback in getattr(self.callback_handler, "callbacks", []):  # type: ignore[attr-defined]
                 if isinstance(callback, GradlogCallback):
-                    callback.session.close()
+                    callback.session.close(failed=failed)
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()  # type: ignore[misc, unused-ignore]

@@ -87,22 +87,68 @@ def _read_parts(directory: StorePath, schema: Any) -> Any:
     return pa.concat_tables(tables)
 
 
+_EXPECTED = "expected an int, a list of ints, a range or a slice (ids A..B-1 for slice(A, B))"
+
+
+def _one_int(sel: Any) -> int | None:
+    """``sel`` as an int when it is one integer: a Python or numpy int, or a 0-d integer
+    array or tensor (``idx[3]`` of a batch's ids); None otherwise. Bools are not ids."""
+    if isinstance(sel, (bool, np.bool_)):
+        return None
+    if isinstance(sel, (int, np.integer)):
+        return int(sel)
+    if hasattr(sel, "detach"):  # a torch tensor, without importing torch
+        sel = sel.detach().cpu().numpy()
+    if isinstance(sel, np.ndarray) and sel.ndim == 0 and sel.dtype.kind in "iu":
+        return int(sel)
+    return None
+
+
 def _as_list(sel: Selector, name: str) -> np.ndarray | None:
+    """A selection other than a slice as int64 ids; None stays None.
+
+    Raises:
+        SelectionError: ``sel`` is not integers (floats, bools, strings are never ids).
+    """
     if sel is None:
         return None
     if isinstance(sel, slice):
         raise TypeError("internal: slices are resolved before _as_list")
-    if isinstance(sel, (int, np.integer)) and not isinstance(sel, bool):
-        return np.array([int(sel)], dtype=np.int64)
-    try:
-        values = np.asarray(list(sel if isinstance(sel, Iterable) else [sel]))
-    except TypeError:
-        values = np.asarray([])
-    if values.size and not np.issubdtype(values.dtype, np.integer):
-        raise SelectionError(
-            f"{name}={sel!r}: expected an int, a list of ints, a range or a slice."
-        )
+    one = _one_int(sel)
+    if one is not None:
+        return np.array([one], dtype=np.int64)
+    values: np.ndarray | None = None
+    if hasattr(sel, "detach"):  # torch, without importing it here
+        values = sel.detach().cpu().numpy()
+    elif isinstance(sel, np.ndarray):
+        values = sel
+    elif isinstance(sel, range):
+        values = np.arange(sel.start, sel.stop, sel.step, dtype=np.int64)
+    elif isinstance(sel, Iterable) and not isinstance(sel, (str, bytes, dict)):
+        try:  # numpy takes 0-d arrays and tensors as their values
+            values = np.asarray(list(sel))
+        except (TypeError, ValueError):  # ragged
+            values = None
+    if values is None or values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+        raise SelectionError(f"{name}={sel!r}: {_EXPECTED}.")
     return values.astype(np.int64)
+
+
+def _in_slice(column: Any, sel: slice, name: str) -> Any:
+    """Mask of ``column``'s values in ``[sel.start, sel.stop)`` (an open end: no bound)."""
+    import pyarrow.compute as pc
+
+    if sel.step not in (None, 1):
+        raise SelectionError(
+            f"{name}={sel!r}: {name} slices take no stride; pass a range or a list."
+        )
+    start, stop = (None if b is None else _one_int(b) for b in (sel.start, sel.stop))
+    if (sel.start is not None and start is None) or (sel.stop is not None and stop is None):
+        raise SelectionError(f"{name}={sel!r}: slice bounds must be ints or None.")
+    mask = pc.greater_equal(column, np.iinfo(np.int64).min if start is None else start)
+    if stop is not None:
+        mask = pc.and_(mask, pc.less(column, stop))
+    return mask
 
 
 class Trajectory(NamedTuple):
@@ -124,8 +170,18 @@ class Run:
         """Open the store at ``path`` (a directory or an fsspec URL such as
         ``s3://bucket/run.gradlog``); see :func:`gradlog.open` for the errors raised."""
         self.path: StorePath = sfs.store_path(path)
+        self._read_attrs()
+
+    def _read_attrs(self) -> None:
+        """(Re)read the root attributes, and forget what was opened from the old ones."""
         self.attrs = _read_root_attrs(self.path)
         self._specs: dict[str, dict[str, Any]] = self.attrs["params"]
+        # Read before any step was committed, the specs may say 'full' for parameters whose
+        # forms the recorder plans at its first backward (and writes here before any record):
+        # steps re-reads them once it sees a commit (so does refresh).
+        self._attrs_before_commit = self.attrs.get("config", {}).get("form", "full") != "full"
+        for name in ("params", "_grad_arrays", "_probe_arrays"):
+            self.__dict__.pop(name, None)
 
     def __repr__(self) -> str:
         return (
@@ -168,6 +224,9 @@ class Run:
     def steps(self) -> Any:
         """pyarrow table of committed steps (step, first_row, n_records, lr, loss_mean, ...)."""
         table = _read_parts(self.path / fmt.STEPS_DIR, fmt.steps_schema())
+        if table.num_rows and self._attrs_before_commit:
+            self._read_attrs()  # the planned forms are written before the first commit
+            self._attrs_before_commit = False
         return table.sort_by("step")
 
     @cached_property
@@ -177,13 +236,16 @@ class Run:
         import pyarrow as pa
         import pyarrow.compute as pc
 
+        committed = self.steps.column("step")  # first: it may re-read the root attributes
         table = _read_parts(self.path / fmt.INDEX_DIR, fmt.index_schema(self.param_names))
-        committed = self.steps.column("step")
         table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(committed)))
         return table.sort_by("row")
 
     def refresh(self) -> Run:
-        """Forget cached tables, so that steps committed since opening become visible."""
+        """See what was recorded since opening: re-read the root attributes (forms are planned
+        at the first backward) and forget the cached tables (steps, records, probes) and the
+        opened arrays (they grow as steps commit)."""
+        self._read_attrs()
         for name in ("steps", "datums", "probes"):
             self.__dict__.pop(name, None)
         return self
@@ -194,7 +256,15 @@ class Run:
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
 
     # -- selection --------------------------------------------------------------------------
-    def _check_param(self, param: str) -> dict[str, Any]:
+    def _check_param(self, param: object) -> dict[str, Any]:
+        if not isinstance(param, str):
+            several = isinstance(param, (list, tuple, set))
+            raise SelectionError(
+                f"param={param!r}: expected one parameter name (a str)"
+                + (", not several: call once per parameter" if several else "")
+                + f". Recorded: {', '.join(self.param_names[:20])}"
+                + (" ..." if len(self.param_names) > 20 else "")
+            )
         if param not in self._specs:
             import difflib
 
@@ -209,18 +279,15 @@ class Run:
 
     def records(self, step: Selector = None, datum: Selector = None) -> Any:
         """pyarrow table of the records at ``step`` (int, list, range or slice) and
-        ``datum`` (datum_id or list of them), in row order."""
+        ``datum`` (datum_id, list of them, or ``slice(A, B)``: ids A..B-1), in row order.
+        Ints may be numpy ints or 0-d arrays/tensors; anything else (floats, bools, strings)
+        raises :class:`~gradlog.errors.SelectionError`."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         table = self.datums
         if isinstance(step, slice):
-            if step.step not in (None, 1):
-                raise SelectionError("step slices take no stride; pass a range or a list.")
-            mask = pc.greater_equal(table.column("step"), step.start or np.iinfo(np.int64).min)
-            if step.stop is not None:
-                mask = pc.and_(mask, pc.less(table.column("step"), step.stop))
-            table = table.filter(mask)
+            table = table.filter(_in_slice(table.column("step"), step, "step"))
         else:
             steps = _as_list(step, "step")
             if steps is not None:
@@ -232,6 +299,8 @@ class Run:
                         f"{_nearby(known, int(missing[0]), 'steps')}"
                     )
                 table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(steps)))
+        if isinstance(datum, slice):  # ids A..B-1, as a step slice: an empty range is no error
+            return table.filter(_in_slice(table.column("datum_id"), datum, "datum"))
         datums = _as_list(datum, "datum")
         if datums is not None:
             present = np.asarray(table.column("datum_id"))
@@ -385,11 +454,26 @@ class Run:
             )
         return cache[param, array]
 
-    def norms(self, param: str | None = None, step: Selector = None, datum: Selector = None) -> Any:
-        """Long pyarrow table (step, datum_id, row, param, norm) of exact per-record norms."""
+    def norms(
+        self,
+        param: str | Sequence[str] | None = None,
+        step: Selector = None,
+        datum: Selector = None,
+    ) -> Any:
+        """Long pyarrow table (step, datum_id, row, param, norm) of exact per-record norms of
+        ``param`` (a name, a list of names, or None: every parameter)."""
         import pyarrow as pa
 
-        names = self.param_names if param is None else [param]
+        names: list[Any]  # checked by _check_param below
+        if param is None:
+            names = self.param_names
+        elif isinstance(param, (list, tuple)):  # a long table: several parameters fit
+            names = list(param)
+        else:
+            names = [param]
+        if not names:
+            raise SelectionError("norms(param=[]): no parameter selected; pass a name, a list "
+                                 "of names, or None (every parameter).")
         for name in names:
             self._check_param(name)
         table = self.records(step, datum)
@@ -416,10 +500,12 @@ class Run:
             ``Trajectory(steps, grads)``: int64 steps ``(n,)`` and gradients ``(n, *shape)``
             (float32 numpy, or torch with ``as_torch=True``), in step order.
         """
-        if isinstance(datum, bool) or not isinstance(datum, (int, np.integer)):
+        one = _one_int(datum)
+        if one is None:
             raise SelectionError(f"datum={datum!r}: a trajectory follows one datum id (an int).")
-        steps = np.asarray(self.records(datum=int(datum)).column("step"), dtype=np.int64)
-        return Trajectory(steps, self.grads(param, datum=int(datum), as_torch=as_torch))
+        self._check_param(param)
+        steps = np.asarray(self.records(datum=one).column("step"), dtype=np.int64)
+        return Trajectory(steps, self.grads(param, datum=one, as_torch=as_torch))
 
     # -- probes -----------------------------------------------------------------------------
     @property
@@ -463,12 +549,7 @@ class Run:
         if step is None:
             return table
         if isinstance(step, slice):
-            if step.step not in (None, 1):
-                raise SelectionError("step slices take no stride; pass a range or a list.")
-            mask = pc.greater_equal(table.column("step"), step.start or 0)
-            if step.stop is not None:
-                mask = pc.and_(mask, pc.less(table.column("step"), step.stop))
-            return table.filter(mask)
+            return table.filter(_in_slice(table.column("step"), step, "step"))
         steps = _as_list(step, "step")
         assert steps is not None
         known = np.unique(np.asarray(table.column("step")))
