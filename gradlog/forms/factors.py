@@ -71,11 +71,17 @@ def ghost_blocks(n: int) -> int:
     return max(1, n // _GHOST_BLOCK)
 
 
+_FLOAT64_COST = 2
+"""A float64 multiply-add counted as this many float32 ones (CPUs run float64 matrix products
+at about half the float32 rate; data-centre GPUs at about the same)."""
+
+
 def ghost_cost(n: int, p: int, q: int) -> int:
-    """Multiply-adds of one ghost norm ``sum((g g^T) * (a a^T))`` over ``n`` rows, blocked
-    (:data:`_GHOST_BLOCK`): ``n^2 (p + q) (K + 1) / (2 K)``."""
+    """Work of one ghost norm ``sum((g g^T) * (a a^T))`` over ``n`` rows, blocked
+    (:data:`_GHOST_BLOCK`), in float32 multiply-adds: ``n^2 (p + q) (K + 1) / (2 K)``
+    float64 multiply-adds (see :func:`factored_sqnorms`) times :data:`_FLOAT64_COST`."""
     k = ghost_blocks(n)
-    return n * n * (p + q) * (k + 1) // (2 * k)
+    return _FLOAT64_COST * n * n * (p + q) * (k + 1) // (2 * k)
 
 
 def prefer_factored(
@@ -149,11 +155,15 @@ def factored_sqnorms(
 
     Args:
         g: ``(B, N, p)``. a: ``(B, N, q)``.
-        dtype: Result dtype, in which both paths accumulate their final sums. The Gram
-            matrices (factored) and the gradients (materialised) are computed in the inputs'
-            dtype (at least float32), as recording computes the gradients themselves: the
-            two paths then carry the same rounding, and float32 inputs never pay for float64
-            matrix products (2-3x slower on CPUs, far more on most GPUs).
+        dtype: Result dtype, in which both paths accumulate their final sums. The
+            materialised path forms the gradients in the inputs' dtype (at least float32),
+            as recording computes them for ``full``, and squares them in ``dtype``. The
+            factored path computes its Gram matrices in ``dtype`` too: their elementwise
+            product sums ``N^2`` terms whose sizes are those of the squared per-token
+            contributions, so a datum whose tokens' contributions cancel (a norm much smaller
+            than the sum of the tokens' norms) would lose most of its digits in float32
+            (a 1-8% error measured at N 64, 512x512), where the materialised path stays
+            within float32 rounding of the gradient.
         method: ``"factored"``, ``"materialised"`` or ``"auto"`` (:func:`prefer_factored`).
     """
     B, N, p = g.shape
@@ -162,7 +172,7 @@ def factored_sqnorms(
         method = "factored" if prefer_factored(B, N, B, N, p, q, pairs=B) else "materialised"
     if method not in ("factored", "materialised"):
         raise ConfigError(f"method={method!r} is not one of ['auto', 'factored', 'materialised'].")
-    work = torch.promote_types(g.dtype, torch.float32)
+    work = dtype if method == "factored" else torch.promote_types(g.dtype, torch.float32)
     out = torch.empty(B, dtype=dtype, device=g.device)  # (B,)
     per = N * N if method == "factored" else p * q
     step = max(1, MAX_ELEMENTS // max(1, per))
