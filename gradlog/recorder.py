@@ -286,6 +286,10 @@ class GradRecorder:
         self._attempted: int | None = None
         self._optimizer_stepped = False
         self._optimizer_hook: Any = None
+        # The factor a trainer scaled this micro-batch's loss by for gradient accumulation
+        # (1/k), set by gradlog.integrations around their backward: part of each stored
+        # weight, so that sum_b w_b g_b is the gradient the optimizer steps with.
+        self._weight_scale = 1.0
         self._next_datum = 0
         self._n_checked = 0
         if probes is not None and not (
@@ -718,7 +722,7 @@ class GradRecorder:
             micro=micro,
             datum_ids=ids,
             losses=loss_np,
-            weights=np.full(batch, weight),
+            weights=np.full(batch, weight * self._weight_scale),
             lr=None if lr is None else float(lr),
             grads=host,
             norms=norms,

@@ -173,6 +173,10 @@ def test_trainer_records_the_oracle_gradients(
     lrs = run.steps.column("lr").to_pylist()
     assert lrs[0] == pytest.approx(0.05) and lrs[0] > lrs[1] > lrs[2]  # the scheduler's rates
     _check_against_oracle(run, snaps.at, data)
+    # weights: 1/(k B) over the k = 2 accumulated micro-batches of B = 3
+    weights, steps = run.datums.column("weight").to_numpy(), run.datums.column("step").to_numpy()
+    for step in set(steps.tolist()):
+        assert weights[steps == step].sum() == pytest.approx(1.0)
     assert verify(tmp_path / "run.gradlog").ok
 
 

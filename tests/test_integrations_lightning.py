@@ -114,6 +114,11 @@ def test_lightning_records_the_oracle_gradients(tmp_path: Path) -> None:
     ids = run.datums.column("datum_id").to_pylist()
     assert sorted(ids) != ids
     _check_against_oracle(run, snaps.at, range(4))
+    # weights: 1/(k B) over the k accumulated micro-batches (the optimizer's gradient is the
+    # mean over the step's records), not 1/B per micro-batch
+    weights, steps = run.datums.column("weight").to_numpy(), run.datums.column("step").to_numpy()
+    for step in range(4):
+        assert weights[steps == step] == pytest.approx(np.full(8, 1 / 8))  # k 2, B 4
 
 
 def _check_against_oracle(run: gradlog.Run, snaps: dict[int, Any], steps: Any) -> None:

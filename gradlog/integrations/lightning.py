@@ -28,7 +28,7 @@ import torch
 
 from gradlog.analysis.frames import MissingExtraError
 from gradlog.errors import InputError
-from gradlog.integrations.session import RecordingSession
+from gradlog.integrations.session import RecordingSession, grad_scaler_scale
 
 try:
     from lightning.pytorch import Callback
@@ -63,6 +63,8 @@ class GradlogCallback(Callback):  # type: ignore[misc, unused-ignore]
                 "each rank."
             )
         optimizers = trainer.optimizers
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        self.session.amp_scale = lambda: grad_scaler_scale(scaler)
         self.session.start(
             pl_module, optimizers[0] if optimizers else None, resuming=trainer.global_step > 0
         )

@@ -12,13 +12,18 @@ batch loss, exactly what the trainer's own backward would have accumulated.
 The recorder adds the gradient of the batch loss itself (``mean`` or ``sum`` over datums), so
 the session divides the gradients already accumulated by ``c`` before and multiplies them by
 ``c`` after (exact when ``c`` is a power of two, e.g. ``1/2``, ``1/4``; otherwise within a
-rounding of the accumulated gradient). Per-datum gradients and losses are recorded unscaled.
+rounding of the accumulated gradient). Per-datum gradients and losses are recorded unscaled;
+each record's weight includes ``c`` divided by the AMP loss scale (the trainer unscales
+``p.grad`` by it before the optimizer step), so that ``sum_b w_b g_b`` over a step's
+micro-batches is the gradient the optimizer steps with (``1/(k B)`` for ``k`` accumulated
+micro-batches of ``B``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,6 +80,8 @@ class RecordingSession:
         self.model: nn.Module | None = None
         self._committed: int | None = None  # last step in the store when training resumed
         self._losses = 0  # batches that went through loss() since start()
+        # the trainer's AMP loss scale (a GradScaler's; 1 without one): set by the callback
+        self.amp_scale: Callable[[], float] = lambda: 1.0
 
     @property
     def recording(self) -> bool:
@@ -171,13 +178,22 @@ class RecordingSession:
         accumulated = [p.grad for p in model.parameters() if p.grad is not None]
         if scale != 1.0 and accumulated:
             torch._foreach_div_(accumulated, scale)
+        recorder._weight_scale = scale / self.amp_scale()  # the accumulation's 1/k
         try:
             recorder.backward(losses, datum_ids=datum_ids, step=step, mask=mask)
         finally:
+            recorder._weight_scale = 1.0
             if scale != 1.0:
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, scale)
+
+
+def grad_scaler_scale(scaler: Any) -> float:
+    """The loss scale of a ``torch.amp.GradScaler`` (1 when there is none or it is off)."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return 1.0
+    return float(scaler.get_scale())
 
 
 def _last_committed(path: str | os.PathLike[str]) -> int | None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from gradlog.analysis.frames import MissingExtraError
 from gradlog.errors import InputError
-from gradlog.integrations.session import RecordingSession
+from gradlog.integrations.session import RecordingSession, grad_scaler_scale
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -157,6 +157,10 @@ class GradlogTrainerMixin:
         self.loss_is_scaled_for_ga = False
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        for callback in getattr(self.callback_handler, "callbacks", []):  # type: ignore[attr-defined]
+            if isinstance(callback, GradlogCallback):  # (fp16: accelerate's GradScaler)
+                callback.session.amp_scale = lambda: grad_scaler_scale(
+                    getattr(getattr(self, "accelerator", None), "scaler", None))
         failed = True
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]
