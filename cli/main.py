@@ -76,7 +76,8 @@ def train(
     ] = None,
     name: Annotated[str, typer.Option(help="Run name, for the default path.")] = "demo",
     seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing store at --out.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing store at --out (default: runs/<name>.gradlog).")] = False,
     form: Annotated[str, typer.Option(
         help="How per-datum gradients are kept: full, factors, projection, topk, norm, auto, "
         "or JSON such as '{\"blocks.*\": {\"form\": \"projection\", \"dim\": 256}}' "
@@ -97,7 +98,12 @@ def train(
         except json.JSONDecodeError as e:
             _fail(ValueError(f"--form is not valid JSON ({e}); pass a form name or a JSON "
                              "object such as '{\"*\": \"norm\"}'."))
-    path = out if out is not None else _free_path(name)
+    if out is not None:
+        path = out
+    elif overwrite:  # replace runs/<name>.gradlog itself; the recorder refuses to delete
+        path = Path("runs") / f"{name}.gradlog"  # anything there that is not a gradlog store
+    else:
+        path = _free_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     recorder: dict[str, Any] = {}
 
@@ -140,11 +146,17 @@ def train(
     table.add_row("parameters", f"{summary.params} ({summary.param_elements:,} elements)")
     table.add_row("bytes on disk", _bytes(summary.bytes_on_disk))
     table.add_row("final loss", f"{summary.final_loss:.4f}")
-    table.add_row("plain step", f"{summary.plain_step_s * 1e3:.1f} ms (median)")
-    table.add_row(
-        "recorded step",
-        f"{summary.recorded_step_s * 1e3:.1f} ms (median), {summary.overhead:.2f}x plain",
-    )
+    if summary.plain_step_s is None or summary.recorded_step_s is None or summary.overhead is None:
+        # the first recorded step is warm-up, so a paired timing needs a later recorded step
+        unmeasured = f"not measured (needs at least {summary.timed_steps_needed} steps)"
+        table.add_row("plain step", unmeasured)
+        table.add_row("recorded step", unmeasured)
+    else:
+        table.add_row("plain step", f"{summary.plain_step_s * 1e3:.1f} ms (median)")
+        table.add_row(
+            "recorded step",
+            f"{summary.recorded_step_s * 1e3:.1f} ms (median), {summary.overhead:.2f}x plain",
+        )
     table.add_row("time in per-datum compute / writing",
                   f"{summary.compute_s:.2f} s / {summary.write_s:.2f} s")
     console.print(table)
@@ -546,6 +558,16 @@ def export(
     as_json: JsonOpt = False,
 ) -> None:
     """Export records and their gradients to one parquet or npz file."""
+    from gradlog.analysis.export import FORMATS
+    from gradlog.errors import InputError
+
+    suffix = out.suffix.lstrip(".").lower()
+    if format in FORMATS and suffix in FORMATS and format != suffix:
+        # the library would write what --format says under a name that says otherwise
+        _fail(InputError(
+            f"--format {format} contradicts --out {out} (a .{suffix} name): drop --format, "
+            f"or name the file .{format}."
+        ))
     run = _open_run(run_path)
     names = _with_gradients(run, params)
     try:

@@ -17,7 +17,25 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from gradlog._version import __version__
-from gradlog.errors import GradlogError
+from gradlog.errors import (  # the public errors, as the README names them (gradlog.X)
+    BackendError,
+    ConfigError,
+    FrozenParamError,
+    GradientCheckError,
+    GradlogError,
+    InputError,
+    NonFiniteLossError,
+    NotAStoreError,
+    ParamSelectionError,
+    SelectionError,
+    StoreCorruptError,
+    StoreExistsError,
+    StoreFormatError,
+    StoreResumeError,
+    StoreVersionError,
+    StoreWriteError,
+    UnsupportedLayerError,
+)
 from gradlog.store.reader import Run
 
 if TYPE_CHECKING:
@@ -26,10 +44,26 @@ if TYPE_CHECKING:
     from gradlog.sparse import sparse_backprop
 
 __all__ = [
+    "BackendError",
+    "ConfigError",
+    "FrozenParamError",
     "GradRecorder",
+    "GradientCheckError",
     "GradlogError",
+    "InputError",
+    "NonFiniteLossError",
+    "NotAStoreError",
+    "ParamSelectionError",
     "RecorderConfig",
     "Run",
+    "SelectionError",
+    "StoreCorruptError",
+    "StoreExistsError",
+    "StoreFormatError",
+    "StoreResumeError",
+    "StoreVersionError",
+    "StoreWriteError",
+    "UnsupportedLayerError",
     "__version__",
     "open",
     "sparse_backprop",

@@ -121,3 +121,70 @@ def test_train_default_path_does_not_clobber(
         "demo-2.gradlog",
         "demo.gradlog",
     ]
+
+
+def test_train_overwrite_replaces_the_default_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(app, ["train", *SMALL, "--name", "t"]).exit_code == 0
+    result = runner.invoke(app, ["train", "--steps", "2", "--batch-size", "4", "--seq-len", "16",
+                                 "--name", "t", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["t.gradlog"]
+    assert gradlog.open(tmp_path / "runs" / "t.gradlog").steps.num_rows == 2  # replaced
+
+
+def test_train_overwrite_never_deletes_a_directory_that_is_not_a_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    keep = tmp_path / "runs" / "t.gradlog" / "notes.txt"
+    keep.parent.mkdir(parents=True)
+    keep.write_text("mine")
+    result = runner.invoke(app, ["train", *SMALL, "--name", "t", "--overwrite"])
+    assert result.exit_code == 1 and "not a gradlog store" in result.output
+    assert "Traceback" not in result.output
+    assert keep.read_text() == "mine"
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_train_timings_are_measured_for_any_every(tmp_path: Path, every: int) -> None:
+    steps = str(2 * every + 1)
+    result = runner.invoke(app, ["train", "--steps", steps, "--batch-size", "2", "--seq-len",
+                                 "16", "--every", str(every), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "nan ms" not in result.output and "nanx" not in result.output
+    assert "not measured" not in result.output and "x plain" in result.output
+
+
+def test_train_timings_too_few_steps_say_so(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                                 "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "nan ms" not in result.output and "nanx" not in result.output
+    assert "not measured (needs at least 2 steps)" in result.output
+
+
+def test_export_refuses_a_format_contradicting_the_extension(
+    trained: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "e.npz"
+    result = runner.invoke(app, ["export", str(trained), "--out", str(out), "--format", "parquet"])
+    assert result.exit_code == 1
+    assert "--format parquet" in result.output and ".npz" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+    # an agreeing --format, or any --format for an extension that names none, still works
+    for name, fmt in (("a.npz", "npz"), ("a.bin", "parquet")):
+        ok = runner.invoke(app, ["export", str(trained), "--out", str(tmp_path / name),
+                                 "--format", fmt])
+        assert ok.exit_code == 0, ok.output
+
+
+def test_public_errors_are_top_level() -> None:
+    from gradlog import errors
+
+    for name in errors.__all__:
+        assert getattr(gradlog, name) is getattr(errors, name)
+        assert name in gradlog.__all__
+    assert issubclass(gradlog.NonFiniteLossError, gradlog.InputError)

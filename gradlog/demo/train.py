@@ -23,7 +23,7 @@ from gradlog.recorder import GradRecorder
 
 __all__ = ["TrainSummary", "describe_plan", "train_demo"]
 
-_PAIR_EVERY = 2  # time a plain step before every 2nd step, for the overhead ratio
+_PAIR_EVERY = 2  # time a plain step before every 2nd recorded step, for the overhead ratio
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,19 @@ class TrainSummary:
     param_elements: int
     bytes_on_disk: int
     final_loss: float
-    plain_step_s: float
-    recorded_step_s: float
+    plain_step_s: float | None
+    recorded_step_s: float | None
     compute_s: float
     write_s: float
+    timed_steps_needed: int = 2
+    """Steps a run needs for the step times to be measured (None above when it had fewer)."""
 
     @property
-    def overhead(self) -> float:
-        """Median recorded step time / median plain step time (paired on the same batches)."""
+    def overhead(self) -> float | None:
+        """Median recorded step time / median plain step time (paired on the same batches);
+        None when the run was too short to time a pair (``timed_steps_needed``)."""
+        if self.recorded_step_s is None or not self.plain_step_s:
+            return None
         return self.recorded_step_s / self.plain_step_s
 
 
@@ -122,13 +127,18 @@ def train_demo(
         if on_start is not None:
             on_start(rec)
         for step, (x, y, ids) in enumerate(corpus.batches(batch_size, seq_len, steps, seed)):
-            paired = step % every == 0 and step % _PAIR_EVERY == 1  # skip warm-up step 0
-            if paired:
+            # Every 2nd *recorded* step (step // every counts them), skipping the first one
+            # (warm-up: planning, allocation, self-check): steps 1, 3, ... for every=1, every,
+            # 3 * every, ... otherwise. Counting raw steps never paired an even `every`.
+            paired = step % every == 0 and (step // every) % _PAIR_EVERY == 1
+            # the shadow's own warm-up (first backward, AdamW state) is left untimed too
+            if paired or (step == 0 and steps > every):
                 t0 = time.perf_counter()
                 _loss_fn(shadow, (x, y)).mean(1).mean().backward()
                 shadow_opt.step()
                 shadow_opt.zero_grad(set_to_none=True)
-                plain_times.append(time.perf_counter() - t0)
+                if paired:
+                    plain_times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             losses = rec.step(_loss_fn, (x, y), datum_ids=ids, step=step)
             opt.step()
@@ -151,10 +161,11 @@ def train_demo(
         param_elements=sum(run.params.column("numel").to_pylist()),
         bytes_on_disk=run.nbytes,
         final_loss=loss,
-        plain_step_s=statistics.median(plain_times) if plain_times else float("nan"),
-        recorded_step_s=statistics.median(step_times) if step_times else float("nan"),
+        plain_step_s=statistics.median(plain_times) if plain_times else None,
+        recorded_step_s=statistics.median(step_times) if step_times else None,
         compute_s=float(sum(table.column("time_compute_s").to_pylist())),
         write_s=float(sum(table.column("time_write_s").to_pylist())),
+        timed_steps_needed=every + 1,  # the first paired step is step `every`
     )
 
 
