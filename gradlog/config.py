@@ -85,12 +85,19 @@ def check_forms(rules: Sequence[tuple[str, FormRequest]], budget: Any, seed: Any
         json.dumps([[g, _jsonable(r)] for g, r in rules])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"form options must be JSON values (they are stored): {e}") from None
-    dummy = ParamInfo((8, 8), "factors", tokens=2, name="check")
+    # A matrix and a vector: a request that fits neither is wrong whatever it matches; one
+    # that fits only one kind of shape is checked against the parameters it matches
+    # (planning.check_requests, when the recorder is built).
+    dummies = (ParamInfo((8, 8), "factors", tokens=2), ParamInfo((8,)))
     for glob, request in rules:
-        try:
-            make_form(_seeded(request, seed), dummy)
-        except ConfigError as e:
-            raise ConfigError(f"form for {glob!r}: {e}") from None
+        failed = []
+        for dummy in dummies:
+            try:
+                make_form(_seeded(request, seed), dummy)
+            except ConfigError as e:
+                failed.append(e)
+        if len(failed) == len(dummies):
+            raise ConfigError(f"form for {glob!r}: {failed[0]}") from None
 
 
 class _FrozenRequest(dict[str, Any]):
@@ -236,10 +243,36 @@ class RecorderConfig:
     def request_for(self, name: str) -> FormRequest:
         """The form request of parameter ``name``: its first matching glob's, else ``full``;
         projection seeds default to :attr:`projection_seed`."""
+        return self.rule_for(name)[1]
+
+    def rule_for(self, name: str) -> tuple[str | None, FormRequest]:
+        """``(glob, request)`` of parameter ``name``: its first matching glob and that glob's
+        request (seeded as in :meth:`request_for`), else ``(None, "full")``."""
         for glob, request in self.form:
             if fnmatch.fnmatchcase(name, glob):
-                return _seeded(request, self.projection_seed)
-        return "full"
+                return glob, _seeded(request, self.projection_seed)
+        return None, "full"
+
+    def check_form_globs(self, names: Sequence[str]) -> None:
+        """Refuse ``form=`` globs that decide no parameter of ``names``: a glob that matches
+        none (a typo) or whose every match an earlier glob takes (first match wins)."""
+        for i, (glob, _) in enumerate(self.form):
+            matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+            if not matched:
+                shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+                raise ConfigError(
+                    f"form glob {glob!r} matches no recorded parameter, so its request would be "
+                    f"ignored. Names are matched with fnmatch against: {shown or '(none)'}."
+                )
+            earlier = [g for g, _ in self.form[:i]]
+            if all(any(fnmatch.fnmatchcase(n, g) for g in earlier) for n in matched):
+                first = next(g for g in earlier if fnmatch.fnmatchcase(matched[0], g))
+                raise ConfigError(
+                    f"form glob {glob!r} matches {', '.join(matched[:6])}"
+                    f"{', ...' if len(matched) > 6 else ''}, but an earlier glob ({first!r} for "
+                    f"{matched[0]!r}) takes each of them (the first matching glob wins): put "
+                    f"{glob!r} before it, or remove it."
+                )
 
     def hash(self) -> str:
         """sha256 of the canonical JSON of the configuration."""

@@ -165,7 +165,10 @@ def chunked_linear_loss(
         x: Hidden states ``(..., d)``; the leading dimensions are flattened to ``N`` rows.
         linear: The head, usually an ``nn.Linear`` (``weight`` ``(V, d)``, ``bias`` ``(V,)``
             or ``None``). Any module with a ``weight`` tensor and an optional ``bias`` works;
-            gradients are computed for exactly these two tensors (and ``x``).
+            gradients are computed for exactly these two tensors (and ``x``), so while
+            gradients are enabled a head with another trainable parameter (a learned
+            temperature) is refused: its gradient would be lost. Parameters the weight is
+            computed from (a tied or scaled weight) get theirs through it.
         labels: Per-row targets for ``fn``: a tensor whose leading dimensions are ``x``'s
             (``(B, T)`` for ``x`` ``(B, T, d)``; trailing dimensions allowed, e.g. teacher
             logits ``(B, T, V)``) or already flattened to ``(N, ...)``; or a tuple, list or
@@ -213,7 +216,8 @@ def chunked_linear_loss(
 
     Raises:
         InputError: ``x``, ``linear``, ``labels``, ``chunk_size``, ``memory_budget_bytes``,
-            ``reduction``, ``grad_in_forward`` or the losses ``fn`` returns are malformed.
+            ``reduction``, ``grad_in_forward`` or the losses ``fn`` returns are malformed, or
+            ``linear`` has trainable parameters besides ``weight`` and ``bias``.
         DoubleBackwardError: In backward, when called with ``create_graph=True`` (double
             backward is not supported: the chunk gradients are computed without a graph).
     """
@@ -229,6 +233,8 @@ def chunked_linear_loss(
             "Drop grad_in_forward."
         )
     weight, bias = _head_tensors(linear)
+    if torch.is_grad_enabled():
+        _refuse_other_trainable(linear, weight, bias)
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise InputError(
@@ -533,6 +539,47 @@ def _head_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise InputError(f"linear.bias must be a tensor or None, got {type(bias).__name__}.")
     return weight, bias
+
+
+def _refuse_other_trainable(
+    linear: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Refuse trainable parameters of the head other than ``weight`` and ``bias`` (and those
+    the weight or bias is computed from): their gradients would be silently lost, since only
+    ``x``, ``weight`` and ``bias`` are differentiated."""
+    own = [(n, p) for n, p in linear.named_parameters() if p.requires_grad]
+    covered = {id(weight)} | ({id(bias)} if bias is not None else set())
+    others = [(n, p) for n, p in own if id(p) not in covered]
+    if not others:
+        return
+    covered |= _leaves_of(weight, bias)  # a weight computed from parameters (tied, scaled)
+    lost = [n for n, p in others if id(p) not in covered]
+    if not lost:
+        return
+    raise InputError(
+        f"linear ({type(linear).__name__}) has trainable parameter(s) {lost} besides weight and "
+        "bias, but chunked_linear_loss differentiates only x, linear.weight and linear.bias: "
+        "their gradients would be silently lost. Apply them outside chunked_linear_loss (a "
+        "temperature t of a bias-free head: pass x * t, since (t x) W^T = t (x W^T)), freeze "
+        "them (p.requires_grad_(False)), or call the head unchunked."
+    )
+
+
+def _leaves_of(*tensors: torch.Tensor | None) -> set[int]:
+    """ids of the leaf tensors the autograd graphs of ``tensors`` reach."""
+    out: set[int] = set()
+    stack: list[Any] = [t.grad_fn for t in tensors if t is not None]  # autograd Nodes
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad of a leaf
+        if isinstance(variable, torch.Tensor):
+            out.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return out
 
 
 def _flatten_labels(labels: Any, lead: tuple[int, ...], n_rows: int, path: str) -> Any:

@@ -21,18 +21,48 @@ import torch
 
 from gradlog.config import RecorderConfig
 from gradlog.errors import InputError
-from gradlog.forms import Form, FullForm, Material, ParamInfo, form_from_spec, plan_forms
+from gradlog.forms import (
+    Form,
+    FullForm,
+    Material,
+    ParamInfo,
+    form_from_spec,
+    make_form,
+    plan_forms,
+)
+from gradlog.forms.auto import naming_errors
 from gradlog.forms.base import batch_size, material_shape
 
 __all__ = [
     "array_specs",
     "check_free_space",
+    "check_requests",
     "encode",
     "forms_from_specs",
     "keeps_material",
     "plan",
     "plan_table",
 ]
+
+
+def check_requests(config: RecorderConfig, params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse, when the recorder is built, ``form=`` globs that decide no parameter and
+    requests that cannot apply to a parameter's shape (naming it and the fix), rather than at
+    the first backward. What depends on the material (factors, token counts, the budget's
+    share) is checked when planning.
+
+    Raises:
+        ConfigError: the glob or the parameter, its request and the fix.
+    """
+    names = list(params)
+    config.check_form_globs(names)
+    for name, p in params.items():
+        glob, request = config.rule_for(name)
+        if request == FullForm.name:
+            continue
+        info = ParamInfo(tuple(p.shape), name=name)  # dense: every form plans from it
+        with naming_errors(name, info, request, glob):
+            make_form(request, info)
 
 
 def keeps_material(config: RecorderConfig, names: list[str]) -> frozenset[str]:
@@ -72,6 +102,7 @@ def plan(
     *,
     itemsize: int,
     tokens: int | None = None,
+    records_per_step: int | None = None,
 ) -> dict[str, Form]:
     """Concrete forms for every parameter from its first batch of material.
 
@@ -81,6 +112,9 @@ def plan(
         itemsize: Bytes of one stored float.
         tokens: Rows per datum to provision for factors and sparse rows (default: the
             first batch's).
+        records_per_step: Records a step holds, over which ``form_budget`` (bytes per step)
+            is split (default: the first batch's; with gradient accumulation a step holds
+            several batches).
     """
     infos = {}
     for name, material in materials.items():
@@ -90,7 +124,14 @@ def plan(
         infos[name] = info
     requests = {name: config.request_for(name) for name in materials}
     batch = batch_size(next(iter(materials.values()))) if materials else 1
-    return plan_forms(infos, requests, budget_per_step=config.form_budget, batch_size=batch)
+    forms = plan_forms(infos, requests, budget_per_step=config.form_budget,
+                       batch_size=records_per_step or batch)
+    for name, form in forms.items():  # errors then say which tokens= to raise
+        request = requests[name]
+        requested = None if isinstance(request, str) else request.get("tokens")
+        if isinstance(requested, int) and getattr(form, "tokens", None) == requested:
+            form.requested_tokens = requested
+    return forms
 
 
 def forms_from_specs(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Form]:
@@ -125,10 +166,19 @@ def encode(
             with torch.no_grad():
                 enc, sq = form.encode_with_norms(material)
         except InputError as e:
+            if form.requested_tokens is not None:
+                fix = (
+                    "raise 'tokens' in its form= request to the most tokens a datum will have "
+                    "(GradRecorder(..., tokens=N) does not apply to a request that sets its own)."
+                )
+            else:
+                fix = (
+                    "pass GradRecorder(..., tokens=N) with the most tokens a datum will have to "
+                    "provision for longer batches."
+                )
             raise InputError(
                 f"parameter {name!r} ({form.name}): {e} The form was planned at the first "
-                "recorded backward; pass GradRecorder(..., tokens=N) with the most tokens a "
-                "datum will have to provision for longer batches."
+                f"recorded backward; {fix}"
             ) from None
         arrays[name] = {k: v.detach() for k, v in enc.items()}
         norms[name] = sq.clamp_min(0).sqrt().cpu().numpy()
@@ -136,10 +186,16 @@ def encode(
 
 
 def plan_table(
-    forms: Mapping[str, Form], *, batch: int, itemsize: int, steps: int | None = None
+    forms: Mapping[str, Form],
+    *,
+    batch: int,
+    itemsize: int,
+    steps: int | None = None,
+    records_from: str | None = None,
 ) -> str:
     """The start-of-recording summary: per parameter its form and bytes per step (and
-    ``full``'s), the total, and the projected size for ``steps`` steps."""
+    ``full``'s) for ``batch`` records per step, the total, and the projected size for
+    ``steps`` steps; ``records_from`` says where the records per step come from."""
     rows = []
     for name, form in forms.items():
         per_step = form.nbytes_per_record(itemsize) * batch
@@ -153,6 +209,8 @@ def plan_table(
         lines.append(f"{name:<{width}}  {form_name:<10}  {per_step:>12,}  {full:>15,}")
     share = f" ({100 * total / total_full:.2f}% of full)" if total_full else ""
     lines.append(f"{'(total)':<{width}}  {'':<10}  {total:>12,}  {total_full:>15,}{share}")
+    if records_from is not None:
+        lines.append(f"bytes per step for {batch:,} records per step ({records_from})")
     if steps is not None:
         lines.append(f"projected size for {steps:,} steps: {_fmt_bytes(total * steps)}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import logging
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -202,6 +203,13 @@ class GradRecorder:
             first recorded batch's); a later batch with more tokens per datum is refused.
         planned_steps: Steps the run will record, for the projected store size printed at
             the start (a warning when it exceeds the free disk space).
+        records_per_step: Records one step holds (all its micro-batches), over which
+            ``form_budget`` is split and for which the plan counts bytes per step. Default:
+            the first recorded batch's size, which undercounts under gradient accumulation
+            (several ``backward`` calls per step): the forms are planned at the first
+            backward, before the step's other micro-batches. If the first recorded step then
+            holds more records, :attr:`plan` and the projected size are corrected when it
+            commits, with a ``UserWarning`` when that exceeds ``form_budget``.
     """
 
     def __init__(
@@ -234,6 +242,7 @@ class GradRecorder:
         projection_seed: int = 0,
         tokens: int | None = None,
         planned_steps: int | None = None,
+        records_per_step: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -254,12 +263,15 @@ class GradRecorder:
             form_budget=form_budget,
             projection_seed=projection_seed,
         )
-        for name, value in (("tokens", tokens), ("planned_steps", planned_steps)):
+        for name, value in (("tokens", tokens), ("planned_steps", planned_steps),
+                            ("records_per_step", records_per_step)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise InputError(f"{name}={value!r} must be a positive int or None.")
         self.tokens = tokens
         self.planned_steps = planned_steps
+        self.records_per_step = records_per_step
+        self._planned_records: int | None = None  # records per step of the plan, until checked
         self.forms: dict[str, Form] | None = None  # planned at the first recorded backward
         self.plan: str | None = None  # the plan's bytes table, as logged
         self.model = model
@@ -273,6 +285,7 @@ class GradRecorder:
         self._dist: Distributed | None = None  # set by open()
         self._committed_through: int | None = None  # last step already in a resumed store
         self.params = select_params(model, self.config.params)
+        planning.check_requests(self.config, self.params)
         self._backend: Backend | None = None
         self._writer: StoreWriter | None = None
         self._coupling = [
@@ -778,24 +791,68 @@ class GradRecorder:
         self._writer.commit(row)
         self._pending = None
         self.steps_recorded += 1
+        if self._planned_records is not None:
+            planned, self._planned_records = self._planned_records, None
+            if p["n_records"] > planned and self._dist is None:
+                self._replan_records(p, planned)
+
+    def _replan_records(self, p: dict[str, Any], planned: int) -> None:
+        """The first recorded step held more records than the plan assumed (gradient
+        accumulation): correct :attr:`plan` and the projected size, and warn when that
+        exceeds ``form_budget``."""
+        assert self.forms is not None
+        n, itemsize = p["n_records"], storage_dtype(self.config.dtype).itemsize
+        per_step = sum(f.nbytes_per_record(itemsize) for f in self.forms.values()) * n
+        budget = self.config.form_budget
+        if budget is not None and per_step > budget:
+            why = (
+                f"records_per_step={self.records_per_step}" if self.records_per_step
+                else "the first micro-batch's"
+            )
+            records = f"{planned} record{'s' if planned > 1 else ''}"
+            ratio = per_step / max(1, budget)
+            warnings.warn(
+                f"gradlog: step {p['step']} held {n} records in {p['n_micro']} micro-batches, "
+                f"but form_budget={budget:,} (bytes per step) was split over {records} ({why}): "
+                f"{ratio:.1f}x the budget per step ({per_step:,} bytes). The forms are fixed "
+                "once planned; pass "
+                f"GradRecorder(..., records_per_step={n}) (the most records a step holds) in "
+                "the next run to split the budget over every record of a step.",
+                UserWarning,
+                stacklevel=5,  # the user's backward, step or with-block exit
+            )
+        self.plan = planning.plan_table(
+            self.forms, batch=n, itemsize=itemsize, steps=self.planned_steps,
+            records_from=f"step {p['step']} held them",
+        )
+        log.info("gradlog: forms and bytes per step of %s, corrected\n%s", self.path, self.plan)
+        if self.planned_steps is not None:
+            planning.check_free_space(self.path, per_step * self.planned_steps)
 
     def _plan_forms(self, grads: PerDatumGrads) -> None:
         """Concrete forms from the first batch's material; log their bytes table and warn
         when the planned steps would not fit on the disk."""
         assert self._writer is not None
         storage = storage_dtype(self.config.dtype)
-        forms = planning.plan(self.config, grads, itemsize=storage.itemsize, tokens=self.tokens)
+        forms = planning.plan(self.config, grads, itemsize=storage.itemsize, tokens=self.tokens,
+                              records_per_step=self.records_per_step)
         self._writer.set_forms(
             {n: (f.spec(), planning.array_specs(f)) for n, f in forms.items()}
         )
         self.forms = forms
         batch = batch_size(next(iter(grads.values()))) if grads else 0
+        records = self.records_per_step or batch  # the step's other micro-batches come later
+        self._planned_records = records  # checked when the step commits
         self.plan = planning.plan_table(
-            forms, batch=batch, itemsize=storage.itemsize, steps=self.planned_steps
+            forms, batch=records, itemsize=storage.itemsize, steps=self.planned_steps,
+            records_from=(
+                f"records_per_step={records}" if self.records_per_step
+                else "the first batch's; with gradient accumulation pass records_per_step="
+            ),
         )
         log.info("gradlog: forms and bytes per step of %s\n%s", self.path, self.plan)
         if self.planned_steps is not None:
-            per_step = sum(f.nbytes_per_record(storage.itemsize) for f in forms.values()) * batch
+            per_step = sum(f.nbytes_per_record(storage.itemsize) for f in forms.values()) * records
             planning.check_free_space(self.path, per_step * self.planned_steps)
 
     def _encode(

@@ -448,10 +448,10 @@ def test_every_form_round_trips(request_: Any, source: str) -> None:
 @pytest.mark.parametrize(
     "request_", ["full", "factors", {"form": "projection", "dim": 6}, {"form": "topk", "k": 3}]
 )
-@pytest.mark.parametrize("tokens", [2, 30])  # ghost norm cheaper / gradients cheaper
+@pytest.mark.parametrize("tokens", [1, 30])  # ghost norm cheaper / gradients cheaper
 def test_encode_with_norms_is_encode_plus_exact_norms(request_: Any, tokens: int) -> None:
     f = padded_factors(5, tokens, 4, 3, seed=13, scale=2.0)
-    assert forms_factors.prefer_factored(5, tokens, 5, tokens, 4, 3, pairs=5) == (tokens == 2)
+    assert forms_factors.prefer_factored(5, tokens, 5, tokens, 4, 3, pairs=5) == (tokens == 1)
     form = make_form(request_, ParamInfo.of(f, name="w"))
     enc, norms = form.encode_with_norms(f)
     for key, t in form.encode(f).items():
@@ -668,3 +668,61 @@ def test_errors_name_the_fix() -> None:
     auto_form: Form = FORMS["auto"]((4, 3))
     with pytest.raises(ConfigError, match="only a request"):
         auto_form.encode(rand(2, 4, 3))
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        ({"form": "auto", "budget": 40, "min_projection_dim": "x"}, "min_projection_dim='x'"),
+        ({"form": "auto", "min_projection_dim": True}, "min_projection_dim=True"),
+        ({"form": "auto", "min_projection_dim": 0}, "min_projection_dim=0"),
+        ({"form": "topk", "fraction": True}, "fraction=True"),
+        ({"form": "topk", "fraction": "0.1"}, "fraction='0.1'"),
+        ({"form": "projection", "structure": "dense", "dim": 4, "block": -1}, "block=-1"),
+        ({"form": "projection", "structure": "dense", "dim": 4, "block": "7"}, "block='7'"),
+        ({"form": "projection", "structure": "dense", "dim": 4, "block": True}, "block=True"),
+        ({"form": "projection", "ranks": "4"}, "ranks='4'"),
+        ({"form": "projection", "ranks": [2, True]}, r"ranks=\[2, True\]"),
+        ({"form": "projection", "structure": "diagonal"}, "structure='diagonal'"),
+    ],
+)
+def test_bad_form_options_are_config_errors(request_: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make_form(request_, ParamInfo((4, 3), "factors", 2, name="w"))
+
+
+def test_projection_shape_mismatch_names_parameter_and_fix() -> None:
+    bias = ParamInfo((6,), name="fc.bias")
+    with pytest.raises(ConfigError, match=r"ranks=\[2, 2\].*'fc\.bias'.*\(6,\).*dim="):
+        make_form({"form": "projection", "ranks": [2, 2]}, bias)
+    with pytest.raises(ConfigError, match=r"ranks=\[4\].*'w'.*\(4, 3\).*dim="):
+        make_form({"form": "projection", "ranks": [4]}, ParamInfo((4, 3), name="w"))
+    assert make_form({"form": "projection", "ranks": [4], "structure": "dense"},
+                     ParamInfo((4, 3), name="w")).ranks == (4,)
+    with pytest.raises(ConfigError, match=r"two_sided needs a parameter with >= 2 dimensions.*"
+                                          r"'fc\.bias'.*structure='dense'"):
+        make_form({"form": "projection", "dim": 4, "structure": "two_sided"}, bias)
+
+
+def test_plan_forms_errors_name_the_parameter_and_the_fix() -> None:
+    infos = {"w": ParamInfo((4, 3), "factors", 2, name="w"), "b": ParamInfo((4,), name="b")}
+    request = {"form": "topk", "fraction": 2}
+    with pytest.raises(ConfigError, match=r"parameter 'w' \(shape \(4, 3\)\).*fraction=2.*glob"):
+        plan_forms(infos, {"w": request, "b": "full"})
+    with pytest.raises(ConfigError, match=r"parameter 'b' of shape \(4,\).*first matching"):
+        plan_forms(infos, {"w": "full", "b": {"form": "projection", "ranks": [2, 2]}},
+                   budget_per_step=100, batch_size=1)
+
+
+def test_rows_tokens_hint_says_which_tokens_to_raise() -> None:
+    rows = Rows(torch.tensor([[0, 1, 2, 3, 4]]), rand(1, 5, 3), 8)
+    info = ParamInfo((8, 3), "rows", 5, name="emb")
+    requested = make_form({"form": "rows", "tokens": 2}, info)
+    assert requested.requested_tokens == 2
+    with pytest.raises(InputError, match=r"request's own 'tokens' option \(2; it wins"):
+        requested.encode(rows)
+    provisioned = make_form("rows", ParamInfo((8, 3), "rows", 2, name="emb"))
+    assert provisioned.requested_tokens is None
+    with pytest.raises(InputError, match=r"Plan with tokens= at least") as e:
+        provisioned.encode(rows)
+    assert "request's own" not in str(e.value)

@@ -394,6 +394,71 @@ def test_head_with_a_computed_weight() -> None:
         _assert_close_all([x.grad, emb.weight.grad], want, rtol=RTOL, atol=ATOL)
 
 
+class _TemperatureHead(nn.Linear):
+    """An nn.Linear with a learned temperature: a trainable tensor besides weight and bias."""
+
+    def __init__(self) -> None:
+        super().__init__(D, V)
+        self.temp = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.temp
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_other_trainable_head_parameters_are_refused_before_any_computation(
+    reduction: str,
+) -> None:
+    """Only x, weight and bias get gradients: a head with another trainable parameter would
+    silently lose that one's gradient, so it is refused (naming it) before fn runs."""
+    head = _TemperatureHead()
+    x, _ = _setup()
+    calls = []
+
+    def counting_ce(x: torch.Tensor, linear: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return ce(x, linear, y)
+
+    with pytest.raises(InputError, match=r"'temp'.*weight and bias.*requires_grad_\(False\)"):
+        chunked_linear_loss(x, head, _int_labels(), counting_ce, chunk_size=7,
+                            reduction=reduction)
+    assert not calls
+    with torch.no_grad():  # no gradient to lose: values only
+        got = chunked_linear_loss(x, head, _int_labels(), ce, chunk_size=7)
+    want = F.cross_entropy(head(x).transpose(1, 2), _int_labels())
+    torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+    head.temp.requires_grad_(False)  # frozen: nothing is lost
+    chunked_linear_loss(x, head, _int_labels(), ce, chunk_size=7).backward()
+    assert head.weight.grad is not None and head.temp.grad is None
+
+
+def test_head_parameters_feeding_a_computed_weight_are_not_refused() -> None:
+    """Trainable parameters of the head that its weight is computed from get their gradients
+    through the weight tensor: they are not refused."""
+
+    class DoubledHead(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb = emb  # a submodule: emb.weight is among the head's parameters
+            self.weight = emb.weight * 2  # (V, D), computed from it
+            self.bias = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.T  # (rows, V)
+
+    emb = nn.Embedding(V, D)
+    x, _ = _setup()
+    y = _int_labels()
+    F.cross_entropy(DoubledHead(emb)(x).transpose(1, 2), y).backward()
+    assert emb.weight.grad is not None and x.grad is not None
+    want = [x.grad.clone(), emb.weight.grad.clone()]
+    x.grad = None
+    emb.zero_grad(set_to_none=True)
+    chunked_linear_loss(x, DoubledHead(emb), y, ce, chunk_size=7).backward()
+    assert emb.weight.grad is not None and x.grad is not None
+    _assert_close_all([x.grad, emb.weight.grad], want, rtol=RTOL, atol=ATOL)
+
+
 # --- autocast, randomness, hooks, double backward -------------------------------------------
 
 

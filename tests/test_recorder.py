@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -409,3 +410,94 @@ def test_recording_to_disk_reuses_the_backends_buffers(tmp_path: Any) -> None:
     for step, grads in enumerate(want):
         for name, g in grads.items():
             np.testing.assert_array_equal(run.grads(name, step=step, dtype=np.float64), g)
+
+
+# -- form_budget with gradient accumulation -------------------------------------------------
+def _accumulate(path: Any, micro: int = 4, B: int = 8, steps: int = 2, **options: Any) -> Any:
+    """``steps`` steps of ``micro`` micro-batches of ``B`` records each."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    with gradlog.GradRecorder(model, path, **options) as rec:
+        for step in range(steps):
+            for _ in range(micro):
+                x, y = torch.randn(B, 32), torch.randint(0, 4, (B,))
+                rec.backward(F.cross_entropy(model(x), y, reduction="none"), step=step)
+            model.zero_grad()
+    return rec
+
+
+def _stored_bytes_per_step(path: Any) -> list[int]:
+    run = gradlog.open(path)
+    per_record = sum(run.form(n).nbytes_per_record(4) for n in run.param_names)
+    return [per_record * n for n in run.steps.column("n_records").to_pylist()]
+
+
+def test_form_budget_is_split_over_records_per_step(tmp_path: Any) -> None:
+    path = tmp_path / "r.gradlog"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the step holds the records the plan assumed
+        rec = _accumulate(path, form="auto", form_budget=4096, records_per_step=32,
+                          planned_steps=10)
+    assert max(_stored_bytes_per_step(path)) <= 4096
+    assert rec.plan is not None and "32 records per step (records_per_step=32)" in rec.plan
+
+
+def test_more_records_per_step_than_planned_warn_at_the_first_commit(tmp_path: Any) -> None:
+    path = tmp_path / "r.gradlog"
+    with pytest.warns(UserWarning, match=r"step 0 held 32 records in 4 micro-batches.*"
+                                         r"split over 8 records.*4\.0x the budget.*"
+                                         r"records_per_step=32") as caught:
+        rec = _accumulate(path, form="auto", form_budget=4096, planned_steps=1000)
+    assert len([w for w in caught if "records_per_step" in str(w.message)]) == 1
+    stored = _stored_bytes_per_step(path)[0]
+    assert stored == 4 * 4096
+    # From then on the plan (and its projected size) counts the records a step held.
+    assert rec.plan is not None and "32 records per step (step 0 held them)" in rec.plan
+    assert f"projected size for 1,000 steps: {stored * 1000 / 2**20:.1f} MiB" in rec.plan
+
+
+def test_accumulation_without_a_budget_does_not_warn(tmp_path: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec = _accumulate(tmp_path / "r.gradlog", form="auto")
+    assert rec.plan is not None and "32 records per step" in rec.plan
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "8"])
+def test_bad_records_per_step(tmp_path: Any, value: Any) -> None:
+    with pytest.raises(InputError, match="records_per_step="):
+        gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", records_per_step=value)
+
+
+# -- form requests checked at construction ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("form", "match"),
+    [
+        ({"fcc.*": "norm"}, r"form glob 'fcc\.\*' matches no recorded parameter.*0\.weight"),
+        ({"*": "full", "0.*": "norm"},
+         r"form glob '0\.\*'.*earlier glob \('\*'.*first matching glob wins"),
+        ({"form": "projection", "ranks": [2, 2]},
+         r"ranks=\[2, 2\] does not fit parameter '0\.bias' of shape \(8,\).*dim="),
+        ({"0.*": {"form": "projection", "dim": 4, "structure": "two_sided"}},
+         r"form glob '0\.\*'.*two_sided needs a parameter with >= 2 dimensions.*'0\.bias'"),
+    ],
+)
+def test_form_requests_are_checked_against_the_parameters(
+    tmp_path: Any, form: Any, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", form=form)
+    assert not (tmp_path / "r.gradlog").exists()
+
+
+def test_tokens_hint_names_the_request_option_that_wins(tmp_path: Any) -> None:
+    model = tiny_gpt()
+    x, y, _ = gpt_batch(4, 6, pad_frac=0.0)
+    with (
+        gradlog.GradRecorder(model, tmp_path / "r.gradlog", tokens=50,
+                             form={"form": "factors", "tokens": 2}) as rec,
+        pytest.raises(InputError, match=r"own 'tokens' option \(2; it wins") as e,
+    ):
+        rec.backward(per_token_ce(model(x), y))
+    assert "raise 'tokens' in its form= request" in str(e.value)
+    assert "pass GradRecorder(..., tokens=N)" not in str(e.value)

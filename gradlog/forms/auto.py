@@ -23,7 +23,8 @@ keep their exact form, the large ones share the rest equally).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "bytes_table",
     "form_from_spec",
     "make_form",
+    "naming_errors",
     "plan_forms",
     "smallest_exact",
 ]
@@ -82,6 +84,12 @@ class AutoForm(Form):
         """Options: ``budget`` (bytes per record; None: smallest exact form),
         ``min_projection_dim`` (16), and for a projection ``kind``, ``seed``, ``structure``."""
         check_options(cls.name, options, ("budget", "min_projection_dim", *_PROJECTION_OPTIONS))
+        min_dim = options.get("min_projection_dim", 16)
+        if not isinstance(min_dim, int) or isinstance(min_dim, bool) or min_dim < 1:
+            raise ConfigError(
+                f"form 'auto' min_projection_dim={min_dim!r} must be an integer >= 1 (the "
+                "smallest projection auto may choose; default 16)."
+            )
         exact = smallest_exact(info)
         budget = options.get("budget")
         if budget is None:
@@ -91,7 +99,7 @@ class AutoForm(Form):
         if exact.nbytes_per_record(info.itemsize) <= budget:
             return exact
         dim = budget // info.itemsize
-        if dim >= int(options.get("min_projection_dim", 16)):
+        if dim >= min_dim:
             projection = {k: options[k] for k in _PROJECTION_OPTIONS if k in options}
             return ProjectionForm.plan(info, dim=dim, **projection)
         k = budget // (info.itemsize + 8)
@@ -213,7 +221,8 @@ def plan_forms(
         if form_name == AutoForm.name and budget_per_step is not None and "budget" not in opts:
             auto[name] = opts
         else:
-            planned[name] = make_form(requests[name], info)
+            with naming_errors(name, info, requests[name]):
+                planned[name] = make_form(requests[name], info)
     if not auto or budget_per_step is None:
         return planned
     if batch_size is None or batch_size < 1:
@@ -223,8 +232,8 @@ def plan_forms(
     left = per_record - fixed
     if left < 0:
         raise ConfigError(
-            f"the byte budget of {budget_per_step} per step ({per_record} per record at batch "
-            f"size {batch_size}) is below the {fixed} bytes per record of "
+            f"the byte budget of {budget_per_step} per step ({per_record} per record at "
+            f"{batch_size} records per step) is below the {fixed} bytes per record of "
             "the parameters not planned by 'auto'. Raise the budget, or give those parameters "
             "form 'auto' or a smaller form."
         )
@@ -232,10 +241,30 @@ def plan_forms(
     order = sorted(auto, key=lambda n: exact[n].nbytes_per_record(infos[n].itemsize))
     for i, name in enumerate(order):
         share = left // (len(order) - i)
-        form = AutoForm.plan(infos[name], budget=share, **auto[name])
+        with naming_errors(name, infos[name], requests[name]):
+            form = AutoForm.plan(infos[name], budget=share, **auto[name])
         planned[name] = form
         left -= form.nbytes_per_record(infos[name].itemsize)
     return {n: planned[n] for n in infos}
+
+
+@contextlib.contextmanager
+def naming_errors(
+    name: str, info: ParamInfo, request: FormRequest, glob: str | None = None
+) -> Iterator[None]:
+    """Re-raise a :class:`ConfigError` of planning parameter ``name`` naming it, its request
+    (and the ``form=`` glob that gave it) and how to give it another form."""
+    try:
+        yield
+    except ConfigError as e:
+        shown = request if isinstance(request, str) else dict(request)
+        via = "" if glob is None else f" (form glob {glob!r})"
+        named = "" if repr(name) in str(e) else f"parameter {name!r} (shape {info.shape}), "
+        raise ConfigError(
+            f"{named}form request {shown!r}{via}: {e} To give "
+            "this parameter another form, put a glob that matches it first in form= (e.g. "
+            f"form={{{name!r}: 'full', '*': ...}}: the first matching glob wins)."
+        ) from None
 
 
 def bytes_table(

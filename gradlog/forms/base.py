@@ -499,6 +499,10 @@ class Form(abc.ABC):
     name: ClassVar[str]
     exact: ClassVar[bool]
     """True when :meth:`decode` gives back the gradients (to float rounding)."""
+    requested_tokens: int | None = None
+    """For forms provisioned with rows per datum (``factors``, ``rows``): the ``tokens``
+    option of the form request when it set them (it wins over ``GradRecorder(tokens=)``, so
+    errors say to raise it); None otherwise. Not part of the spec."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = tuple(int(d) for d in shape)

@@ -240,7 +240,10 @@ class FactorsForm(Form):
         tokens = options.get("tokens", info.tokens)
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise ConfigError(f"form 'factors' option tokens={tokens!r} must be an integer.")
-        return cls(info.shape, tokens)
+        form = cls(info.shape, tokens)
+        if "tokens" in options:
+            form.requested_tokens = tokens
+        return form
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> FactorsForm:
@@ -273,11 +276,14 @@ class FactorsForm(Form):
             c, lengths = material.compact()
             longest = int(lengths.max()) if lengths.numel() else 0
             if longest > self.tokens:
+                fix = "Plan with tokens=" if self.requested_tokens is None else (
+                    f"Raise the form request's own 'tokens' option ({self.requested_tokens}; "
+                    "it wins over GradRecorder(..., tokens=N)) to")
                 raise InputError(
                     f"form 'factors' was provisioned for {self.tokens} rows per datum, but a "
                     f"datum has {longest} contributing rows (a longer context, or a module "
-                    "called several times). Plan with tokens= at least the longest datum's "
-                    "rows per step, or use form 'auto' or 'projection'."
+                    f"called several times). {fix} at least the longest datum's rows per "
+                    "step, or use form 'auto' or 'projection'."
                 )
             return {"g": c.g[:, : self.tokens], "a": c.a[:, : self.tokens]}
         c = material.canonical()

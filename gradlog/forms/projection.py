@@ -229,13 +229,49 @@ class ProjectionForm(Form):
         parameter's size; two-sided ranks from :func:`balanced_ranks`) or ``ranks``
         (``[r0, r1]`` or ``[r]``, taken as given), ``kind`` (default ``"rademacher"``),
         ``seed`` (the run's base seed, default 0; mixed with the parameter's name),
-        ``structure`` (default ``two_sided`` for >= 2 dimensions, else ``dense``), ``block``."""
+        ``structure`` (default ``two_sided`` for >= 2 dimensions, else ``dense``), ``block``
+        (rows per generated block of a dense projection's matrix, an integer >= 1)."""
         check_options(cls.name, options, ("dim", "ranks", "kind", "seed", "structure", "block"))
         shape = info.shape
+        who = f"parameter {info.name!r}" if info.name else "a parameter"
         structure = options.get("structure") or ("two_sided" if len(shape) >= 2 else "dense")
+        if structure not in STRUCTURES:
+            raise ConfigError(
+                f"projection structure={structure!r} is not one of {list(STRUCTURES)}."
+            )
+        if structure == "two_sided" and len(shape) < 2:
+            raise ConfigError(
+                f"projection two_sided needs a parameter with >= 2 dimensions, but {who} has "
+                f"shape {shape}; use structure='dense', or leave structure out (two_sided for "
+                "matrices, dense for vectors)."
+            )
         dim, ranks = options.get("dim"), options.get("ranks")
         if dim is not None and ranks is not None:
             raise ConfigError("projection takes dim= or ranks=, not both.")
+        if ranks is not None:
+            if not isinstance(ranks, (list, tuple)) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks
+            ):
+                raise ConfigError(
+                    f"projection ranks={ranks!r} must be a list of integers >= 1: [r0, r1] "
+                    "(two_sided) or [r] (dense)."
+                )
+            want = 2 if structure == "two_sided" else 1
+            if len(ranks) != want:
+                takes = "[r0, r1]" if want == 2 else "[r]"
+                dense = ", or structure='dense' for [r]" if len(ranks) == 1 else ""
+                raise ConfigError(
+                    f"projection ranks={list(ranks)} does not fit {who} of shape {shape}: its "
+                    f"{structure} projection takes {want} rank(s), {takes}. Use dim= instead "
+                    f"(it fits every shape){dense}."
+                )
+        block = options.get("block")
+        if block is not None and (not isinstance(block, int) or isinstance(block, bool)
+                                  or block < 1):
+            raise ConfigError(
+                f"projection block={block!r} must be an integer >= 1 (rows per generated block "
+                "of a dense projection's matrix); leave it out for the default."
+            )
         if ranks is None:
             if dim is None:
                 dim = DEFAULT_DIM
@@ -254,7 +290,7 @@ class ProjectionForm(Form):
             kind=options.get("kind", "rademacher"),
             seed=param_seed(seed, info.name),
             ranks=tuple(ranks),
-            block=int(options.get("block", 0)),
+            block=block or 0,
         )
 
     @classmethod

@@ -79,7 +79,10 @@ class RowsForm(Form):
         tokens = options.get("tokens", info.tokens)
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise ConfigError(f"form 'rows' option tokens={tokens!r} must be an integer.")
-        return cls(info.shape, tokens)
+        form = cls(info.shape, tokens)
+        if "tokens" in options:
+            form.requested_tokens = tokens
+        return form
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> RowsForm:
@@ -114,10 +117,17 @@ class RowsForm(Form):
         if n > self.tokens:
             used = int((u.index >= 0).sum(1).max()) if u.index.numel() else 0
             if used > self.tokens:
+                if self.requested_tokens is not None:
+                    fix = (
+                        f"Raise the form request's own 'tokens' option ({self.requested_tokens}; "
+                        "it wins over GradRecorder(..., tokens=N)) to"
+                    )
+                else:
+                    fix = "Plan with tokens="
                 raise InputError(
                     f"form 'rows' was provisioned for {self.tokens} rows per datum, but a datum "
-                    f"uses {used} distinct rows. Plan with tokens= at least the number of "
-                    "indices per datum (the context length), or use form 'projection'."
+                    f"uses {used} distinct rows. {fix} at least the number of indices per datum "
+                    "(the context length), or use form 'projection'."
                 )
             return {"index": u.index[:, : self.tokens], "values": u.values[:, : self.tokens]}
         pad = self.tokens - n

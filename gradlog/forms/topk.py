@@ -67,7 +67,8 @@ class TopKForm(Form):
             raise ConfigError("form 'topk' takes k= or fraction=, not both.")
         if k is None:
             fraction = 0.01 if fraction is None else fraction
-            if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            if (not isinstance(fraction, (int, float)) or isinstance(fraction, bool)
+                    or not 0 < fraction <= 1):
                 raise ConfigError(f"form 'topk' fraction={fraction!r} must be in (0, 1].")
             k = math.ceil(fraction * info.numel)
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
