@@ -379,6 +379,11 @@ class _GradInForward(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
         _refuse_double_backward()
         grads: list[torch.Tensor | None] | None = ctx.grads
+        if grads is not None and _keeps_graph():
+            # A backward that keeps the graph (retain_graph: another backward follows, e.g.
+            # gradlog's datum check): scaled copies, the precomputed gradients stay for it.
+            scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+            return scaled[0], scaled[1], scaled[2], None, None, None
         if grads is not None:
             # First backward: give the gradients away (AccumulateGrad can adopt them without
             # a copy), scaled in place unless the upstream gradient is 1 (plain backward()).
@@ -397,6 +402,12 @@ class _GradInForward(torch.autograd.Function):
             ctx.plan, needs, x, weight, bias, grad_rows, replay=True, keep_rows=False
         )
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep()) if keep is not None else False
 
 
 def _chunk_grads(

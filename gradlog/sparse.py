@@ -337,7 +337,8 @@ class SparseBackprop:
         settings: The validated settings.
         modules: Selected modules, by their names in ``model.named_modules()``.
         compact: Names of the modules on the compact path (``mode="compact"``).
-        calls: Gradients sparsified so far (one per output per backward).
+        calls: Gradients sparsified so far (one per output per backward; a recording's
+            datum check adds one backward on its first step).
     """
 
     def __init__(

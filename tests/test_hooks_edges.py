@@ -277,10 +277,10 @@ def _count_datum_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     runs: list[int] = []
     original = hooks.HooksBackend._datum_probe
 
-    def counted(self: hooks.HooksBackend, losses: torch.Tensor, batch_loss: torch.Tensor,
-                ) -> object:
+    def counted(self: hooks.HooksBackend, losses: torch.Tensor, rng: object,
+                keep_graph: bool) -> object:
         runs.append(int(losses.shape[0]))
-        return original(self, losses, batch_loss)
+        return original(self, losses, rng, keep_graph)  # type: ignore[arg-type]
 
     monkeypatch.setattr(hooks.HooksBackend, "_datum_probe", counted)
     return runs
@@ -418,3 +418,97 @@ def test_no_datum_check_under_reentrant_checkpointing() -> None:
     with tempfile.TemporaryDirectory():
         got = per_datum(model, losses, "hooks")
     assert got["inner.0.weight"].shape == (B, 4, 4)
+
+
+# -- the datum check's extra backward must not change training -------------------------------
+def _train_twice(make: Callable[[], nn.Module], losses_of: Callable[[nn.Module], torch.Tensor],
+                 tmp_path: Path, steps: int = 2, params: str = "*") -> None:
+    """p.grad of every step and the RNG stream after it equal training without gradlog."""
+    torch.manual_seed(0)
+    plain = make()
+    recorded = copy.deepcopy(plain)
+    torch.manual_seed(1)
+    want = []
+    for _ in range(steps):
+        plain.zero_grad()
+        losses_of(plain).mean().backward()
+        want.append([p.grad.clone() for p in plain.parameters()])
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    with gradlog.GradRecorder(recorded, tmp_path / "r.gradlog", params=params) as rec:
+        for step in range(steps):
+            recorded.zero_grad()
+            rec.backward(losses_of(recorded))
+            for got, w in zip((p.grad for p in recorded.parameters()), want[step]):
+                assert torch.equal(got, w)
+    assert torch.equal(torch.rand(3), after)
+
+
+class _NoisyGrad(torch.autograd.Function):
+    """Identity whose backward adds noise drawn from the global RNG."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g + 0.1 * torch.randn_like(g)
+
+
+def test_random_draws_in_a_backward_leave_training_as_without(tmp_path: Path) -> None:
+    """Noise added to the whole batch's gradient in a backward is no datum's gradient: the
+    check warns (an autograd Function it does not know: not an error), and training, its
+    gradients and its RNG stream, are those without gradlog."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 6), nn.Dropout(0.3), nn.Linear(6, 1)).double()
+
+    x = torch.randn(B, 3, dtype=D64)
+    with pytest.warns(UserWarning, match="datum check"):
+        _train_twice(make, lambda m: squares(m[2](_NoisyGrad.apply(m[1](m[0](x))))),
+                     tmp_path)
+
+
+def test_selective_activation_checkpointing_trains_as_without(tmp_path: Path) -> None:
+    """Its saved activations may be unpacked once: the check then runs after the batch's
+    backward (and is skipped when autograd refuses it)."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        mm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if mm else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+
+    x = torch.randn(B, 3, dtype=D64)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    _train_twice(make, lambda m: squares(checkpoint(
+        m, x, use_reentrant=False, context_fn=context)), tmp_path)
+
+
+def test_a_chunked_head_computing_its_gradients_in_forward_trains_as_without(
+        tmp_path: Path) -> None:
+    from gradlog.memory import chunked_linear_loss
+
+    def fn(h: torch.Tensor, head: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(h), y, reduction="none")
+
+    def make() -> nn.Module:
+        return nn.ModuleDict({"emb": nn.Linear(4, 6), "head": nn.Linear(6, 5)}).double()
+
+    x, y = torch.randn(3, 7, 4, dtype=D64), torch.randint(0, 5, (3, 7))
+
+    def losses(m: nn.Module) -> torch.Tensor:  # one chunked head per datum, its mean loss
+        h = torch.tanh(m["emb"](x))  # (B, T, 6)
+        return torch.stack([chunked_linear_loss(h[b], m["head"], y[b], fn, chunk_size=3,
+                                                reduction="mean", grad_in_forward=True)
+                            for b in range(3)])
+
+    _train_twice(make, losses, tmp_path, params="emb.*")  # (per-datum heads: not recorded)

@@ -74,7 +74,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -101,6 +103,8 @@ except ImportError:  # pragma: no cover - the memory module is optional for this
 
 
 __all__ = ["BATCH_GRADS", "HooksBackend"]
+
+log = logging.getLogger("gradlog")
 
 BATCH_GRADS = ("autograd", "sum")
 """``p.grad`` of recorded Linear weights: autograd's own (bitwise), or the sum of the
@@ -251,6 +255,8 @@ class HooksBackend(Backend):
         self._datum_checked: set[tuple[str, int, tuple[int, ...]]] = set()  # layouts checked
         self._probing = False  # inside the datum check's backward (_datum_probe)
         self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
+        self._saved_tensor_hooks = False  # a call ran under saved-tensor hooks (checkpoints)
+        self._foreign_functions = False  # the checked graph holds autograd Functions not ours
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -396,6 +402,8 @@ class HooksBackend(Backend):
         narrow = _autocast_dtype(entry.params[0].device.type)
         if narrow is not None:  # (the datum check's tolerance)
             self._autocast.add(narrow)
+        if not self._saved_tensor_hooks and _saved_tensor_hooks_on():  # (when it runs)
+            self._saved_tensor_hooks = True
         chunk = _current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
@@ -429,10 +437,15 @@ class HooksBackend(Backend):
         try:
             self._refuse_double_backward()
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
-            datum = self._datum_probe(losses, batch_loss) if self._wants_datum_check(B) else None
+            when = self._datum_check_mode(losses, batch_loss) if self._wants_datum_check(
+                B) else None
+            rng = _rng_states(self.params.values()) if when is not None else None
+            datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
             try:
-                batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
+                # the ordinary backward: p.grad exactly as without gradlog (its graph kept for
+                # a datum check after it, see _datum_check_mode)
+                batch_loss.backward(retain_graph=True if when == "after" else None)
             finally:
                 self._armed = False
                 for handle in self._consumer_handles:
@@ -450,14 +463,17 @@ class HooksBackend(Backend):
                 else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
                 for name, p in self.params.items()
             }
+            if when == "after":
+                datum = self._datum_probe(losses, rng, keep_graph=False)  # (frees the graph)
             if datum is not None:
-                self._check_datum(datum, out)
+                self._check_datum(datum, out, trusted=not self._foreign_functions)
             return out
         finally:
             for call in self._touched:
                 call.release()
             self._reset(0)
             self._autocast = set()  # (what the next forward runs under)
+            self._saved_tensor_hooks = False
             self._pool.release()
 
     # -- one datum against its own backward ----------------------------------------------------
@@ -499,20 +515,43 @@ class HooksBackend(Backend):
             return True
         return any(m._backward_hooks or m._backward_pre_hooks for m in self.model.modules())
 
-    def _datum_probe(self, losses: torch.Tensor,
-                     batch_loss: torch.Tensor) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
-        """Before the batch's backward: ``autograd.grad(losses[b])`` for a random datum b,
-        kept at a few random entries per parameter (the rest is freed before the batch's
-        backward allocates its per-datum gradients, so the check adds no peak memory)."""
-        names = [n for n, p in self.params.items() if p.numel()]
-        if (not names or losses.grad_fn is None
-                or _has_reentrant_checkpoint(batch_loss.grad_fn)):  # (refuses autograd.grad)
+    def _datum_check_mode(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> str | None:
+        """When the datum's own backward runs: ``"before"`` the batch's (then freed before
+        the batch's backward allocates its per-datum gradients: no extra peak memory), or
+        ``"after"`` it, on the kept graph, when a backward may use up state or draw random
+        numbers (an autograd Function of the user's or a library's, saved-tensor hooks such as
+        selective activation checkpointing): the batch's backward then runs first, exactly as
+        without gradlog, and the check is skipped if autograd refuses the second backward.
+        None: no check (a reentrant checkpoint refuses ``autograd.grad``)."""
+        if losses.grad_fn is None or not any(p.numel() for p in self.params.values()):
             return None
+        foreign = _graph_kinds(batch_loss.grad_fn)
+        if foreign is None:
+            return None
+        self._foreign_functions = foreign
+        return "after" if foreign or self._saved_tensor_hooks else "before"
+
+    def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
+                     keep_graph: bool) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
+        """``autograd.grad(losses[b])`` for a random datum b, kept at a few random entries per
+        parameter; None when autograd refuses it (the check is then skipped). The global RNG
+        is forked around it and set to ``rng``, its state before the batch's backward: random
+        draws in a backward (an autograd Function's noise) draw what the batch's backward
+        draws, and training's stream is left as it was."""
+        names = [n for n, p in self.params.items() if p.numel()]
         b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
+        devices = sorted({p.device.index or 0 for p in self.params.values()
+                          if p.device.type == "cuda"})
         self._probing = True  # the hooks let this backward pass (see _on_output_grad)
         try:
-            got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
-                                      retain_graph=True, allow_unused=True)
+            with torch.random.fork_rng(devices=devices):
+                _set_rng_states(rng)
+                got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
+                                          retain_graph=keep_graph,
+                                          allow_unused=True)
+        except RuntimeError as e:  # e.g. selective checkpointing: "backward an extra time"
+            log.debug("gradlog: datum check skipped (%s)", e)
+            return None
         finally:
             self._probing = False
         sampled: dict[str, tuple[Any, Any]] = {}
@@ -524,8 +563,11 @@ class HooksBackend(Backend):
         return b, sampled
 
     def _check_datum(self, datum: tuple[int, dict[str, tuple[Any, Any]]],
-                     records: Mapping[str, Any]) -> None:
-        """Datum b's records against its own gradient at the probe's entries."""
+                     records: Mapping[str, Any], *, trusted: bool = True) -> None:
+        """Datum b's records against its own gradient at the probe's entries. Not
+        ``trusted`` (the graph holds autograd Functions gradlog does not know, whose second
+        backward may differ: state used up, gradients scaled in place): a warning, not an
+        error."""
         b, sampled = datum
         # Under autocast the datum's own backward runs in the narrow dtype through every
         # layer it crosses, recorded or not: one tolerance for all.
@@ -548,6 +590,17 @@ class HooksBackend(Backend):
         # so the tolerance also scales with the largest gradient seen
         over = ((a - c).abs() - rtol * (scale + scale.max()) - atol).amax(1)  # (n,)
         bad = [n for n, g in zip(names, over.tolist()) if g > 0]
+        if bad and not trusted:
+            warnings.warn(
+                f"gradlog's datum check: the per-datum gradients of {bad[:6]} for datum {b} "
+                f"differ from that datum's own gradient (autograd.grad of losses[{b}]). The "
+                "graph holds autograd Functions gradlog does not know, whose second backward "
+                "may differ from the first, so this may be a false alarm; if one datum's loss "
+                "depends on other datums, or a layer runs sequence-first with sequence length "
+                "equal to the batch size, the records are wrong: compare with backend='loop'.",
+                stacklevel=4,
+            )
+            return
         if bad:
             raise BackendError(
                 f"the per-datum gradients of {bad[:6]} for datum {b} of the batch differ from "
@@ -1233,21 +1286,58 @@ def _outputs_feeding_others(outs: list[torch.Tensor],
     return fed
 
 
-def _has_reentrant_checkpoint(root: Any) -> bool:
-    """Whether the graph holds a ``torch.utils.checkpoint(use_reentrant=True)`` segment (its
-    backward refuses ``autograd.grad``, so no datum check runs)."""
+def _graph_kinds(root: Any) -> bool | None:
+    """For the datum check: None when the graph holds a ``torch.utils.checkpoint(
+    use_reentrant=True)`` segment (its backward refuses ``autograd.grad``); else whether it
+    holds a Python autograd Function other than gradlog's own (whose backward might use up
+    state on a first backward or draw random numbers)."""
     stack, seen = [root], {id(root)}
     keep = [root]  # node wrappers alive, so their ids stay unique
+    foreign = False
     while stack:
         node = stack.pop()
         if "CheckpointFunction" in type(node).__name__:
-            return True
+            return None
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            owner = getattr(getattr(node, "_forward_cls", None), "__module__", "")
+            foreign = foreign or not owner.startswith("gradlog.")
         for child, _ in node.next_functions:
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 keep.append(child)
                 stack.append(child)
-    return False
+    return foreign
+
+
+def _rng_states(params: Any) -> dict[str, torch.Tensor]:
+    """The global RNG states (CPU, and the parameters' CUDA devices)."""
+    states = {"cpu": torch.get_rng_state()}
+    for index in sorted({p.device.index or 0 for p in params if p.device.type == "cuda"}):
+        states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor] | None) -> None:
+    for where, state in (states or {}).items():
+        if where == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, int(where.split(":")[1]))
+
+
+def _saved_tensor_hooks_on() -> bool:
+    """Whether saved-tensor hooks are on (non-reentrant or selective activation
+    checkpointing, offloading): their unpacking may be allowed once only."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: assume so (the check then runs after the backward)
+    try:
+        hooks = top(False)
+    except TypeError:  # a torch whose binding takes no argument
+        hooks = top()
+    except RuntimeError:
+        return True
+    return bool(hooks and hooks[0] is not None)
 
 
 def _distributed() -> bool:
