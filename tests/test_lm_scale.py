@@ -339,6 +339,25 @@ def test_loop_with_reentrant_checkpointing_is_refused_with_the_fix(tmp_path: Pat
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_loop_refuses_a_reentrant_checkpoint_hiding_its_parameters() -> None:
+    """A segment whose inputs do not lead to its parameters in the outer graph: there,
+    autograd.grad gave their gradients as None (recorded as zeros, silently)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Linear(3, 3)
+    x = torch.randn(4, 3)  # (B, 3), no grad
+    x0 = torch.zeros(1, requires_grad=True)  # the segment's only input that needs grad
+
+    def segment(x0: torch.Tensor) -> torch.Tensor:
+        return layer(x) + 0 * x0
+
+    be = make_backend("loop", layer, "*")
+    losses = checkpoint(segment, x0, use_reentrant=True).pow(2).sum(1)  # (B,)
+    with pytest.raises(BackendError, match=r"use_reentrant=True.*untouched"):
+        be.backward(losses, losses.mean())
+    assert layer.weight.grad is None
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_recomputation_is_not_captured_twice(
     monkeypatch: pytest.MonkeyPatch, mode: str

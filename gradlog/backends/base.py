@@ -9,13 +9,13 @@ weights, the self-check, writing), so a new backend only implements these method
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-__all__ = ["LOW_PRECISION_RTOL", "Backend", "LossFn", "PerDatumGrads"]
+__all__ = ["LOW_PRECISION_RTOL", "Backend", "LossFn", "PerDatumGrads", "graph_nodes"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch)`` returning per-datum ``(B,)`` or per-token ``(B, T)`` losses."""
@@ -31,6 +31,22 @@ precision (recurrent layers compound it), while rules accumulate per-datum gradi
 float32: checks of ``sum_b w_b g_b`` against ``p.grad`` then allow a relative error of this
 many machine epsilons of the narrow dtype (bfloat16: 8 * 2**-7 = 0.0625). Measured under
 bfloat16 autocast on the test zoo: at most 1.4e-2 (LSTM), 2e-3 to 5e-3 elsewhere."""
+
+
+def graph_nodes(root: Any) -> Iterator[Any]:
+    """Every autograd node reachable from ``root`` (each once)."""
+    if root is None:
+        return
+    stack, seen = [root], {id(root)}
+    keep = [root]  # node wrappers alive, so their ids stay unique
+    while stack:
+        node = stack.pop()
+        yield node
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                keep.append(child)
+                stack.append(child)
 
 
 class Backend(abc.ABC):

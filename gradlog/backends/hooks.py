@@ -86,7 +86,7 @@ import torch
 from torch import nn
 
 from gradlog._tree import flatten, leaves
-from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads
+from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads, graph_nodes
 from gradlog.backends.fused import FusedLink, fusable, fuse_output
 from gradlog.backends.heap import keep_heap_resident
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
@@ -1291,21 +1291,13 @@ def _graph_kinds(root: Any) -> bool | None:
     use_reentrant=True)`` segment (its backward refuses ``autograd.grad``); else whether it
     holds a Python autograd Function other than gradlog's own (whose backward might use up
     state on a first backward or draw random numbers)."""
-    stack, seen = [root], {id(root)}
-    keep = [root]  # node wrappers alive, so their ids stay unique
     foreign = False
-    while stack:
-        node = stack.pop()
+    for node in graph_nodes(root):
         if "CheckpointFunction" in type(node).__name__:
             return None
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             owner = getattr(getattr(node, "_forward_cls", None), "__module__", "")
             foreign = foreign or not owner.startswith("gradlog.")
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                keep.append(child)
-                stack.append(child)
     return foreign
 
 

@@ -10,11 +10,19 @@ from typing import Any
 
 import torch
 
-from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog.backends.base import Backend, PerDatumGrads, graph_nodes
 from gradlog.errors import BackendError
 from gradlog.params import check_differentiable
 
 __all__ = ["LoopBackend"]
+
+_REENTRANT = (
+    "backend='loop' takes one torch.autograd.grad per datum, which "
+    "torch.utils.checkpoint(..., use_reentrant=True) does not support (a torch limitation: "
+    "the parameters inside such a segment are out of autograd.grad's reach). Use "
+    "backend='hooks' (the default), which records through either kind of checkpoint, or "
+    "checkpoint with use_reentrant=False. Nothing was computed; p.grad is untouched."
+)
 
 
 class LoopBackend(Backend):
@@ -32,6 +40,11 @@ class LoopBackend(Backend):
         self.low_precision = {n: narrow for n in names} if narrow is not None else {}
         out = {n: torch.zeros((len(losses), *p.shape), dtype=p.dtype, device=p.device)
                for n, p in zip(names, tensors)}
+        # A reentrant checkpoint hides the parameters inside it from autograd.grad (they get
+        # no gradient at all, silently) or refuses it: refused here, before anything runs.
+        if any("CheckpointFunction" in type(node).__name__
+               for node in graph_nodes(losses.grad_fn)):
+            raise BackendError(_REENTRANT)
         for b in range(len(losses)):
             try:
                 grads = torch.autograd.grad(losses[b], tensors, retain_graph=True,
@@ -39,13 +52,7 @@ class LoopBackend(Backend):
             except RuntimeError as e:
                 if "use_reentrant=True" not in str(e):
                     raise
-                raise BackendError(
-                    "backend='loop' takes one torch.autograd.grad per datum, which "
-                    "torch.utils.checkpoint(..., use_reentrant=True) does not support (a torch "
-                    "limitation). Use backend='hooks' (the default), which records through "
-                    "either kind of checkpoint, or checkpoint with use_reentrant=False. "
-                    "Nothing was computed; p.grad is untouched."
-                ) from e
+                raise BackendError(_REENTRANT) from e
             for n, g in zip(names, grads):
                 if g is not None:  # unused by this datum: its gradient is zero
                     out[n][b] = g
