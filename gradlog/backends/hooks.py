@@ -1020,7 +1020,9 @@ class HooksBackend(Backend):
                     "subtractions or expands alone broadcast it over the batch (position "
                     "embeddings). Give the layer a batched input (e.g. "
                     "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
-                    "accepts (B, T, d); do not flatten to (B*T, d)), or use backend='loop'."
+                    "accepts (B, T, d); do not flatten to (B*T, d)), give one loss per row the "
+                    "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
+                    "or use backend='loop'."
                 )
 
     def _locate_batch(self, call: _Call, B: int) -> None:
