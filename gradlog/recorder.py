@@ -549,7 +549,7 @@ class GradRecorder:
         step = self._resolve_step(step)
         if not self._records(step):
             self._backend.reduce_batch(reduced).backward()
-            self._last_step = step
+            self._skip_data(step, reduced, datum_ids)
             return reduced.detach()
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
@@ -590,7 +590,7 @@ class GradRecorder:
             self._check_losses(reduced, datum_ids)
             check_differentiable(self.params, reduced)
             self._backend.reduce_batch(reduced).backward()
-            self._last_step = step
+            self._skip_data(step, reduced, datum_ids)
             return reduced.detach()
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
@@ -637,6 +637,14 @@ class GradRecorder:
                     "eval mode (module.eval()), replace it with GroupNorm or LayerNorm, or use "
                     "a batch of one. This can never be supported for training-mode BatchNorm."
                 )
+
+    def _skip_data(self, step: int, losses: torch.Tensor, datum_ids: Any) -> None:
+        """A step not recorded (``every``): the default datum counter still counts its data,
+        so that a datum's default id does not depend on ``every`` (one process; under DDP
+        the ranks' counts are exchanged only on recorded steps)."""
+        self._last_step = step
+        if datum_ids is None and self._dist is None:
+            self._next_datum += int(losses.shape[0])
 
     def _note_attempt(self, step: Any) -> None:
         """The step a backward/step call is for, noted before anything can refuse it."""

@@ -501,3 +501,17 @@ def test_tokens_hint_names_the_request_option_that_wins(tmp_path: Any) -> None:
         rec.backward(per_token_ce(model(x), y))
     assert "raise 'tokens' in its form= request" in str(e.value)
     assert "pass GradRecorder(..., tokens=N)" not in str(e.value)
+
+
+def test_default_datum_ids_count_the_data_of_skipped_steps(tmp_path: Any) -> None:
+    """A datum's default id does not depend on ``every``."""
+    ids = {}
+    for every in (1, 2):
+        model = mlp()
+        path = tmp_path / f"e{every}.gradlog"
+        with gradlog.GradRecorder(model, path, every=every) as rec:
+            for step in range(3):
+                rec.backward(_losses(model, seed=step), step=step)
+        run = gradlog.open(path)
+        ids[every] = run.records(step=2).column("datum_id").to_pylist()
+    assert ids[1] == ids[2]

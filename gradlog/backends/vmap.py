@@ -77,6 +77,12 @@ class VmapBackend(Backend):
                 )
         if mask is not None and mask.shape[0] != size:
             raise InputError(f"mask has {mask.shape[0]} rows but the batch has {size} datums.")
+        if any(leaves[i].requires_grad for i in slots):
+            raise InputError(
+                "a batch tensor requires grad (an input to differentiate, e.g. for adversarial "
+                "training): backend='vmap' computes parameter gradients only and would leave "
+                "its .grad unset. Use backend='hooks' (rec.backward) or 'loop'."
+            )
 
         def datum_loss(
             params: Mapping[str, torch.Tensor], tensors: list[torch.Tensor], mask_b: Any
@@ -86,6 +92,13 @@ class VmapBackend(Backend):
                 full[i] = t.unsqueeze(0)  # a batch of one datum
             raw = functional_call(module, {**params, **fixed}, (rebuild(full),))
             loss = reduce(raw, None if mask_b is None else mask_b.unsqueeze(0))  # (1,)
+            if loss.numel() != 1:  # a per-datum value the batch split did not reach
+                raise InputError(
+                    f"loss_fn on a batch of one datum returned {loss.numel()} losses: a "
+                    "per-datum value of the batch is not a tensor with the batch first (a "
+                    "Python list of weights, or a tensor in loss_fn's closure), so every datum "
+                    "saw all of them. Put per-datum values in the batch as tensors (B, ...)."
+                )
             return loss[0]
 
         per_datum = vmap(
@@ -113,14 +126,26 @@ class VmapBackend(Backend):
             ) from e
         check(losses)
 
-        # p.grad of every trainable parameter from the same per-datum gradients.
+        # p.grad of every trainable parameter from the same per-datum gradients, as autograd
+        # would accumulate it: the parameter's gradient hooks first, then accumulation, then
+        # its post-accumulate hooks. A parameter whose every per-datum gradient is exactly 0
+        # and that has no .grad yet is taken as unused by the loss and keeps .grad None, as
+        # after an ordinary backward (optimizers then skip it: no weight decay, no moments).
         for name, p in trainable.items():
             g = grads[name]  # (B, *shape)
-            total = g.mean(0) if self.batch_reduction == "mean" else g.sum(0)
+            if p.grad is None and not bool(g.any()):
+                continue
+            total = (g.mean(0) if self.batch_reduction == "mean" else g.sum(0)).detach()
+            for hook in list((p._backward_hooks or {}).values()):
+                replaced = hook(total)
+                if replaced is not None:
+                    total = replaced
             if p.grad is None:
-                p.grad = total.detach().clone()
+                p.grad = total.clone()
             else:
                 p.grad.add_(total)
+            for post in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                post(p)
 
         by_id = {id(p): n for n, p in trainable.items()}
         return losses.detach(), {n: grads[by_id[id(p)]] for n, p in self.params.items()}

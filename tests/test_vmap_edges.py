@@ -1,0 +1,86 @@
+"""The vmap backend computes p.grad from the per-datum gradients (no ordinary backward): it
+must leave the optimizer the gradient an ordinary backward would, and refuse what it cannot
+split by datum."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlog
+from gradlog.errors import InputError
+
+D64 = torch.float64
+
+
+def _losses(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")  # (B,)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(4, 3, generator=gen, dtype=D64),
+            "y": torch.randint(0, 2, (4,), generator=gen)}
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)  # type: ignore[no-any-return]
+
+
+def test_an_unused_parameter_keeps_no_grad_as_after_a_plain_backward(tmp_path: Path) -> None:
+    """AdamW would otherwise decay it every step."""
+    model = _WithUnused().double()
+    plain = copy.deepcopy(model)
+    _losses(plain, _batch()).mean().backward()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap",
+                              params="used.*") as rec:
+        rec.step(_losses, _batch())
+    assert plain.unused.weight.grad is None and model.unused.weight.grad is None
+    torch.testing.assert_close(model.used.weight.grad, plain.used.weight.grad)
+
+
+def test_parameter_hooks_run_as_in_an_ordinary_backward(tmp_path: Path) -> None:
+    seen: list[str] = []
+    model = nn.Linear(3, 2).double()
+    model.weight.register_hook(lambda g: g * 0)  # a gradient-masking hook
+    model.bias.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
+    # (check_every=0: the self-check, as with every backend, sees p.grad masked)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap",
+                              check_every=0) as rec:
+        rec.step(_losses, _batch())
+    assert torch.equal(model.weight.grad, torch.zeros_like(model.weight))
+    assert seen == ["post"]
+
+
+def test_a_per_datum_value_outside_the_batch_tensors_is_refused(tmp_path: Path) -> None:
+    """A list of per-datum weights is one leaf for every datum: each datum's loss would be B
+    losses, of which the backend kept the first (datum 0's weight for every datum)."""
+    model = nn.Linear(3, 2).double()
+
+    def weighted(m: nn.Module, batch: Any) -> torch.Tensor:
+        return _losses(m, batch) * torch.tensor(batch["w"], dtype=D64)
+
+    batch: dict[str, Any] = {**_batch(), "w": [1.0, 2.0, 3.0, 4.0]}
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec, \
+            pytest.raises(InputError, match="returned 4 losses"):
+        rec.step(weighted, batch)
+
+
+def test_a_batch_tensor_that_requires_grad_is_refused(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2).double()
+    batch = _batch()
+    batch["x"].requires_grad_(True)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec, \
+            pytest.raises(InputError, match="requires grad"):
+        rec.step(_losses, batch)
