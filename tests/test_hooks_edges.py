@@ -512,3 +512,27 @@ def test_a_chunked_head_computing_its_gradients_in_forward_trains_as_without(
                             for b in range(3)])
 
     _train_twice(make, losses, tmp_path, params="emb.*")  # (per-datum heads: not recorded)
+
+
+class _UsesItsStateOnce(torch.autograd.Function):
+    """A Function whose backward consumes what its forward saved (a second backward fails)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        ctx.state = [2.0]  # type: ignore[attr-defined]
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * ctx.state.pop()  # type: ignore[attr-defined]
+
+
+def test_a_function_whose_state_is_used_up_skips_the_check(tmp_path: Path) -> None:
+    """The batch's backward runs first, as without gradlog; the check's second backward
+    fails inside the Function and is skipped, not raised."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+    x = torch.randn(B, 3, dtype=D64)
+    _train_twice(make, lambda m: squares(m[2](_UsesItsStateOnce.apply(m[1](m[0](x))))),
+                 tmp_path)

@@ -358,6 +358,29 @@ def test_loop_refuses_a_reentrant_checkpoint_hiding_its_parameters() -> None:
     assert layer.weight.grad is None
 
 
+def test_loop_records_the_layers_outside_a_reentrant_checkpoint() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(3, 3), "head": nn.Linear(3, 2)}).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def losses() -> torch.Tensor:
+        h = checkpoint(model["trunk"], x, use_reentrant=True)
+        return model["head"](torch.tanh(h)).pow(2).sum(1)  # (B,)
+
+    be = make_backend("loop", model, "head.*")
+    got = be.backward(losses(), losses().mean())
+    hooks = make_backend("hooks", model, "head.*")
+    try:
+        model.zero_grad()
+        out = losses()
+        want = hooks.backward(out, out.mean())
+    finally:
+        hooks.detach()
+    torch.testing.assert_close(got["head.weight"], want["head.weight"])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_recomputation_is_not_captured_twice(
     monkeypatch: pytest.MonkeyPatch, mode: str

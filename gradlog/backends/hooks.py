@@ -439,7 +439,7 @@ class HooksBackend(Backend):
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
             when = self._datum_check_mode(losses, batch_loss) if self._wants_datum_check(
                 B) else None
-            rng = _rng_states(self.params.values()) if when is not None else None
+            rng = _rng_states(self.model) if when is not None else None
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
             try:
@@ -540,8 +540,7 @@ class HooksBackend(Backend):
         draws, and training's stream is left as it was."""
         names = [n for n, p in self.params.items() if p.numel()]
         b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
-        devices = sorted({p.device.index or 0 for p in self.params.values()
-                          if p.device.type == "cuda"})
+        devices = _cuda_devices(self.model)
         self._probing = True  # the hooks let this backward pass (see _on_output_grad)
         try:
             with torch.random.fork_rng(devices=devices):
@@ -549,8 +548,9 @@ class HooksBackend(Backend):
                 got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
                                           retain_graph=keep_graph,
                                           allow_unused=True)
-        except RuntimeError as e:  # e.g. selective checkpointing: "backward an extra time"
-            log.debug("gradlog: datum check skipped (%s)", e)
+        except Exception as e:  # selective checkpointing ("backward an extra time"), a
+            # Function whose backward uses up its state: no check (p.grad is unaffected)
+            log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
             return None
         finally:
             self._probing = False
@@ -598,7 +598,7 @@ class HooksBackend(Backend):
                 "may differ from the first, so this may be a false alarm; if one datum's loss "
                 "depends on other datums, or a layer runs sequence-first with sequence length "
                 "equal to the batch size, the records are wrong: compare with backend='loop'.",
-                stacklevel=4,
+                stacklevel=6,  # the caller of GradRecorder.backward
             )
             return
         if bad:
@@ -1299,14 +1299,22 @@ def _graph_kinds(root: Any) -> bool | None:
             return None
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             owner = getattr(getattr(node, "_forward_cls", None), "__module__", "")
-            foreign = foreign or not owner.startswith("gradlog.")
+            # (torch's own, e.g. torch.compile's compiled regions, are trusted as gradlog's)
+            foreign = foreign or not owner.startswith(("gradlog.", "torch."))
     return foreign
 
 
-def _rng_states(params: Any) -> dict[str, torch.Tensor]:
-    """The global RNG states (CPU, and the parameters' CUDA devices)."""
+def _cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA devices of the model's parameters and buffers (a model split across devices
+    draws random numbers on each)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+def _rng_states(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The global RNG states (CPU, and the model's CUDA devices)."""
     states = {"cpu": torch.get_rng_state()}
-    for index in sorted({p.device.index or 0 for p in params if p.device.type == "cuda"}):
+    for index in _cuda_devices(model):
         states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
     return states
 

@@ -6,11 +6,12 @@ backend is tested against it, and it stays as the fallback for exotic models.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from gradlog.backends.base import Backend, PerDatumGrads, graph_nodes
+from gradlog.backends.base import Backend, PerDatumGrads
 from gradlog.errors import BackendError
 from gradlog.params import check_differentiable
 
@@ -41,9 +42,10 @@ class LoopBackend(Backend):
         out = {n: torch.zeros((len(losses), *p.shape), dtype=p.dtype, device=p.device)
                for n, p in zip(names, tensors)}
         # A reentrant checkpoint hides the parameters inside it from autograd.grad (they get
-        # no gradient at all, silently) or refuses it: refused here, before anything runs.
-        if any("CheckpointFunction" in type(node).__name__
-               for node in graph_nodes(losses.grad_fn)):
+        # no gradient at all, silently) or refuses it: refused here, before anything runs,
+        # when a recorded parameter is out of reach (recording only the layers outside a
+        # checkpointed trunk is fine).
+        if _hidden_by_reentrant_checkpoint(losses.grad_fn, tensors):
             raise BackendError(_REENTRANT)
         for b in range(len(losses)):
             try:
@@ -58,6 +60,29 @@ class LoopBackend(Backend):
                     out[n][b] = g
         batch_loss.backward()  # the ordinary backward: p.grad exactly as without gradlog
         return out
+
+
+def _hidden_by_reentrant_checkpoint(root: Any, params: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph holds a reentrant checkpoint and some of ``params`` can be reached
+    only through it (the walk does not enter checkpoint segments)."""
+    reached: set[int] = set()
+    checkpoint = False
+    stack, seen = ([root], {id(root)}) if root is not None else ([], set())
+    keep = list(stack)  # node wrappers alive, so their ids stay unique
+    while stack:
+        node = stack.pop()
+        if "CheckpointFunction" in type(node).__name__:
+            checkpoint = True
+            continue
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                keep.append(child)
+                stack.append(child)
+    return checkpoint and any(id(p) not in reached for p in params if p.requires_grad)
 
 
 def _narrowest_dtype(root: Any, than: set[torch.dtype]) -> torch.dtype | None:

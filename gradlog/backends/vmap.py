@@ -130,10 +130,15 @@ class VmapBackend(Backend):
         # would accumulate it: the parameter's gradient hooks first, then accumulation, then
         # its post-accumulate hooks. A parameter whose every per-datum gradient is exactly 0
         # and that has no .grad yet is taken as unused by the loss and keeps .grad None, as
-        # after an ordinary backward (optimizers then skip it: no weight decay, no moments).
+        # after an ordinary backward (optimizers then skip it: no weight decay, no moments);
+        # vmap has no graph to tell it from a used parameter whose gradient is exactly 0 (a
+        # layer whose units are all dead), which an ordinary backward gives zeros.
+        fresh = [n for n, p in trainable.items() if p.grad is None]
+        nonzero = torch.stack([grads[n].any() for n in fresh]).tolist() if fresh else []
+        unused = {n for n, used in zip(fresh, nonzero) if not used}  # (one device sync)
         for name, p in trainable.items():
             g = grads[name]  # (B, *shape)
-            if p.grad is None and not bool(g.any()):
+            if name in unused:
                 continue
             total = (g.mean(0) if self.batch_reduction == "mean" else g.sum(0)).detach()
             for hook in list((p._backward_hooks or {}).values()):
