@@ -33,8 +33,16 @@ from gradlog.errors import (
     NonFiniteLossError,
     UnsupportedLayerError,
 )
-from gradlog.forms import Factors, Form, FullForm, Material, batch_sum
-from gradlog.forms.base import batch_size, float64_sqnorms, material_shape, norm_scratch
+from gradlog.forms import Form, FullForm
+from gradlog.grads import (
+    Factors,
+    Material,
+    batch_size,
+    batch_sum,
+    float64_sqnorms,
+    material_shape,
+    norm_scratch,
+)
 from gradlog.losses import per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.sparse import active_settings, check_settings

@@ -90,9 +90,9 @@ from gradlog.backends.base import LOW_PRECISION_RTOL, Backend, PerDatumGrads, gr
 from gradlog.backends.fused import FusedLink, fusable, fuse_output
 from gradlog.backends.heap import keep_heap_resident
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
-from gradlog.forms.base import Factors, Rows, entries
+from gradlog.grads import Factors, Rows, entries
 from gradlog.params import check_differentiable
-from gradlog.rules import GENERIC, RowGrads, Rule, active_randomness, find_rule
+from gradlog.rules import GENERIC, Rule, active_randomness, find_rule
 from gradlog.rules.base import Capture, RuleResult
 
 _current_chunk: Callable[[], Any]  # rows of chunked_linear_loss's head calls (gradlog.memory)
@@ -780,7 +780,7 @@ class HooksBackend(Backend):
             acc = self._acc.get(name)
             if self._keep(name, value, n):
                 continue
-            if isinstance(value, RowGrads):
+            if isinstance(value, Rows):
                 index, values = value.index, value.values
                 if index.dim() != 2 or index.shape[0] != n or p.dim() == 0 or tuple(
                         values.shape) != (*index.shape, *p.shape[1:]):
@@ -796,7 +796,7 @@ class HooksBackend(Backend):
                 datum = torch.arange(first, first + n, device=index.device).unsqueeze(1)  # (n, 1)
                 flat = (index + datum * V).reshape(-1)  # (n*N,) rows of acc viewed (B*V, -1)
                 acc.view(B * V, -1).index_add_(
-                    0, flat, values.reshape(flat.numel(), -1).to(p.dtype), alpha=value.alpha)
+                    0, flat, values.reshape(flat.numel(), -1).to(p.dtype), alpha=value.scale)
             else:
                 if tuple(value.shape) != (n, *p.shape):
                     raise BackendError(
@@ -836,12 +836,12 @@ class HooksBackend(Backend):
             if isinstance(value, Factors):
                 raise BackendError(f"internal: factors of {name!r}, whose form is full.")
             return False
-        if isinstance(value, RowGrads):
+        if isinstance(value, Rows):
             p = self.params[name]
             if value.index.dim() != 2 or value.index.shape[0] != n or tuple(
                     value.values.shape) != (*value.index.shape, *p.shape[1:]):
                 return False  # the dense path reports the shapes
-            value = Rows(value.index, value.values.to(p.dtype), int(p.shape[0]), value.alpha)
+            value = Rows(value.index, value.values.to(p.dtype), int(p.shape[0]), value.scale)
         elif not isinstance(value, Factors):
             return False
         if n != self._batch:

@@ -12,7 +12,6 @@ from gradlog.rules import attention, conv, embedding, group_norm, layer_norm, li
 from gradlog.rules.base import (
     RULES,
     Capture,
-    RowGrads,
     Rule,
     RuleFn,
     RuleResult,
@@ -27,7 +26,6 @@ __all__ = [
     "RULES",
     "Capture",
     "LeafSpec",
-    "RowGrads",
     "Rule",
     "RuleFn",
     "RuleResult",

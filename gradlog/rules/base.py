@@ -29,7 +29,6 @@ from torch import nn
 __all__ = [
     "RULES",
     "Capture",
-    "RowGrads",
     "Rule",
     "RuleFn",
     "RuleResult",
@@ -107,28 +106,10 @@ class Capture:
         return self.grads[0]
 
 
-@dataclass(frozen=True)
-class RowGrads:
-    """Per-datum gradients with few non-zero rows, e.g. an Embedding's (at most T per datum).
-
-    Stands for the dense ``(B, *shape)`` tensor with
-    ``dense[b, index[b, n]] += alpha * values[b, n]``; the backend adds it into its
-    accumulator with one ``index_add_`` and never materialises a second dense copy.
-
-    Attributes:
-        index: Row indices ``(B, N)``, int64, in ``[0, shape[0])``.
-        values: Rows ``(B, N, *shape[1:])``.
-        alpha: Factor applied to ``values`` while adding (the capture's ``scale``).
-    """
-
-    index: torch.Tensor
-    values: torch.Tensor
-    alpha: float = 1.0
-
-
 RuleResult = dict[str, Any]
 """Attribute path -> per-datum gradients (dense ``(B, *shape)``), sparse rows
-(:class:`RowGrads`) or, for attributes in ``cap.factored``, :class:`gradlog.forms.Factors`."""
+(:class:`gradlog.grads.Rows`) or, for attributes in ``cap.factored``,
+:class:`gradlog.grads.Factors`."""
 
 
 class RuleFn(Protocol):
@@ -137,7 +118,7 @@ class RuleFn(Protocol):
     ``wanted`` holds the parameter attribute paths (``"weight"``, ``"out_proj.bias"``) to
     compute; the others are not recorded and may be skipped. Each value is a fresh tensor
     ``(B, *param.shape)`` (not a view of a captured tensor: the backend keeps it and may add
-    into it) or a :class:`RowGrads`.
+    into it) or a :class:`gradlog.grads.Rows`.
     """
 
     def __call__(self, module: Any, cap: Capture, wanted: frozenset[str]) -> RuleResult: ...

@@ -1,7 +1,7 @@
 """``nn.Embedding``: sparse rows, at most N non-zero rows per datum (N = its index count).
 
 Datum b's gradient adds its output gradient ``g_{b,n}`` to row ``idx_{b,n}``. The rule returns
-these rows as :class:`~gradlog.rules.base.RowGrads`; the backend adds them into the
+these rows as :class:`~gradlog.grads.Rows`; the backend adds them into the
 ``(B, V, D)`` result with one ``index_add_`` (the backend interface returns dense per-datum
 gradients, so that tensor is allocated once, zeroed, and never densified twice; a tied head
 adds its dense part into the same tensor). Shared indices (``[1, T]`` or ``[T]`` position ids)
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from gradlog.errors import BackendError
+from gradlog.grads import Rows
 from gradlog.rules.base import (
     Capture,
-    RowGrads,
     RuleResult,
     attributes,
     one_feature_dim,
@@ -51,4 +51,4 @@ def embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str]) -> Rul
         used = idx[0] if cap.expanded else idx  # the indices autograd counted
         counts = torch.bincount(used.reshape(-1), minlength=module.num_embeddings)  # (V,)
         values = values / counts[index].unsqueeze(-1).to(values.dtype)  # (B, N, D)
-    return {"weight": RowGrads(index=index, values=values, alpha=cap.scale)}
+    return {"weight": Rows(index, values, module.num_embeddings, cap.scale)}

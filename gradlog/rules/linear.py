@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.forms.base import Factors
+from gradlog.grads import Factors
 from gradlog.rules.base import Capture, RuleResult, attributes, one_feature_dim, register_rule
 
 __all__ = ["as_rows", "conv1d_gpt2", "linear"]

@@ -1,0 +1,360 @@
+"""The currency that crosses gradlog's seams: per-datum gradients in the three kinds rules
+produce and forms, backends and the recorder consume.
+
+- a dense tensor ``(B, *shape)``: the per-datum gradients themselves (any parameter);
+- :class:`Factors`: ``scale * g_b^T a_b`` for a matrix parameter ``(p, q)``, from the rows
+  ``g`` (B, N, p) and ``a`` (B, N, q) a Linear-like rule captured (for ``nn.Linear``: output
+  gradients and inputs), padded to a common N with a ``mask`` of the rows that count;
+- :class:`Rows`: sparse rows ``dense[b, index[b, n]] += scale * values[b, n]`` (Embedding).
+
+None of the helpers loops over datums in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+
+from gradlog.errors import InputError
+
+__all__ = [
+    "MAX_ELEMENTS",
+    "Factors",
+    "Material",
+    "Rows",
+    "batch_size",
+    "batch_sum",
+    "chunks",
+    "dense",
+    "entries",
+    "factors_worthwhile",
+    "material_shape",
+    "select",
+]
+
+MAX_ELEMENTS = 1 << 25
+"""Elements of an intermediate tensor above which work goes through the batch in chunks
+(32M: 256 MiB in float64), so a comparison never needs memory quadratic in everything."""
+
+
+def _check_batched(t: Any, what: str, dims: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{what} must be a torch.Tensor, got {type(t).__name__}.")
+    if dims is not None and t.dim() != dims:
+        raise InputError(f"{what} has shape {tuple(t.shape)}; expected {dims} dimensions.")
+    return t
+
+
+def factors_worthwhile(tokens: int, d_in: int, d_out: int) -> bool:
+    """True when the factors ``G (T, d_out)``, ``A (T, d_in)`` are smaller than ``G^T A``:
+    ``T (d_in + d_out) < d_in d_out``, i.e. ``T < d_in d_out / (d_in + d_out)`` (64 rows for
+    128 x 128, 2048 for 4096 x 4096)."""
+    return tokens * (d_in + d_out) < d_in * d_out
+
+
+def _check_batched(t: Any, what: str, dims: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{what} must be a torch.Tensor, got {type(t).__name__}.")
+    if dims is not None and t.dim() != dims:
+        raise InputError(f"{what} has shape {tuple(t.shape)}; expected {dims} dimensions.")
+    return t
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Per-datum gradients of a matrix parameter ``(p, q)`` as factors.
+
+    Datum b's gradient is ``scale * sum_n mask[b, n] g[b, n]^T a[b, n] = scale * g_b^T a_b``.
+    For ``nn.Linear`` (weight ``(d_out, d_in)``) ``g`` holds output gradients and ``a``
+    inputs; for GPT-2's ``Conv1D`` (weight ``(d_in, d_out)``) the two swap. Rows where
+    ``mask`` is False are ignored whatever they hold (padding, dropped tokens).
+
+    Which tokens may be dropped: only rows that contribute nothing (a zero output-gradient or
+    input row). Padding tokens that no loss and no other token sees qualify; prompt tokens
+    without a loss generally do not (below the head later tokens attend to them, so their
+    output gradients are not zero).
+    :meth:`compact` with no mask finds the rows that contribute nothing by value.
+
+    Attributes:
+        g: ``(B, N, p)``, the factor of the parameter's first axis.
+        a: ``(B, N, q)``, the factor of its second axis.
+        mask: ``(B, N)`` bool, True for rows that count; None: all rows count.
+        scale: Factor of every datum's gradient (a rule's ``cap.scale``).
+    """
+
+    g: torch.Tensor
+    a: torch.Tensor
+    mask: torch.Tensor | None = None
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        g = _check_batched(self.g, "Factors.g", 3)
+        a = _check_batched(self.a, "Factors.a", 3)
+        if g.shape[:2] != a.shape[:2]:
+            raise InputError(
+                f"Factors.g {tuple(g.shape)} and Factors.a {tuple(a.shape)} must agree on "
+                "(B, N): one row of each per token of each datum."
+            )
+        if self.mask is not None and (
+            self.mask.dtype != torch.bool or self.mask.shape != g.shape[:2]
+        ):
+            raise InputError(
+                f"Factors.mask has shape {tuple(self.mask.shape)} and dtype {self.mask.dtype}; "
+                f"expected bool {tuple(g.shape[:2])} (True: the row counts). Build it from "
+                "lengths with Factors.from_lengths."
+            )
+
+    @classmethod
+    def from_lengths(
+        cls, g: torch.Tensor, a: torch.Tensor, lengths: torch.Tensor, scale: float = 1.0
+    ) -> Factors:
+        """Factors whose datum b has its first ``lengths[b]`` rows, the rest padding."""
+        n = g.shape[1]
+        mask = torch.arange(n, device=g.device) < lengths.to(g.device).unsqueeze(1)  # (B, N)
+        return cls(g, a, mask, scale)
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return int(self.g.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """N, rows per datum (padding included)."""
+        return int(self.g.shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The parameter's shape ``(p, q)``."""
+        return int(self.g.shape[2]), int(self.a.shape[2])
+
+    def canonical(self) -> Factors:
+        """The same gradients with ``scale`` folded into ``g`` and ignored rows zeroed (in
+        both factors, so padding holding NaN cannot leak), mask None, scale 1."""
+        g, a = self.g, self.a
+        if self.mask is not None:
+            drop = ~self.mask.unsqueeze(-1)  # (B, N, 1)
+            g = g.masked_fill(drop, 0.0)  # (B, N, p)
+            a = a.masked_fill(drop, 0.0)  # (B, N, q)
+        if self.scale != 1.0:
+            g = g * self.scale  # (B, N, p)
+        return Factors(g, a)
+
+    def compact(self, keep: torch.Tensor | None = None) -> tuple[Factors, torch.Tensor]:
+        """Move the kept rows of each datum to the front, in order; padding after them.
+
+        Args:
+            keep: ``(B, N)`` bool of rows to keep (and'ed with ``mask``); None: rows whose
+                ``g`` and ``a`` are both non-zero (dropping the others is exact).
+
+        Returns:
+            The canonical factors with kept rows first and zero rows after them (still N
+            wide: trimming to the longest datum would need a device sync), and the number of
+            kept rows per datum ``(B,)`` int64.
+        """
+        c = self.canonical()
+        if keep is None:
+            keep = (c.g != 0).any(-1) & (c.a != 0).any(-1)  # (B, N)
+        if self.mask is not None:
+            keep = keep & self.mask
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # (B, N)
+        g = c.g.gather(1, order.unsqueeze(-1).expand_as(c.g))  # (B, N, p)
+        a = c.a.gather(1, order.unsqueeze(-1).expand_as(c.a))  # (B, N, q)
+        lengths = keep.sum(1)  # (B,)
+        pad = (torch.arange(self.tokens, device=g.device) >= lengths.unsqueeze(1)).unsqueeze(-1)
+        return Factors(g.masked_fill(pad, 0.0), a.masked_fill(pad, 0.0)), lengths
+
+    def dense(self) -> torch.Tensor:
+        """The per-datum gradients ``(B, p, q)``: one batched matmul, the scale folded into
+        it (as the Linear rule computes them)."""
+        c = Factors(self.g, self.a, self.mask).canonical() if self.mask is not None else self
+        B, _, p = c.g.shape
+        out = torch.empty((B, p, c.a.shape[2]), dtype=c.g.dtype, device=c.g.device)
+        # beta=0 ignores out's (uninitialised) contents
+        return out.baddbmm_(c.g.transpose(1, 2), c.a, beta=0.0, alpha=self.scale)  # (B, p, q)
+
+    def bias(self, axis: int = 0) -> torch.Tensor:
+        """Gradient of the layer's bias: ``scale * sum_n g[b, n]`` (B, p) for ``axis=0``
+        (``nn.Linear``); ``axis=1`` sums ``a`` instead (Conv1D, whose bias follows its
+        second axis)."""
+        c = self.canonical()
+        return (c.g if axis == 0 else c.a).sum(1)  # (B, p) or (B, q)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per-datum gradients with few non-zero rows: ``dense[b, index[b, n]] += scale *
+    values[b, n]`` (an Embedding: at most N rows per datum). Entries with index -1 are
+    padding and ignored.
+
+    Attributes:
+        index: ``(B, N)`` int64 row indices in ``[0, num_rows)``, or -1.
+        values: ``(B, N, *row_shape)``.
+        num_rows: The parameter's first dimension (V).
+        scale: Factor of every datum's gradient.
+    """
+
+    index: torch.Tensor
+    values: torch.Tensor
+    num_rows: int
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        index = _check_batched(self.index, "Rows.index", 2)
+        values = _check_batched(self.values, "Rows.values")
+        if values.shape[:2] != index.shape or index.dtype != torch.int64:
+            raise InputError(
+                f"Rows.index {tuple(index.shape)} ({index.dtype}) and Rows.values "
+                f"{tuple(values.shape)} must be int64 (B, N) and (B, N, *row_shape)."
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return int(self.index.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape ``(num_rows, *row_shape)``."""
+        return (self.num_rows, *self.values.shape[2:])
+
+    @property
+    def width(self) -> int:
+        """Elements per row (product of ``row_shape``)."""
+        return math.prod(self.values.shape[2:])
+
+    def unique(self) -> Rows:
+        """The same gradients with each datum's rows distinct, all-zero rows dropped,
+        ``scale`` folded in, sorted by row index, padded with index -1 and zero values
+        after them (still N wide)."""
+        B, N = self.index.shape
+        D = self.width
+        V = self.num_rows
+        values = self.values.reshape(B * N, D)  # (B*N, D)
+        if self.scale != 1.0:
+            values = values * self.scale
+        index = self.index.reshape(B * N)  # (B*N,)
+        datum = torch.arange(B, device=index.device).repeat_interleave(N)  # (B*N,)
+        keep = (index >= 0) & (values != 0).any(-1)  # (B*N,)
+        key = torch.where(keep, datum * V + index, B * V)  # dropped entries sort last
+        uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)  # (U,), (B*N,)
+        merged = values.new_zeros((uniq.numel(), D)).index_add_(0, inverse, values)  # (U, D)
+        real = uniq < B * V  # (U,) not the "dropped" key
+        owner = torch.where(real, uniq // V, 0)  # (U,) datum of each distinct row
+        counts = torch.bincount(owner[real], minlength=B)  # (B,)
+        starts = torch.cumsum(counts, 0) - counts  # (B,) first distinct row of each datum
+        slot = torch.arange(uniq.numel(), device=index.device) - starts[owner]  # (U,)
+        out_index = index.new_full((B, N), -1)  # (B, N)
+        out_values = values.new_zeros((B, N, D))  # (B, N, D)
+        out_index[owner[real], slot[real]] = uniq[real] % V
+        out_values[owner[real], slot[real]] = merged[real]
+        return Rows(out_index, out_values.reshape(self.values.shape), V)
+
+    def dense(self) -> torch.Tensor:
+        """The per-datum gradients ``(B, num_rows, *row_shape)`` (one ``index_add_``)."""
+        B, N = self.index.shape
+        V, D = self.num_rows, self.width
+        out = self.values.new_zeros((B * V, D))  # (B*V, D)
+        valid = (self.index >= 0).reshape(-1)  # (B*N,)
+        flat = self.index + torch.arange(B, device=self.index.device).unsqueeze(1) * V
+        flat = flat.reshape(-1)[valid]  # (n_valid,)
+        out.index_add_(0, flat, self.values.reshape(B * N, D)[valid], alpha=self.scale)
+        return out.reshape(B, *self.shape)
+
+
+Material: TypeAlias = torch.Tensor | Factors | Rows
+"""What a rule hands to a form for one batch: dense ``(B, *shape)``, factors or rows."""
+
+
+def material_shape(material: Material) -> tuple[int, ...]:
+    """The parameter shape the material's per-datum gradients have."""
+    if isinstance(material, (Factors, Rows)):
+        return tuple(material.shape)
+    return tuple(_check_batched(material, "per-datum gradients").shape[1:])
+
+
+def batch_size(material: Material) -> int:
+    """B, the number of datums of any material."""
+    if isinstance(material, (Factors, Rows)):
+        return material.batch_size
+    return int(_check_batched(material, "per-datum gradients").shape[0])
+
+
+def select(material: Material, start: int, stop: int) -> Material:
+    """Datums ``start:stop`` of any material (views, no copy)."""
+    if isinstance(material, Factors):
+        mask = None if material.mask is None else material.mask[start:stop]
+        return Factors(material.g[start:stop], material.a[start:stop], mask, material.scale)
+    if isinstance(material, Rows):
+        return Rows(
+            material.index[start:stop],
+            material.values[start:stop],
+            material.num_rows,
+            material.scale,
+        )
+    return material[start:stop]
+
+
+def dense(material: Material) -> torch.Tensor:
+    """The per-datum gradients ``(B, *shape)`` of any material (materialised)."""
+    if isinstance(material, (Factors, Rows)):
+        return material.dense()
+    return _check_batched(material, "per-datum gradients")
+
+
+def batch_sum(material: Material, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_b weights[b] g_b`` ``(*shape)`` without forming the per-datum gradients: what
+    the recorder's self-check compares with ``p.grad``. Factors: one matmul over every row
+    of the batch; rows: one ``index_add_``."""
+    if isinstance(material, Factors):
+        c = material.canonical()
+        w = weights.to(c.g.dtype).reshape(-1, 1, 1)  # (B, 1, 1)
+        g = (c.g * w).reshape(-1, c.g.shape[2])  # (B*N, p)
+        return g.T @ c.a.reshape(-1, c.a.shape[2])  # (p, q)
+    if isinstance(material, Rows):
+        valid = (material.index >= 0).reshape(-1)  # (B*N,)
+        w = weights.to(material.values.dtype).reshape(-1, 1)  # (B, 1)
+        vals = material.values.reshape(*material.index.shape, -1) * w.unsqueeze(-1)  # (B,N,D)
+        out = material.values.new_zeros((material.num_rows, material.width))  # (V, D)
+        out.index_add_(
+            0,
+            material.index.reshape(-1)[valid],
+            vals.reshape(-1, material.width)[valid],
+            alpha=material.scale,
+        )
+        return out.reshape(material.shape)
+    w = weights.to(material.dtype).reshape(-1, *([1] * (material.dim() - 1)))
+    return (material * w).sum(0)
+
+
+def entries(material: Material, flat_index: torch.Tensor) -> torch.Tensor:
+    """Entries ``(B, k)`` of every datum's gradient at flat (row-major) positions
+    ``flat_index`` (k,), without forming the gradients: the backend's spot check.
+    Factors: ``sum_n g[b, n, i] a[b, n, j]``."""
+    if isinstance(material, Factors):
+        c = Factors(material.g, material.a, material.mask).canonical()  # scale applied last
+        q = c.a.shape[2]
+        rows, cols = flat_index // q, flat_index % q  # (k,), (k,)
+        picked = c.g.index_select(2, rows) * c.a.index_select(2, cols)  # (B, N, k)
+        out = picked.sum(1)  # (B, k)
+        return out * material.scale if material.scale != 1.0 else out
+    if isinstance(material, Rows):
+        D = material.width
+        row, col = flat_index // D, flat_index % D  # (k,), (k,)
+        vals = material.values.reshape(*material.index.shape, D)[:, :, col]  # (B, N, k)
+        hit = material.index.unsqueeze(-1) == row  # (B, N, k)
+        return (vals * hit).sum(1) * material.scale  # (B, k)
+    return material.reshape(material.shape[0], -1).index_select(1, flat_index)  # (B, k)
+
+
+def chunks(material: Material) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first datum, per-datum gradients (b, *shape))`` of any material, materialised a
+    few datums at a time (at most :data:`MAX_ELEMENTS` elements each)."""
+    B = batch_size(material)
+    step = max(1, MAX_ELEMENTS // max(1, math.prod(material_shape(material))))
+    for start in range(0, max(1, B), step):
+        yield start, dense(select(material, start, start + step))

@@ -1,0 +1,55 @@
+"""Exact squared norms of per-datum gradients: every element squared and summed in float64,
+as the store's format requires of every record's norm (FORMAT.md)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SCRATCH_ELEMENTS", "dense_sqnorms", "float64_sqnorms", "norm_scratch"]
+
+
+SCRATCH_ELEMENTS = {"cpu": 1 << 18}
+"""float64 elements of :func:`float64_sqnorms`'s block buffer, by device type: 2 MiB on the
+CPU (stays in cache); elsewhere (CUDA) ``1 << 22`` (32 MiB: a few launches per parameter)."""
+
+
+def norm_scratch(device: torch.device) -> torch.Tensor:
+    """A block buffer for :func:`float64_sqnorms` on ``device``, to share between calls."""
+    return torch.empty(SCRATCH_ELEMENTS.get(device.type, 1 << 22), dtype=torch.float64,
+                       device=device)
+
+
+def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), every element squared and summed
+    in float64: the store's exact norms (FORMAT.md). Columns are widened a block at a time
+    into ``scratch`` (float64, on ``flat``'s device; made if None or too small), never the
+    whole tensor: widening a whole medium-GPT step of float32 gradients at once wrote 844
+    MiB of fresh memory and took ~8x longer on a CPU (measured: 36.7 vs 4.7 ms per 32 MiB),
+    and on a GPU would double the step's gradient memory."""
+    if flat.dtype == torch.float64:
+        return flat.square().sum(1)  # (B,)
+    B, n = flat.shape
+    per = SCRATCH_ELEMENTS.get(flat.device.type, 1 << 22)
+    cols = max(1, per // max(1, B))
+    width = B * min(cols, n)
+    if (scratch is None or scratch.numel() < width or scratch.dtype != torch.float64
+            or scratch.device != flat.device):
+        scratch = torch.empty(width, dtype=torch.float64, device=flat.device)
+    out = torch.zeros(B, dtype=torch.float64, device=flat.device)  # (B,)
+    for start in range(0, n, cols):
+        block = flat[:, start : start + cols]  # (B, c)
+        wide = scratch[: block.numel()].view(block.shape)  # (B, c)
+        wide.copy_(block)
+        out.add_(wide.square_().sum(1))
+    return out
+
+
+def dense_sqnorms(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Squared norms ``(B,)`` of the rows of ``flat`` (B, n), returned in ``dtype``: float64
+    ones by :func:`float64_sqnorms` (exact; one float32 norm over 5e7 elements erred by 3e-3,
+    measured), others in the wider of ``flat``'s dtype and float32."""
+    if dtype == torch.float64:
+        return float64_sqnorms(flat)
+    work = torch.promote_types(flat.dtype, torch.float32)
+    whole: torch.Tensor = torch.linalg.vector_norm(flat, dim=1, dtype=work)  # (B,)
+    return whole.to(dtype).square()
