@@ -10,10 +10,14 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "ConfigError",
+    "DoubleBackwardError",
     "FrozenParamError",
     "GradientCheckError",
     "GradlogError",
     "InputError",
+    "MemoryTooSmallError",
+    "MissingExtraError",
+    "MissingLearningRateError",
     "NonFiniteLossError",
     "NotAStoreError",
     "ParamSelectionError",
@@ -61,6 +65,11 @@ class UnsupportedLayerError(BackendError):
     """A layer cannot give per-datum gradients (it couples data, e.g. BatchNorm in training)."""
 
 
+class DoubleBackwardError(GradlogError, RuntimeError):
+    """A backward with ``create_graph=True`` went through
+    :func:`gradlog.memory.chunked_linear_loss`, whose chunk gradients have no graph."""
+
+
 class GradientCheckError(GradlogError, RuntimeError):
     """The self-check ``sum_b w_b g_b == p.grad`` failed: per-datum gradients are wrong."""
 
@@ -100,3 +109,15 @@ class SelectionError(GradlogError, LookupError):
 
     def __str__(self) -> str:  # LookupError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class MissingLearningRateError(InputError):
+    """The learning rate an analysis needs was not recorded (it is null in the index)."""
+
+
+class MissingExtraError(GradlogError, ImportError):
+    """An optional dependency of the feature asked for is not installed."""
+
+
+class MemoryTooSmallError(GradlogError, ValueError):
+    """``max_memory`` is below what reading one chunk of an array needs."""

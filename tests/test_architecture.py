@@ -253,3 +253,15 @@ def test_format_versions_are_branched_on_in_the_store_only() -> None:
             if isinstance(node, ast.Compare) and "format_version" in ast.unparse(node).lower():
                 found.add(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
     assert not found, "format-version branches outside gradlog/store/:\n" + "\n".join(sorted(found))
+
+
+def test_every_package_ships() -> None:
+    """pyproject lists packages explicitly (no find_packages): a new subpackage left off the
+    list would work in an editable install and be missing from the wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    packages = {
+        module for module, path in MODULES.items() if path.name == "__init__.py"
+    } | {"gradlog.schemas"}
+    assert packages - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

@@ -1,51 +1,12 @@
-"""Memory-efficient language-model heads: a linear layer and a loss, chunk by chunk over rows.
-
-The projection of ``N`` rows of hidden states to a vocabulary of ``V`` materialises an
-``(N, V)`` logits tensor, and a loss on top of it keeps one or two more of that size for its
-backward (batch 4, context 4096, vocab 128K: 4 GB in bf16, 8 GB upcast to float32).
-:func:`chunked_linear_loss` never holds more than one chunk of rows' logits. It calls the
-caller's ``fn(x_chunk, linear, labels_chunk)`` on one chunk of rows at a time and lets autograd
-differentiate it (``torch.autograd.grad`` with respect to the chunk of ``x``, the weight and the
-bias); no derivative is written by hand, so cross entropy, z-loss, label smoothing,
-distillation or a clipped policy-gradient objective all give the unchunked result up to float
-rounding. Two schedules:
-
-* **recompute** (always for ``reduction="none"``): forward runs ``fn`` chunk by chunk under
-  ``no_grad`` and keeps only the per-row losses ``(N,)``; backward re-runs each chunk under
-  autograd, in the forward's autocast and random-number state, and backpropagates that chunk's
-  upstream gradient. One extra logits matmul per chunk (as activation checkpointing).
-* **gradients in forward** (the default for ``"mean"``/``"sum"``): the upstream gradient of a
-  scalar loss is one number, so forward already backpropagates each chunk with the rows'
-  weights (1, or 1/valid-count) and keeps the gradients of ``x``, weight and bias; backward
-  scales them. No recomputation: as fast as the unchunked head. It holds a weight-sized
-  gradient from forward to backward, as the unchunked head's ``weight.grad`` would.
-
-The head module itself runs every chunk (the backward through ``torch.func.functional_call``
-with detached copies of its weight and bias), so module hooks see ``(rows, V)`` outputs chunk
-by chunk; :func:`current_chunk` tells them which rows of ``x.shape[:-1]`` a call covers.
-
-Example::
-
-    from gradlog.memory import chunked_linear_loss
-
-    def ce(x, head, y):  # (rows, d), nn.Linear, (rows,) -> (rows,)
-        return F.cross_entropy(head(x).float(), y, reduction="none")
-
-    hidden = model.body(tokens)                                    # (B, T, d)
-    loss = chunked_linear_loss(hidden, model.lm_head, targets, ce)  # mean over valid tokens
-    loss.backward()
-
-    # per-datum recording: per-token losses (B, T) go to GradRecorder.backward
-    losses = chunked_linear_loss(hidden, model.lm_head, targets, ce, reduction="none")
-    rec.backward(losses, mask=targets != -100, datum_ids=idx)
-"""
+"""``chunked_linear_loss``: the two autograd schedules (recompute in backward, gradients in
+forward) that run a head and its loss one chunk of rows at a time. The module docstring of
+:mod:`gradlog.memory` explains them."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -53,59 +14,15 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from gradlog.errors import GradlogError, InputError
+from gradlog._torch_private import backward_keeps_graph
+from gradlog.errors import DoubleBackwardError, InputError
+from gradlog.memory.chunk import ChunkInfo, running_chunk
+from gradlog.memory.rows import bounds, chunk_sizes, flatten_labels, take_rows, valid_rows
 
-__all__ = [
-    "DEFAULT_MEMORY_BUDGET_BYTES",
-    "ChunkInfo",
-    "DoubleBackwardError",
-    "RowLossFn",
-    "chunked_linear_loss",
-    "current_chunk",
-]
+__all__ = ["RowLossFn", "chunked_linear_loss"]
 
 RowLossFn = Callable[[torch.Tensor, nn.Module, Any], torch.Tensor]
 """``fn(x_chunk, linear, labels_chunk) -> losses_chunk``: ``(rows, d)`` -> ``(rows,)``."""
-
-DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
-"""Float32 logits of one chunk, when neither ``chunk_size`` nor a budget is given."""
-
-_LOGIT_BYTES = 4  # the budget counts float32 logits: the dtype losses are usually upcast to
-
-
-@dataclass(frozen=True)
-class ChunkInfo:
-    """Which rows the ``fn`` call in progress sees, for code that runs inside it (module hooks).
-
-    A hook on the head sees ``(rows, V)`` outputs, not ``(B, T, V)``; with this it can
-    attribute row ``r`` of the chunk to datum ``(start + r) // prod(lead_shape[1:])``.
-
-    Attributes:
-        lead_shape: ``x.shape[:-1]``, e.g. ``(B, T)``; the rows are these flattened.
-        start: First row of the chunk.
-        stop: One past its last row.
-        differentiated: True when this call's graph is backpropagated (the backward re-run,
-            or a forward that computes gradients); False for a forward without a graph.
-    """
-
-    lead_shape: tuple[int, ...]
-    start: int
-    stop: int
-    differentiated: bool
-
-
-_CURRENT_CHUNK: contextvars.ContextVar[ChunkInfo | None] = contextvars.ContextVar(
-    "gradlog_current_chunk", default=None
-)
-
-
-def current_chunk() -> ChunkInfo | None:
-    """The chunk whose ``fn`` call is running, or None outside :func:`chunked_linear_loss`."""
-    return _CURRENT_CHUNK.get()
-
-
-class DoubleBackwardError(GradlogError, RuntimeError):
-    """A backward with ``create_graph=True`` went through :func:`chunked_linear_loss`."""
 
 
 def _refuse_double_backward() -> None:
@@ -249,8 +166,8 @@ def chunked_linear_loss(
             f"{tuple(weight.shape)}, i.e. expects {weight.shape[1]}. Pass the hidden states that "
             "feed this head."
         )
-    rows_labels = _flatten_labels(labels, lead, n_rows, "labels")
-    sizes = _chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0])
+    rows_labels = flatten_labels(labels, lead, n_rows, "labels")
+    sizes = chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0])
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_wanted = torch.is_grad_enabled() and any(needs)
     plan = _Plan(
@@ -258,13 +175,13 @@ def chunked_linear_loss(
         linear=linear,
         labels=rows_labels,
         lead_shape=lead,
-        bounds=_bounds(sizes),
+        bounds=bounds(sizes),
         needs=needs,
         preserve_rng_state=preserve_rng_state and grad_wanted,
         autocast=_autocast_state(x.device),
     )
     x_rows = x.reshape(n_rows, d)  # (N, d); a view when x is contiguous
-    valid = _valid_rows(labels, n_rows, ignore_index)  # (N,) bool, or None: every row counts
+    valid = valid_rows(labels, n_rows, ignore_index)  # (N,) bool, or None: every row counts
     if grad_wanted and reduction != "none":
         if grad_in_forward is None:
             grad_in_forward = not _involves_float16(x, weight, plan.autocast)
@@ -379,7 +296,7 @@ class _GradInForward(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
         _refuse_double_backward()
         grads: list[torch.Tensor | None] | None = ctx.grads
-        if grads is not None and _keeps_graph():
+        if grads is not None and backward_keeps_graph():
             # A backward that keeps the graph (retain_graph: another backward follows, e.g.
             # gradlog's datum check): scaled copies, the precomputed gradients stay for it.
             scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
@@ -402,12 +319,6 @@ class _GradInForward(torch.autograd.Function):
             ctx.plan, needs, x, weight, bias, grad_rows, replay=True, keep_rows=False
         )
         return grad_x, grad_w, grad_b, None, None, None
-
-
-def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``)."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return bool(keep()) if keep is not None else False
 
 
 def _chunk_grads(
@@ -516,11 +427,8 @@ def _call_fn(
     plan: _Plan, x_chunk: torch.Tensor, linear: nn.Module, start: int, stop: int
 ) -> torch.Tensor:
     info = ChunkInfo(plan.lead_shape, start, stop, torch.is_grad_enabled())
-    token = _CURRENT_CHUNK.set(info)
-    try:
-        rows = plan.fn(x_chunk, linear, _take_rows(plan.labels, start, stop))
-    finally:
-        _CURRENT_CHUNK.reset(token)
+    with running_chunk(info):
+        rows = plan.fn(x_chunk, linear, take_rows(plan.labels, start, stop))
     n = stop - start
     if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n,):
         shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
@@ -591,113 +499,6 @@ def _leaves_of(*tensors: torch.Tensor | None) -> set[int]:
             out.add(id(variable))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return out
-
-
-def _flatten_labels(labels: Any, lead: tuple[int, ...], n_rows: int, path: str) -> Any:
-    """Reshape every tensor in ``labels`` to ``(N, ...)``, keeping the structure."""
-    if isinstance(labels, torch.Tensor):
-        if labels.requires_grad:
-            raise InputError(
-                f"{path} requires grad, but chunked_linear_loss gives labels no gradient. Pass "
-                f"{path}.detach() (e.g. teacher logits), or compute that term outside the head."
-            )
-        k = len(lead)
-        if tuple(labels.shape[:k]) == lead:
-            return labels.reshape(n_rows, *labels.shape[k:])  # (N, ...)
-        if labels.dim() >= 1 and labels.shape[0] == n_rows:
-            return labels  # already (N, ...)
-        raise InputError(
-            f"{path} has shape {tuple(labels.shape)}, but x has {n_rows} rows in leading "
-            f"dimensions {lead}: every tensor in labels must start with {lead} (or with "
-            f"{n_rows}, already flattened), one entry per row of x."
-        )
-    if isinstance(labels, Mapping):
-        return {k: _flatten_labels(v, lead, n_rows, f"{path}[{k!r}]") for k, v in labels.items()}
-    if isinstance(labels, (tuple, list)):
-        items = [_flatten_labels(v, lead, n_rows, f"{path}[{i}]") for i, v in enumerate(labels)]
-        if hasattr(labels, "_fields"):  # a namedtuple
-            return type(labels)(*items)
-        return type(labels)(items)
-    return labels  # None, a number, a string: passed unchanged to every chunk
-
-
-def _take_rows(labels: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of every tensor in flattened ``labels``."""
-    if isinstance(labels, torch.Tensor):
-        return labels[start:stop]
-    if isinstance(labels, dict):
-        return {k: _take_rows(v, start, stop) for k, v in labels.items()}
-    if isinstance(labels, (tuple, list)):
-        items = [_take_rows(v, start, stop) for v in labels]
-        if hasattr(labels, "_fields"):
-            return type(labels)(*items)
-        return type(labels)(items)
-    return labels
-
-
-def _valid_rows(labels: Any, n_rows: int, ignore_index: int | None) -> torch.Tensor | None:
-    """``(N,)`` bool mask of rows whose label is not ``ignore_index``; None if all count."""
-    if (
-        ignore_index is None
-        or not isinstance(labels, torch.Tensor)
-        or labels.is_floating_point()
-        or labels.is_complex()
-        or labels.dtype == torch.bool
-        or labels.numel() != n_rows  # not one label per row (e.g. trailing dimensions)
-    ):
-        return None
-    return labels.reshape(n_rows) != ignore_index  # (N,)
-
-
-def _chunk_sizes(
-    chunk_size: int | Sequence[int] | None,
-    memory_budget_bytes: int | None,
-    n_rows: int,
-    vocab: int,
-) -> list[int]:
-    if chunk_size is not None and memory_budget_bytes is not None:
-        raise InputError(
-            f"pass chunk_size or memory_budget_bytes, not both (got chunk_size={chunk_size!r}, "
-            f"memory_budget_bytes={memory_budget_bytes!r})."
-        )
-    if chunk_size is None:
-        budget = DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise InputError(
-                f"memory_budget_bytes must be a positive int (bytes of float32 logits per chunk), "
-                f"got {budget!r}."
-            )
-        chunk_size = max(1, budget // (max(vocab, 1) * _LOGIT_BYTES))
-    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
-        if chunk_size <= 0:
-            raise InputError(f"chunk_size must be a positive number of rows, got {chunk_size}.")
-        sizes = [chunk_size] * (n_rows // chunk_size)
-        if n_rows % chunk_size:
-            sizes.append(n_rows % chunk_size)
-    elif isinstance(chunk_size, Sequence) and not isinstance(chunk_size, (str, bytes)):
-        sizes = list(chunk_size)
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
-            raise InputError(
-                f"chunk_size as a list must hold positive ints (rows per chunk), got {sizes!r}."
-            )
-        if sum(sizes) != n_rows:
-            raise InputError(
-                f"chunk sizes {sizes} sum to {sum(sizes)}, but x has {n_rows} rows (the product "
-                f"of its leading dimensions). Make them sum to {n_rows}, or pass an int."
-            )
-    else:
-        raise InputError(
-            f"chunk_size must be an int, a list of ints or None, got {type(chunk_size).__name__}."
-        )
-    return sizes or [0]  # no rows: one empty chunk, so fn still sets the losses' dtype
-
-
-def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
 
 
 def _involves_float16(

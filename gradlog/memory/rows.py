@@ -1,0 +1,132 @@
+"""Rows of a chunked head's input: labels flattened and cut like ``x``, the valid rows, and
+the chunk sizes a memory budget allows."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradlog.errors import InputError
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "bounds",
+    "chunk_sizes",
+    "flatten_labels",
+    "take_rows",
+    "valid_rows",
+]
+
+DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+"""Float32 logits of one chunk, when neither ``chunk_size`` nor a budget is given."""
+
+_LOGIT_BYTES = 4  # the budget counts float32 logits: the dtype losses are usually upcast to
+
+
+def flatten_labels(labels: Any, lead: tuple[int, ...], n_rows: int, path: str) -> Any:
+    """Reshape every tensor in ``labels`` to ``(N, ...)``, keeping the structure."""
+    if isinstance(labels, torch.Tensor):
+        if labels.requires_grad:
+            raise InputError(
+                f"{path} requires grad, but chunked_linear_loss gives labels no gradient. Pass "
+                f"{path}.detach() (e.g. teacher logits), or compute that term outside the head."
+            )
+        k = len(lead)
+        if tuple(labels.shape[:k]) == lead:
+            return labels.reshape(n_rows, *labels.shape[k:])  # (N, ...)
+        if labels.dim() >= 1 and labels.shape[0] == n_rows:
+            return labels  # already (N, ...)
+        raise InputError(
+            f"{path} has shape {tuple(labels.shape)}, but x has {n_rows} rows in leading "
+            f"dimensions {lead}: every tensor in labels must start with {lead} (or with "
+            f"{n_rows}, already flattened), one entry per row of x."
+        )
+    if isinstance(labels, Mapping):
+        return {k: flatten_labels(v, lead, n_rows, f"{path}[{k!r}]") for k, v in labels.items()}
+    if isinstance(labels, (tuple, list)):
+        items = [flatten_labels(v, lead, n_rows, f"{path}[{i}]") for i, v in enumerate(labels)]
+        if hasattr(labels, "_fields"):  # a namedtuple
+            return type(labels)(*items)
+        return type(labels)(items)
+    return labels  # None, a number, a string: passed unchanged to every chunk
+
+
+def take_rows(labels: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of every tensor in flattened ``labels``."""
+    if isinstance(labels, torch.Tensor):
+        return labels[start:stop]
+    if isinstance(labels, dict):
+        return {k: take_rows(v, start, stop) for k, v in labels.items()}
+    if isinstance(labels, (tuple, list)):
+        items = [take_rows(v, start, stop) for v in labels]
+        if hasattr(labels, "_fields"):
+            return type(labels)(*items)
+        return type(labels)(items)
+    return labels
+
+
+def valid_rows(labels: Any, n_rows: int, ignore_index: int | None) -> torch.Tensor | None:
+    """``(N,)`` bool mask of rows whose label is not ``ignore_index``; None if all count."""
+    if (
+        ignore_index is None
+        or not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+        or labels.numel() != n_rows  # not one label per row (e.g. trailing dimensions)
+    ):
+        return None
+    return labels.reshape(n_rows) != ignore_index  # (N,)
+
+
+def chunk_sizes(
+    chunk_size: int | Sequence[int] | None,
+    memory_budget_bytes: int | None,
+    n_rows: int,
+    vocab: int,
+) -> list[int]:
+    if chunk_size is not None and memory_budget_bytes is not None:
+        raise InputError(
+            f"pass chunk_size or memory_budget_bytes, not both (got chunk_size={chunk_size!r}, "
+            f"memory_budget_bytes={memory_budget_bytes!r})."
+        )
+    if chunk_size is None:
+        budget = DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise InputError(
+                f"memory_budget_bytes must be a positive int (bytes of float32 logits per chunk), "
+                f"got {budget!r}."
+            )
+        chunk_size = max(1, budget // (max(vocab, 1) * _LOGIT_BYTES))
+    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool):
+        if chunk_size <= 0:
+            raise InputError(f"chunk_size must be a positive number of rows, got {chunk_size}.")
+        sizes = [chunk_size] * (n_rows // chunk_size)
+        if n_rows % chunk_size:
+            sizes.append(n_rows % chunk_size)
+    elif isinstance(chunk_size, Sequence) and not isinstance(chunk_size, (str, bytes)):
+        sizes = list(chunk_size)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+            raise InputError(
+                f"chunk_size as a list must hold positive ints (rows per chunk), got {sizes!r}."
+            )
+        if sum(sizes) != n_rows:
+            raise InputError(
+                f"chunk sizes {sizes} sum to {sum(sizes)}, but x has {n_rows} rows (the product "
+                f"of its leading dimensions). Make them sum to {n_rows}, or pass an int."
+            )
+    else:
+        raise InputError(
+            f"chunk_size must be an int, a list of ints or None, got {type(chunk_size).__name__}."
+        )
+    return sizes or [0]  # no rows: one empty chunk, so fn still sets the losses' dtype
+
+
+def bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
