@@ -19,36 +19,38 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import gradlog.forms.base as forms_base
-import gradlog.forms.factors as forms_factors
 import gradlog.forms.projection as forms_projection
+import gradlog.grads as grads
+import gradlog.grads.inner as grads_inner
 from gradlog.errors import ConfigError, InputError, StoreFormatError
 from gradlog.forms import (
     FORMS,
-    Factors,
     FactorsForm,
     Form,
     FullForm,
     NormForm,
     ParamInfo,
     ProjectionForm,
-    Rows,
     RowsForm,
     TopKForm,
-    batch_sum,
-    entries,
-    factored_inner,
-    factored_sqnorms,
-    factors_worthwhile,
     form_from_spec,
     make_form,
     plan_forms,
     project,
     random_matrix,
     smallest_exact,
-    sqnorms,
 )
 from gradlog.forms.projection import balanced_ranks, derive_seed, param_seed
+from gradlog.grads import (
+    Factors,
+    Rows,
+    batch_sum,
+    entries,
+    factored_inner,
+    factored_sqnorms,
+    factors_worthwhile,
+    sqnorms,
+)
 
 D64 = torch.float64
 FORM_SETTINGS = settings(
@@ -183,7 +185,7 @@ def test_factors_encode_pads_and_compacts_to_tokens() -> None:
 def test_factored_inner_and_norms_equal_materialised(
     dtype: torch.dtype, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(forms_factors, "MAX_ELEMENTS", 300)  # force several chunks
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", 300)  # force several chunks
     fx = padded_factors(5, 7, 6, 4, dtype=dtype, seed=4).canonical()
     fy = padded_factors(3, 5, 6, 4, dtype=dtype, seed=5, scale=2.0).canonical()
     dx, dy = fx.dense(), fy.dense()
@@ -214,7 +216,7 @@ def test_factored_inner_and_norms_equal_materialised(
 def test_float64_norms_of_float32_gradients_are_accurate(n: int) -> None:
     x = rand(3, n, dtype=torch.float32, seed=n) * rand(3, n, dtype=torch.float32, seed=1) ** 4
     want = x.double().square().sum(1)
-    got = forms_base.dense_sqnorms(x)
+    got = grads.dense_sqnorms(x)
     assert got.dtype == D64
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)  # squared and summed in float64
     torch.testing.assert_close(sqnorms(x), want, rtol=1e-13, atol=0)
@@ -232,7 +234,7 @@ def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
     x = (rand(B, n, dtype=torch.float64, seed=n) * 3).to(dtype)
     want = x.double().square().sum(1)  # the naive float64 sum: the oracle
     buf = None if scratch is None else torch.empty(scratch, dtype=D64)
-    got = forms_base.float64_sqnorms(x, buf)
+    got = grads.float64_sqnorms(x, buf)
     assert got.dtype == D64 and got.shape == (B,)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)  # float64 rounding only
 
@@ -240,20 +242,20 @@ def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
 def test_float64_sqnorms_of_a_step_of_gradients() -> None:
     x = rand(32, 4096 * 70 + 3, dtype=torch.float32, seed=3)  # several scratch blocks
     torch.testing.assert_close(
-        forms_base.float64_sqnorms(x), x.double().square().sum(1), rtol=1e-13, atol=0)
+        grads.float64_sqnorms(x), x.double().square().sum(1), rtol=1e-13, atol=0)
 
 
 def test_prefer_factored_follows_the_counts() -> None:
-    assert forms_factors.prefer_factored(1, 8, 1, 8, 256, 256)  # few tokens: factored
-    assert not forms_factors.prefer_factored(100, 512, 100, 512, 512, 512)  # many long pairs
-    assert forms_factors.prefer_factored(32, 64, 32, 64, 256, 256, pairs=32)  # ghost norm
-    assert not forms_factors.prefer_factored(16, 512, 16, 512, 512, 512, pairs=16)
+    assert grads_inner.prefer_factored(1, 8, 1, 8, 256, 256)  # few tokens: factored
+    assert not grads_inner.prefer_factored(100, 512, 100, 512, 512, 512)  # many long pairs
+    assert grads_inner.prefer_factored(32, 64, 32, 64, 256, 256, pairs=32)  # ghost norm
+    assert not grads_inner.prefer_factored(16, 512, 16, 512, 512, 512, pairs=16)
 
 
 @pytest.mark.parametrize("source", ["factors", "rows", "dense"])
 def test_batch_sum_and_entries_without_materialising(source: str) -> None:
     m = material_of(source)
-    full = forms_base.dense(m)  # (4, *shape)
+    full = grads.dense(m)  # (4, *shape)
     w = torch.tensor([0.25, 1.0, -2.0, 0.5], dtype=D64)
     want = torch.einsum("b,b...->...", w, full)
     torch.testing.assert_close(batch_sum(m, w), want, rtol=1e-10, atol=1e-12)
@@ -293,8 +295,7 @@ def test_rows_exact_distinct_and_zero_rows_dropped() -> None:
 
 
 def test_rows_inner_across_sets_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(forms_base, "MAX_ELEMENTS", 64)
-    monkeypatch.setattr(sys.modules["gradlog.forms.rows"], "MAX_ELEMENTS", 64)
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", 64)
     rx, ry = rows_material(5, 4, 30, 2, seed=1), rows_material(3, 6, 30, 2, seed=2)
     form = RowsForm((30, 2), tokens=6)
     got = form.inner(form.encode(rx), form.encode(ry))
@@ -408,7 +409,7 @@ def test_every_form_round_trips(request_: Any, source: str) -> None:
         assert enc[key].dtype == (torch.int64 if spec.kind == "int64" else D64)
     assert form.nbytes_per_record(8) == sum(t[0].numel() * 8 for t in enc.values())
     back = through_store(enc)
-    want = forms_base.dense(m)
+    want = grads.dense(m)
     if form.exact:
         torch.testing.assert_close(again.decode(back), want, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(
@@ -451,7 +452,7 @@ def test_every_form_round_trips(request_: Any, source: str) -> None:
 @pytest.mark.parametrize("tokens", [1, 30])  # ghost norm cheaper / gradients cheaper
 def test_encode_with_norms_is_encode_plus_exact_norms(request_: Any, tokens: int) -> None:
     f = padded_factors(5, tokens, 4, 3, seed=13, scale=2.0)
-    assert forms_factors.prefer_factored(5, tokens, 5, tokens, 4, 3, pairs=5) == (tokens == 1)
+    assert grads_inner.prefer_factored(5, tokens, 5, tokens, 4, 3, pairs=5) == (tokens == 1)
     form = make_form(request_, ParamInfo.of(f, name="w"))
     enc, norms = form.encode_with_norms(f)
     for key, t in form.encode(f).items():
@@ -726,3 +727,65 @@ def test_rows_tokens_hint_says_which_tokens_to_raise() -> None:
     with pytest.raises(InputError, match=r"Plan with tokens= at least") as e:
         provisioned.encode(rows)
     assert "request's own" not in str(e.value)
+
+
+@pytest.mark.parametrize("K", [1, 3])  # K 1: contracted; K 3 (N K > N + K): records formed
+@pytest.mark.parametrize("p, q", [(6, 4), (3, 5)])  # both contraction orders
+@pytest.mark.parametrize("dtype", [torch.float32, D64])
+@pytest.mark.parametrize("numpy_path", [True, False])  # CPU products in numpy; torch (GPU)
+def test_factors_inner_dense_equals_the_dense_computation(
+    K: int, p: int, q: int, dtype: torch.dtype, numpy_path: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", 200)  # force several chunks
+    monkeypatch.setattr(grads_inner, "_on_numpy", lambda *ts: numpy_path)
+    f = padded_factors(7, 5, p, q, dtype=dtype, seed=6, scale=0.5)
+    form = FactorsForm((p, q), tokens=5)
+    enc = form.encode(f)
+    w = rand(K, p, q, dtype=dtype, seed=7)
+    torch.testing.assert_close(form.decode(enc), loop_dense(f), rtol=1e-5, atol=1e-5)
+    # the oracle: the stored records formed and multiplied in float64
+    dense = torch.bmm(enc["g"].double().transpose(1, 2), enc["a"].double()).reshape(7, -1)
+    want = dense @ w.double().reshape(K, -1).T  # (7, K)
+    got = form.inner_dense(enc, w)  # never below float64 whatever the storage
+    assert got.dtype == D64 and got.shape == (7, K)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+    one = form.inner_dense(enc, w[0].numpy())  # one gradient, numpy
+    tol = 1e-12 * float(want.abs().max())
+    torch.testing.assert_close(one[:, 0], want[:, 0], rtol=1e-12, atol=tol)
+    # the contraction order the shapes pick and the other one give the same numbers
+    other = grads_inner.factored_inner_dense(enc["a"], enc["g"], w.transpose(1, 2))
+    torch.testing.assert_close(other, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["factored", "materialised"])
+@pytest.mark.parametrize("limit", [200, 1 << 25])  # several blocks mirrored; one whole Gram
+@pytest.mark.parametrize("numpy_path", [True, False])
+def test_factored_inner_with_itself_is_symmetric_and_exact(
+    method: str, limit: int, numpy_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", limit)
+    monkeypatch.setattr(grads_inner, "_on_numpy", lambda *ts: numpy_path)
+    f = padded_factors(9, 4, 5, 3, seed=8).canonical()
+    dense = loop_dense(f).reshape(9, -1)
+    got = factored_inner(f.g, f.a, f.g, f.a, method=method)  # the same tensors: symmetric
+    torch.testing.assert_close(got, dense @ dense.T, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got, got.T)
+    apart = factored_inner(f.g, f.a, f.g.clone(), f.a.clone(), method=method)  # not detected
+    torch.testing.assert_close(apart, got, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("counts", [[3, 3, 3], [2, 4, 1, 2]])  # equal groups (views); padded
+@pytest.mark.parametrize("p, q", [(6, 4), (3, 5)])
+def test_factored_group_dots_pair_each_group_with_its_gradient(
+    counts: list[int], p: int, q: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", 150)  # a few groups at a time
+    f = padded_factors(9, 5, p, q, dtype=torch.float32, seed=9).canonical()
+    w = rand(len(counts), p, q, dtype=torch.float32, seed=10)
+    dense = torch.bmm(f.g.double().transpose(1, 2), f.a.double()).reshape(9, -1)
+    group = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (9,)
+    want = (dense * w.double().reshape(len(counts), -1)[group]).sum(1)  # (9,)
+    got = grads_inner.factored_group_dots(f.g, f.a, w, counts)
+    assert got.dtype == D64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))

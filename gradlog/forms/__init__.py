@@ -4,7 +4,9 @@
 a Linear-like weight), ``rows`` (an Embedding's distinct rows, exact), ``projection`` (random
 projection from stored seeds), ``topk`` (largest-magnitude entries), ``norm`` (the norm
 only) and ``auto`` (planned into one of the others). ``README.md`` in this folder says how
-the recorder, the writer, the reader and the analysis use them.
+to write a form and how the recorder, the writer, the reader and the analysis use them. The
+material forms encode (:class:`~gradlog.grads.Factors`, :class:`~gradlog.grads.Rows`, dense
+tensors) and the math on it live one layer down, in :mod:`gradlog.grads`.
 
     info = ParamInfo((256, 1024), source="factors", tokens=128, name="blocks.0.mlp.proj.weight")
     form = make_form({"form": "projection", "dim": 1024}, info)
@@ -17,34 +19,23 @@ from __future__ import annotations
 
 from gradlog.forms.auto import (
     FIDELITY,
+    FORMS,
     AutoForm,
     FormRequest,
     bytes_table,
     form_from_spec,
     make_form,
+    naming_errors,
     plan_forms,
     smallest_exact,
 )
-from gradlog.forms.base import (
-    SOURCES,
-    ArraySpec,
-    Encoded,
-    Factors,
-    Form,
-    Material,
-    ParamInfo,
-    Rows,
-    batch_sum,
-    dense,
-    entries,
-    factors_worthwhile,
-)
-from gradlog.forms.factors import FactorsForm, factored_inner, factored_sqnorms
+from gradlog.forms.base import SOURCES, ArraySpec, Encoded, Form, ParamInfo, Stored
+from gradlog.forms.factors import FactorsForm, RowsForm
 from gradlog.forms.full import FullForm
-from gradlog.forms.norm import NormForm, sqnorms
+from gradlog.forms.norm import NormForm
 from gradlog.forms.projection import ProjectionForm, param_seed, project, random_matrix
-from gradlog.forms.rows import RowsForm
 from gradlog.forms.topk import TopKForm
+from gradlog.grads import Material  # noqa: F401  TRANSITIONAL: gradlog/planning.py imports it
 
 __all__ = [
     "FIDELITY",
@@ -53,42 +44,23 @@ __all__ = [
     "ArraySpec",
     "AutoForm",
     "Encoded",
-    "Factors",
     "FactorsForm",
     "Form",
     "FormRequest",
     "FullForm",
-    "Material",
     "NormForm",
     "ParamInfo",
     "ProjectionForm",
-    "Rows",
     "RowsForm",
+    "Stored",
     "TopKForm",
-    "batch_sum",
     "bytes_table",
-    "dense",
-    "entries",
-    "factored_inner",
-    "factored_sqnorms",
-    "factors_worthwhile",
     "form_from_spec",
     "make_form",
+    "naming_errors",
     "param_seed",
     "plan_forms",
     "project",
     "random_matrix",
     "smallest_exact",
-    "sqnorms",
 ]
-
-FORMS: dict[str, type[Form]] = {
-    FullForm.name: FullForm,
-    FactorsForm.name: FactorsForm,
-    RowsForm.name: RowsForm,
-    ProjectionForm.name: ProjectionForm,
-    TopKForm.name: TopKForm,
-    NormForm.name: NormForm,
-    AutoForm.name: AutoForm,
-}
-"""Every form, by the name a user asks for and a spec stores (``auto`` is only asked for)."""

@@ -1,4 +1,5 @@
-"""``auto``, and planning forms for a run's parameters.
+"""The closed set of forms (:data:`FORMS`), ``auto``, and planning forms for a run's
+parameters (:func:`make_form`, :func:`form_from_spec`, :func:`plan_forms`).
 
 ``auto`` is never stored: planning turns it into a concrete form.
 
@@ -30,16 +31,17 @@ from typing import Any, ClassVar
 import torch
 
 from gradlog.errors import ConfigError, StoreFormatError
-from gradlog.forms.base import ArraySpec, Encoded, Form, Material, ParamInfo, check_options
-from gradlog.forms.factors import FactorsForm
+from gradlog.forms.base import ArraySpec, Encoded, Form, ParamInfo, check_options
+from gradlog.forms.factors import FactorsForm, RowsForm
 from gradlog.forms.full import FullForm
 from gradlog.forms.norm import NormForm
 from gradlog.forms.projection import ProjectionForm
-from gradlog.forms.rows import RowsForm
 from gradlog.forms.topk import TopKForm
+from gradlog.grads import Material
 
 __all__ = [
     "FIDELITY",
+    "FORMS",
     "AutoForm",
     "FormRequest",
     "bytes_table",
@@ -61,13 +63,8 @@ _PROJECTION_OPTIONS = ("kind", "seed", "structure")
 
 def smallest_exact(info: ParamInfo) -> Form:
     """The exact form with the fewest bytes per record (ties: ``full``)."""
-    best: Form = FullForm.plan(info)
-    if info.source == "factors":
-        candidate: Form = FactorsForm.plan(info)
-    elif info.source == "rows":
-        candidate = RowsForm.plan(info)
-    else:
-        return best
+    best = FullForm.plan(info)
+    candidate = FactorsForm.plan(info)  # factors, rows, or full again for dense material
     if candidate.nbytes_per_record(info.itemsize) < best.nbytes_per_record(info.itemsize):
         return candidate
     return best
@@ -129,17 +126,18 @@ class AutoForm(Form):
     def arrays(self) -> dict[str, ArraySpec]:
         raise self._unplanned()
 
-    def encode(self, material: Material) -> Encoded:
+    def _encode(self, material: Material) -> Encoded:
         raise self._unplanned()
 
-    def inner(
-        self,
-        x: Mapping[str, torch.Tensor],
-        y: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
+    def _inner(self, x: Encoded, y: Encoded, dtype: torch.dtype) -> torch.Tensor:
         raise self._unplanned()
+
+
+FORMS: dict[str, type[Form]] = {
+    form.name: form
+    for form in (FullForm, FactorsForm, RowsForm, ProjectionForm, TopKForm, NormForm, AutoForm)
+}
+"""Every form, by the name a user asks for and a spec stores (``auto`` is only asked for)."""
 
 
 def _split(request: FormRequest) -> tuple[str, dict[str, Any]]:
@@ -153,8 +151,6 @@ def _split(request: FormRequest) -> tuple[str, dict[str, Any]]:
 
 
 def _form_class(name: str) -> type[Form]:
-    from gradlog.forms import FORMS
-
     cls = FORMS.get(name)
     if cls is None:
         raise ConfigError(f"form {name!r} is not one of {list(FORMS)}.")
@@ -178,8 +174,6 @@ def form_from_spec(spec: Mapping[str, Any]) -> Form:
     Raises:
         StoreFormatError: unknown form or malformed spec.
     """
-    from gradlog.forms import FORMS
-
     name = spec.get("form")
     cls = FORMS.get(name) if isinstance(name, str) else None
     if cls is None or cls is AutoForm:

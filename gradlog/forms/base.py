@@ -4,7 +4,9 @@ A **form** decides how a parameter's per-datum gradients are kept. It is bound t
 parameter (its shape and the form's own settings) and turns the **material** a rule has for a
 batch into named arrays with the record axis first (:meth:`Form.encode`); it reads them back
 (:meth:`Form.decode`, where the form keeps enough to) and compares records in its own space
-(:meth:`Form.inner`, :meth:`Form.sqnorms`) without rebuilding the gradients.
+(:meth:`Form.inner`, :meth:`Form.sqnorms`) without rebuilding the gradients. The public
+methods check what they are given and call the underscored ones a form implements
+(``README.md`` in this folder: how to write a form).
 
 The material (dense, :class:`~gradlog.grads.Factors`, :class:`~gradlog.grads.Rows`) is
 defined in :mod:`gradlog.grads`.
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeAlias
 
+import numpy as np
 import torch
 
 from gradlog.errors import ConfigError, InputError, StoreFormatError
@@ -26,46 +29,33 @@ from gradlog.grads import (
     Factors,
     Material,
     Rows,
-    batch_size,
-    batch_sum,
-    chunks,
-    dense,
-    dense_sqnorms,
-    entries,
-    factors_worthwhile,
-    float64_sqnorms,
+    batch_size,  # noqa: F401  TRANSITIONAL: gradlog/planning.py imports it from here
     material_shape,
-    norm_scratch,
-    select,
+    sqnorms,
 )
 
 __all__ = [
     "SOURCES",
     "ArraySpec",
     "Encoded",
-    "Factors",
     "Form",
-    "Material",
     "ParamInfo",
-    "Rows",
-    "batch_size",
-    "batch_sum",
-    "chunks",
-    "dense",
-    "dense_sqnorms",
-    "entries",
-    "factors_worthwhile",
-    "float64_sqnorms",
-    "material_shape",
-    "norm_scratch",
-    "select",
+    "Stored",
+    "as_batch",
+    "check_options",
+    "spec_fields",
 ]
 
 Encoded: TypeAlias = dict[str, torch.Tensor]
 """Array name -> tensor ``(records, *per-record shape)``: what a form stores for a batch."""
 
+Stored: TypeAlias = Mapping[str, torch.Tensor | np.ndarray]
+"""Stored arrays as a reader returns them (torch tensors or numpy arrays, records first):
+what :meth:`Form.decode`, :meth:`Form.inner` and :meth:`Form.sqnorms` take."""
+
 SOURCES = ("dense", "factors", "rows")
 """What a parameter's rule hands to forms: dense per-datum gradients, factors, sparse rows."""
+
 
 @dataclass(frozen=True)
 class ArraySpec:
@@ -138,8 +128,13 @@ class ParamInfo:
 class Form(abc.ABC):
     """How one parameter's per-datum gradients are kept. See the module doc.
 
-    Subclasses set :attr:`name` and :attr:`exact`, and implement :meth:`plan`,
-    :meth:`from_spec`, :meth:`spec`, :meth:`arrays`, :meth:`encode` and :meth:`inner`.
+    A subclass sets :attr:`name`, :attr:`exact` and :attr:`settings`, and implements
+    :meth:`arrays`, :meth:`_encode` and :meth:`_inner`; it overrides :meth:`plan` when it
+    takes options, :meth:`_decode` when it keeps the gradients, :meth:`_sqnorms`,
+    :meth:`_inner_dense` and :meth:`_encode_with_norms` where it has a cheaper way than the
+    defaults. The public methods check their inputs (material shape, stored arrays, numpy
+    arrays taken as tensors) and call those: ``README.md`` in this folder says how to write
+    a form.
 
     Args:
         shape: The parameter's shape.
@@ -148,6 +143,9 @@ class Form(abc.ABC):
     name: ClassVar[str]
     exact: ClassVar[bool]
     """True when :meth:`decode` gives back the gradients (to float rounding)."""
+    settings: ClassVar[Mapping[str, type]] = {}
+    """The form's settings besides the shape: attribute and constructor keyword -> JSON type,
+    stored in :meth:`spec` in this order and read back by :meth:`from_spec`."""
     requested_tokens: int | None = None
     """For forms provisioned with rows per datum (``factors``, ``rows``): the ``tokens``
     option of the form request when it set them (it wins over ``GradRecorder(tokens=)``, so
@@ -174,9 +172,9 @@ class Form(abc.ABC):
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    @abc.abstractmethod
     def plan(cls, info: ParamInfo, **options: Any) -> Form:
-        """The form to use for a parameter when this one is asked for.
+        """The form to use for a parameter when this one is asked for (this default: a form
+        without options or settings).
 
         May return another form where this one does not apply (``factors`` of a bias is
         its ``full`` form); ``auto`` always returns another.
@@ -184,20 +182,25 @@ class Form(abc.ABC):
         Raises:
             ConfigError: an option is unknown or invalid.
         """
+        check_options(cls.name, options, ())
+        return cls(info.shape)
 
     @classmethod
-    @abc.abstractmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> Form:
-        """The form a stored :meth:`spec` describes.
+        """The form a stored :meth:`spec` describes (this default: the shape and
+        :attr:`settings` as constructor arguments).
 
         Raises:
             StoreFormatError: the spec is malformed.
         """
+        fields = spec_fields(spec, cls.name, cls.settings)
+        return cls(fields.pop("shape"), **fields)
 
-    @abc.abstractmethod
     def spec(self) -> dict[str, Any]:
         """JSON-able description: ``{"form": name, "shape": [...], **settings}``; enough to
         rebuild the form (:func:`gradlog.forms.form_from_spec`), projections included."""
+        own = {key: getattr(self, key) for key in self.settings}
+        return {"form": self.name, "shape": list(self.shape), **own}
 
     # -- sizes ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -210,9 +213,15 @@ class Form(abc.ABC):
         return sum(a.nbytes(itemsize) for a in self.arrays().values())
 
     # -- data -------------------------------------------------------------------------------
-    @abc.abstractmethod
     def encode(self, material: Material) -> Encoded:
-        """The arrays to store for a batch of per-datum gradients, record axis first."""
+        """The arrays to store for a batch of per-datum gradients, record axis first.
+
+        Raises:
+            InputError: the material's parameter shape is not the form's, or the form does
+                not take that kind of material.
+        """
+        self._check_material(material)
+        return self._encode(material)
 
     def encode_with_norms(
         self, material: Material, *, dtype: torch.dtype = torch.float64
@@ -220,16 +229,49 @@ class Form(abc.ABC):
         """What recording needs: :meth:`encode`'s arrays and the exact squared norms
         ``(B,)`` (accumulated in ``dtype``), by the cheaper joint path (a form that
         materialises the gradients anyway takes the norms from them)."""
-        from gradlog.forms.norm import sqnorms  # norm.py builds on this module
+        self._check_material(material)
+        return self._encode_with_norms(material, dtype)
 
-        return self.encode(material), sqnorms(material, dtype=dtype)
-
-    def decode(self, encoded: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def decode(self, encoded: Stored) -> torch.Tensor:
         """The per-datum gradients ``(M, *shape)`` back from stored arrays.
 
         Raises:
-            InputError: the form does not keep the gradients (``projection``, ``norm``).
+            InputError: the form does not keep the gradients (``projection``, ``norm``), or
+                the arrays do not match :meth:`arrays`.
         """
+        return self._decode(self.tensors(encoded))
+
+    def inner(self, x: Stored, y: Stored, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Inner products ``<x_i, y_j>`` of two sets of records, ``(M, K)``, in ``dtype``.
+
+        Exact forms give the gradients' inner products; ``projection`` an unbiased estimate;
+        ``topk`` that of the kept entries; ``norm`` raises :class:`InputError`."""
+        return self._inner(self.tensors(x), self.tensors(y), dtype)
+
+    def sqnorms(self, x: Stored, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Squared norms ``(M,)`` of records in the form's space (for exact forms: of the
+        gradients; exact norms of every record are also in the store's index)."""
+        return self._sqnorms(self.tensors(x), dtype)
+
+    def inner_dense(
+        self, x: Stored, other: torch.Tensor | np.ndarray, *, dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
+        """Inner products ``(M, K)`` of stored records with gradients ``other`` (K, *shape)
+        or one gradient ``(*shape)`` (a test example's, computed by the user), in this
+        form's space."""
+        return self._inner_dense(self.tensors(x), as_batch(_tensor(other), self.shape), dtype)
+
+    # -- what a form implements -------------------------------------------------------------
+    @abc.abstractmethod
+    def _encode(self, material: Material) -> Encoded:
+        """:meth:`encode` of material already checked against the form's shape."""
+
+    def _encode_with_norms(
+        self, material: Material, dtype: torch.dtype
+    ) -> tuple[Encoded, torch.Tensor]:
+        return self._encode(material), sqnorms(material, dtype=dtype)
+
+    def _decode(self, x: Encoded) -> torch.Tensor:
         raise InputError(
             f"form {self.name!r} does not keep the gradients, so they cannot be rebuilt. "
             "Compare records in its space with inner()/sqnorms(); record the parameter with "
@@ -237,46 +279,38 @@ class Form(abc.ABC):
         )
 
     @abc.abstractmethod
-    def inner(
-        self,
-        x: Mapping[str, torch.Tensor],
-        y: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
-        """Inner products ``<x_i, y_j>`` of two sets of records, ``(M, K)``, in ``dtype``.
+    def _inner(self, x: Encoded, y: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`inner` of arrays already checked against :meth:`arrays`."""
 
-        Exact forms give the gradients' inner products; ``projection`` an unbiased estimate;
-        ``topk`` that of the kept entries."""
+    def _sqnorms(self, x: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        return torch.diagonal(self._inner(x, x, dtype)).clone()
 
-    def sqnorms(
-        self, x: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
-        """Squared norms ``(M,)`` of records in the form's space (for exact forms: of the
-        gradients; exact norms of every record are also in the store's index)."""
-        return torch.diagonal(self.inner(x, x, dtype=dtype)).clone()
-
-    def inner_dense(
-        self,
-        x: Mapping[str, torch.Tensor],
-        other: torch.Tensor,
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
-        """Inner products ``(M, K)`` of stored records with gradients ``other`` (K, *shape)
-        (a test example's, computed by the user), in this form's space."""
-        theirs = _as_batch(other, self.shape).to(dtype).reshape(-1, self.numel)  # (K, n)
-        m = self.check(x)
+    def _inner_dense(self, x: Encoded, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rebuilds the records a block at a time (forms that do not keep the gradients
+        override this)."""
+        theirs = other.to(dtype).reshape(-1, self.numel)  # (K, n)
+        m = _records(x)
         out = theirs.new_empty((m, theirs.shape[0]))  # (M, K)
         step = max(1, MAX_ELEMENTS // max(1, self.numel))  # records rebuilt at once
         for i in range(0, m, step):
             part = {key: t[i : i + step] for key, t in x.items()}
-            ours = self.decode(part).to(dtype).reshape(-1, self.numel)  # (m, n)
+            ours = self._decode(part).to(dtype).reshape(-1, self.numel)  # (m, n)
             out[i : i + ours.shape[0]] = ours @ theirs.T  # (m, K)
         return out
 
     # -- checks -----------------------------------------------------------------------------
-    def check(self, encoded: Mapping[str, torch.Tensor]) -> int:
+    def tensors(self, encoded: Stored) -> Encoded:
+        """Stored arrays as torch tensors (numpy arrays shared, not copied), checked
+        against :meth:`arrays`.
+
+        Raises:
+            InputError: an array is missing or has the wrong shape.
+        """
+        out = {key: _tensor(t) for key, t in encoded.items()}
+        self.check(out)
+        return out
+
+    def check(self, encoded: Stored) -> int:
         """Check stored arrays against :meth:`arrays`; returns the number of records.
 
         Raises:
@@ -311,8 +345,25 @@ class Form(abc.ABC):
             )
 
 
-def _as_batch(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``t`` as a batch ``(K, *shape)``: a single gradient ``shape`` gets K=1."""
+def _tensor(t: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """``t`` as a tensor: numpy arrays shared (a read-only one copied: torch needs writable)."""
+    if isinstance(t, torch.Tensor):
+        return t
+    arr = np.asarray(t)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+
+def _records(x: Encoded) -> int:
+    """Records of checked arrays (0 for a form without arrays)."""
+    return int(next(iter(x.values())).shape[0]) if x else 0
+
+
+def as_batch(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` as a batch ``(K, *shape)``: a single gradient ``shape`` gets K=1.
+
+    Raises:
+        InputError: ``t`` is neither ``shape`` nor ``(K, *shape)``.
+    """
     if tuple(t.shape) == shape:
         return t.unsqueeze(0)
     if tuple(t.shape[1:]) != shape:

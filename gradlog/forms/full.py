@@ -6,24 +6,18 @@ against (bytes, cost, accuracy). Exact; any parameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from gradlog.forms.base import (
-    ArraySpec,
-    Encoded,
-    Form,
-    Material,
-    ParamInfo,
-    check_options,
-    dense,
-    dense_sqnorms,
-    spec_fields,
-)
+from gradlog.forms.base import ArraySpec, Encoded, Form
+from gradlog.grads import Material, dense, dense_sqnorms
 
 __all__ = ["FullForm"]
+
+
+def _flat(x: Encoded, dtype: torch.dtype) -> torch.Tensor:
+    return x["grad"].reshape(x["grad"].shape[0], -1).to(dtype)  # (M, numel)
 
 
 class FullForm(Form):
@@ -32,50 +26,23 @@ class FullForm(Form):
     name: ClassVar[str] = "full"
     exact: ClassVar[bool] = True
 
-    @classmethod
-    def plan(cls, info: ParamInfo, **options: Any) -> FullForm:
-        check_options(cls.name, options, ())
-        return cls(info.shape)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> FullForm:
-        return cls(spec_fields(spec, cls.name, {})["shape"])
-
-    def spec(self) -> dict[str, Any]:
-        return {"form": self.name, "shape": list(self.shape)}
-
     def arrays(self) -> dict[str, ArraySpec]:
         return {"grad": ArraySpec(self.shape)}
 
-    def encode(self, material: Material) -> Encoded:
-        self._check_material(material)
+    def _encode(self, material: Material) -> Encoded:
         return {"grad": dense(material)}
 
-    def encode_with_norms(
-        self, material: Material, *, dtype: torch.dtype = torch.float64
+    def _encode_with_norms(
+        self, material: Material, dtype: torch.dtype
     ) -> tuple[Encoded, torch.Tensor]:
-        enc = self.encode(material)
+        enc = self._encode(material)
         return enc, dense_sqnorms(enc["grad"].reshape(enc["grad"].shape[0], -1), dtype)
 
-    def decode(self, encoded: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        self.check(encoded)
-        return encoded["grad"]
+    def _decode(self, x: Encoded) -> torch.Tensor:
+        return x["grad"]
 
-    def inner(
-        self,
-        x: Mapping[str, torch.Tensor],
-        y: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
-        self.check(x)
-        self.check(y)
-        gx = x["grad"].reshape(x["grad"].shape[0], -1).to(dtype)  # (M, n)
-        gy = y["grad"].reshape(y["grad"].shape[0], -1).to(dtype)  # (K, n)
-        return gx @ gy.T  # (M, K)
+    def _inner(self, x: Encoded, y: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        return _flat(x, dtype) @ _flat(y, dtype).T  # (M, K)
 
-    def sqnorms(
-        self, x: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
-        self.check(x)
+    def _sqnorms(self, x: Encoded, dtype: torch.dtype) -> torch.Tensor:
         return dense_sqnorms(x["grad"].reshape(x["grad"].shape[0], -1), dtype)  # (M,)

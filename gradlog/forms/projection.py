@@ -62,19 +62,13 @@ from gradlog.errors import ConfigError, InputError, StoreFormatError
 from gradlog.forms.base import (
     ArraySpec,
     Encoded,
-    Factors,
     Form,
-    Material,
     ParamInfo,
-    Rows,
-    _as_batch,
+    as_batch,
     check_options,
-    chunks,
-    dense_sqnorms,
-    material_shape,
     spec_fields,
 )
-from gradlog.forms.factors import ghost_cost
+from gradlog.grads import Factors, Material, Rows, chunks, dense_sqnorms, ghost_cost, material_shape
 
 __all__ = [
     "CACHE_ELEMENTS",
@@ -375,8 +369,7 @@ class ProjectionForm(Form):
         return self._blocks()
 
     # -- data -------------------------------------------------------------------------------
-    def encode(self, material: Material) -> Encoded:
-        self._check_material(material)
+    def _encode(self, material: Material) -> Encoded:
         return {"proj": self._project(material)}
 
     def project(self, grad: torch.Tensor | Factors | Rows) -> torch.Tensor:
@@ -385,7 +378,7 @@ class ProjectionForm(Form):
         if isinstance(grad, torch.Tensor) and tuple(grad.shape) == self.shape:
             return self._project(grad.unsqueeze(0))[0]
         if isinstance(grad, torch.Tensor):
-            grad = _as_batch(grad, self.shape)
+            grad = as_batch(grad, self.shape)
         elif material_shape(grad) != self.shape:
             raise InputError(
                 f"gradients of shape {material_shape(grad)} do not match this "
@@ -404,14 +397,13 @@ class ProjectionForm(Form):
             return self._dense(material.reshape(material.shape[0], -1))
         return torch.cat([self._dense(d.reshape(-1, self.numel)) for _, d in chunks(material)])
 
-    def encode_with_norms(
-        self, material: Material, *, dtype: torch.dtype = torch.float64
+    def _encode_with_norms(
+        self, material: Material, dtype: torch.dtype
     ) -> tuple[Encoded, torch.Tensor]:
         """Exact norms of factors need the gradients themselves unless the (blocked) ghost
         norm is cheaper; when they are formed anyway (a datum chunk at a time), the
         projection is taken from them too: ``p q r1`` per datum on top of ``N p q``,
         instead of the ghost norm plus ``N (p r0 + q r1)`` (:meth:`_factored_is_cheaper`)."""
-        self._check_material(material)
         if isinstance(material, Factors) and (
             self.structure == "dense" or not self._factored_is_cheaper(material)
         ):
@@ -420,7 +412,7 @@ class ProjectionForm(Form):
                 norms.append(dense_sqnorms(d.reshape(d.shape[0], -1), dtype))  # (b,)
                 projected.append(self._project(d))  # (b, *out_shape)
             return {"proj": torch.cat(projected)}, torch.cat(norms)
-        return super().encode_with_norms(material, dtype=dtype)
+        return super()._encode_with_norms(material, dtype)
 
     def _factored_is_cheaper(self, f: Factors) -> bool:
         """Multiply-adds per datum of the two ways to get a two-sided projection and the
@@ -486,36 +478,21 @@ class ProjectionForm(Form):
             out.addmm_(x[:, start : start + b.shape[0]], b)  # (B, r)
         return out
 
-    def inner(
-        self,
-        x: Mapping[str, torch.Tensor],
-        y: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
+    def _inner(self, x: Encoded, y: Encoded, dtype: torch.dtype) -> torch.Tensor:
         """Inner products of projected records: unbiased estimates of the gradients'."""
-        self.check(x)
-        self.check(y)
-        px = x["proj"].reshape(x["proj"].shape[0], -1).to(dtype)  # (M, r)
-        py = y["proj"].reshape(y["proj"].shape[0], -1).to(dtype)  # (K, r)
-        return px @ py.T  # (M, K)
+        return _flat(x, dtype) @ _flat(y, dtype).T  # (M, K)
 
-    def sqnorms(
-        self, x: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
-        self.check(x)
-        px = x["proj"].reshape(x["proj"].shape[0], -1).to(dtype)  # (M, r)
+    def _sqnorms(self, x: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        px = _flat(x, dtype)  # (M, r)
         return torch.einsum("mr,mr->m", px, px)  # (M,)
 
-    def inner_dense(
-        self,
-        x: Mapping[str, torch.Tensor],
-        other: torch.Tensor,
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
+    def _inner_dense(self, x: Encoded, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Projects ``other`` (K, *shape) with the same matrices, then as :meth:`inner`."""
-        return self.inner(x, {"proj": self.project(_as_batch(other, self.shape))}, dtype=dtype)
+        return self._inner(x, {"proj": self._project(other)}, dtype)
+
+
+def _flat(x: Encoded, dtype: torch.dtype) -> torch.Tensor:
+    return x["proj"].reshape(x["proj"].shape[0], -1).to(dtype)  # (M, r)
 
 
 @functools.lru_cache(maxsize=32)

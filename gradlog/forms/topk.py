@@ -14,25 +14,13 @@ with fewer than k non-zero entries keeps zeros at distinct indices.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from gradlog.errors import ConfigError
-from gradlog.forms.base import (
-    MAX_ELEMENTS,
-    ArraySpec,
-    Encoded,
-    Form,
-    Material,
-    ParamInfo,
-    _as_batch,
-    check_options,
-    chunks,
-    dense_sqnorms,
-    spec_fields,
-)
+from gradlog.forms.base import ArraySpec, Encoded, Form, ParamInfo, check_options
+from gradlog.grads import MAX_ELEMENTS, Material, chunks, dense_sqnorms
 
 __all__ = ["TopKForm"]
 
@@ -47,6 +35,7 @@ class TopKForm(Form):
 
     name: ClassVar[str] = "topk"
     exact: ClassVar[bool] = False
+    settings: ClassVar[dict[str, type]] = {"k": int}
 
     def __init__(self, shape: tuple[int, ...], k: int) -> None:
         super().__init__(shape)
@@ -75,27 +64,18 @@ class TopKForm(Form):
             raise ConfigError(f"form 'topk' k={k!r} must be an integer >= 1.")
         return cls(info.shape, max(1, min(k, info.numel)))
 
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> TopKForm:
-        f = spec_fields(spec, cls.name, {"k": int})
-        return cls(f["shape"], f["k"])
-
-    def spec(self) -> dict[str, Any]:
-        return {"form": self.name, "shape": list(self.shape), "k": self.k}
-
     def arrays(self) -> dict[str, ArraySpec]:
         return {"values": ArraySpec((self.k,)), "index": ArraySpec((self.k,), "int64")}
 
-    def encode(self, material: Material) -> Encoded:
+    def _encode(self, material: Material) -> Encoded:
         """Top-k of each datum's gradient; factors and rows are materialised a few datums at
-        a time (at most :data:`~gradlog.forms.base.MAX_ELEMENTS` elements)."""
-        return self.encode_with_norms(material)[0]
+        a time (at most :data:`~gradlog.grads.MAX_ELEMENTS` elements)."""
+        return self._encode_with_norms(material, torch.float64)[0]
 
-    def encode_with_norms(
-        self, material: Material, *, dtype: torch.dtype = torch.float64
+    def _encode_with_norms(
+        self, material: Material, dtype: torch.dtype
     ) -> tuple[Encoded, torch.Tensor]:
         """Top-k and exact norms from the same materialised chunks."""
-        self._check_material(material)
         values, index, norms = [], [], []
         for _, d in chunks(material):
             flat = d.reshape(d.shape[0], self.numel)  # (b, numel)
@@ -105,49 +85,31 @@ class TopKForm(Form):
             norms.append(dense_sqnorms(flat, dtype))  # (b,)
         return {"values": torch.cat(values), "index": torch.cat(index)}, torch.cat(norms)
 
-    def decode(self, encoded: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _decode(self, x: Encoded) -> torch.Tensor:
         """The sparse gradients: kept entries in place, zeros elsewhere ``(M, *shape)``."""
-        m = self.check(encoded)
-        vals = encoded["values"]
-        out = vals.new_zeros((m, self.numel))  # (M, numel)
-        out.scatter_(1, encoded["index"], vals)
-        return out.reshape(m, *self.shape)
+        vals = x["values"]
+        out = vals.new_zeros((vals.shape[0], self.numel))  # (M, numel)
+        out.scatter_(1, x["index"], vals)
+        return out.reshape(vals.shape[0], *self.shape)
 
-    def inner(
-        self,
-        x: Mapping[str, torch.Tensor],
-        y: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
-        m = self.check(x)
-        self.check(y)
+    def _inner(self, x: Encoded, y: Encoded, dtype: torch.dtype) -> torch.Tensor:
         iy, vy = y["index"], y["values"].to(dtype)  # (K, k)
+        m = x["values"].shape[0]
         out = vy.new_empty((m, iy.shape[0]))  # (M, K)
         step = max(1, MAX_ELEMENTS // max(1, self.numel + iy.numel()))
         for i in range(0, m, step):
             part = {key: t[i : i + step] for key, t in x.items()}
-            dx = self.decode(part).to(dtype).reshape(-1, self.numel)  # (b, numel)
+            dx = self._decode(part).to(dtype).reshape(-1, self.numel)  # (b, numel)
             picked = dx[:, iy]  # (b, K, k): x's entries at y's kept positions
             out[i : i + dx.shape[0]] = torch.einsum("bkj,kj->bk", picked, vy)  # (b, K)
         return out
 
-    def sqnorms(
-        self, x: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
-        self.check(x)
+    def _sqnorms(self, x: Encoded, dtype: torch.dtype) -> torch.Tensor:
         v = x["values"].to(dtype)  # (M, k)
         return torch.einsum("mk,mk->m", v, v)  # (M,)
 
-    def inner_dense(
-        self,
-        x: Mapping[str, torch.Tensor],
-        other: torch.Tensor,
-        *,
-        dtype: torch.dtype = torch.float64,
-    ) -> torch.Tensor:
+    def _inner_dense(self, x: Encoded, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``<x_i, W_j>`` from the kept entries only: gathers them from ``other``."""
-        self.check(x)
-        w = _as_batch(other, self.shape).to(dtype).reshape(-1, self.numel)  # (K, numel)
+        w = other.to(dtype).reshape(-1, self.numel)  # (K, numel)
         picked = w[:, x["index"]]  # (K, M, k)
         return torch.einsum("kmj,mj->mk", picked, x["values"].to(dtype))  # (M, K)

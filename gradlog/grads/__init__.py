@@ -1,6 +1,17 @@
 """Per-datum gradients as they cross the seams between rules, backends, forms and the store
-(:mod:`gradlog.grads.material`), and their exact norms (:mod:`gradlog.grads.norms`)."""
+(:mod:`gradlog.grads.material`), their exact norms (:mod:`gradlog.grads.norms`), and inner
+products and norms computed from factors and rows without forming the gradients
+(:mod:`gradlog.grads.inner`)."""
 
+from gradlog.grads.inner import (
+    factored_inner,
+    factored_sqnorms,
+    ghost_blocks,
+    ghost_cost,
+    prefer_factored,
+    rows_inner,
+    sqnorms,
+)
 from gradlog.grads.material import (
     MAX_ELEMENTS,
     Factors,
@@ -29,9 +40,16 @@ __all__ = [
     "dense",
     "dense_sqnorms",
     "entries",
+    "factored_inner",
+    "factored_sqnorms",
     "factors_worthwhile",
     "float64_sqnorms",
+    "ghost_blocks",
+    "ghost_cost",
     "material_shape",
     "norm_scratch",
+    "prefer_factored",
+    "rows_inner",
     "select",
+    "sqnorms",
 ]

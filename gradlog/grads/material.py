@@ -56,14 +56,6 @@ def factors_worthwhile(tokens: int, d_in: int, d_out: int) -> bool:
     return tokens * (d_in + d_out) < d_in * d_out
 
 
-def _check_batched(t: Any, what: str, dims: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InputError(f"{what} must be a torch.Tensor, got {type(t).__name__}.")
-    if dims is not None and t.dim() != dims:
-        raise InputError(f"{what} has shape {tuple(t.shape)}; expected {dims} dimensions.")
-    return t
-
-
 @dataclass(frozen=True)
 class Factors:
     """Per-datum gradients of a matrix parameter ``(p, q)`` as factors.

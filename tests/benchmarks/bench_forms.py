@@ -64,17 +64,15 @@ from torch import nn
 
 from gradlog.demo.model import CharGPT, GPTConfig
 from gradlog.forms import (
-    Factors,
     Form,
     FullForm,
     ParamInfo,
     ProjectionForm,
     bytes_table,
-    factored_inner,
-    factored_sqnorms,
     make_form,
     plan_forms,
 )
+from gradlog.grads import Factors, factored_inner, factored_sqnorms
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -335,7 +333,7 @@ def factored_lines(captured: Captured, reps: int) -> list[str]:
         "| what | shape | tokens | factored ms | materialised ms | auto picks |",
         "|---|---|---|---|---|---|",
     ]
-    from gradlog.forms.factors import prefer_factored
+    from gradlog.grads import prefer_factored
 
     for layer in ("blocks.0.attn.q.weight", "blocks.0.mlp.fc.weight"):
         f0 = captured[layer].canonical()
