@@ -9,13 +9,21 @@ weights, the self-check, writing), so a new backend only implements these method
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-__all__ = ["LOW_PRECISION_RTOL", "Backend", "LossFn", "PerDatumGrads", "graph_nodes"]
+__all__ = [
+    "LOW_PRECISION_RTOL",
+    "Backend",
+    "LossFn",
+    "PerDatumGrads",
+    "check_tolerance",
+    "graph_nodes",
+    "is_reentrant_checkpoint",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch)`` returning per-datum ``(B,)`` or per-token ``(B, T)`` losses."""
@@ -32,9 +40,57 @@ float32: checks of ``sum_b w_b g_b`` against ``p.grad`` then allow a relative er
 many machine epsilons of the narrow dtype (bfloat16: 8 * 2**-7 = 0.0625). Measured under
 bfloat16 autocast on the test zoo: at most 1.4e-2 (LSTM), 2e-3 to 5e-3 elsewhere."""
 
+_CHECK_RTOL = {torch.float64: 1e-7, torch.float32: 1e-3}  # of sum_b w_b |g_b| + |grad|
+_CHECK_ATOL = {torch.float64: 1e-12, torch.float32: 1e-7}  # for gradients that are all noise
 
-def graph_nodes(root: Any) -> Iterator[Any]:
-    """Every autograd node reachable from ``root`` (each once)."""
+
+def check_tolerance(
+    dtypes: Iterable[torch.dtype],
+    narrow: Iterable[torch.dtype] = (),
+    *,
+    rtol: float | None = None,
+) -> tuple[float, float]:
+    """The tolerance of a check of per-datum gradients against autograd's own gradient.
+
+    Every such check (the hooks backend's spot and datum checks, the recorder's self-check)
+    takes its tolerance from here, so they agree.
+
+    Args:
+        dtypes: The checked parameters' dtypes (at least one); the loosest known one (float32
+            before float64) sets the default relative and the absolute tolerance; only
+            unknown dtypes (half precision parameters): 1e-2 and 1e-4.
+        narrow: Dtypes narrower than the parameters' in which autograd computed (autocast's
+            bfloat16 or float16): the relative tolerance is then at least
+            :data:`LOW_PRECISION_RTOL` epsilons of the widest-epsilon one.
+        rtol: The caller's own relative tolerance (the recorder's ``check_rtol``) in place of
+            the dtype's.
+
+    Returns:
+        ``(rtol, atol)``: relative to the magnitudes compared, absolute for gradients that
+        are rounding noise only.
+    """
+    dtype = max(dtypes, key=lambda d: _CHECK_RTOL.get(d, 0))
+    base = _CHECK_RTOL.get(dtype, 1e-2) if rtol is None else rtol
+    eps = [torch.finfo(d).eps for d in narrow]
+    if eps:  # autocast: autograd's gradient is rounded (see LOW_PRECISION_RTOL)
+        base = max(base, LOW_PRECISION_RTOL * max(eps))
+    return base, _CHECK_ATOL.get(dtype, 1e-4)
+
+
+def is_reentrant_checkpoint(node: Any) -> bool:
+    """Whether autograd node ``node`` is a ``torch.utils.checkpoint(use_reentrant=True)``
+    segment (its backward refuses ``autograd.grad`` and hides the parameters inside)."""
+    return "CheckpointFunction" in type(node).__name__
+
+
+def graph_nodes(root: Any, descend: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """Every autograd node reachable from ``root`` (each once).
+
+    Args:
+        root: The node to start from (None: no nodes).
+        descend: Whether to walk on below a node (default: always); a node it refuses is
+            still yielded.
+    """
     if root is None:
         return
     stack, seen = [root], {id(root)}
@@ -42,6 +98,8 @@ def graph_nodes(root: Any) -> Iterator[Any]:
     while stack:
         node = stack.pop()
         yield node
+        if descend is not None and not descend(node):
+            continue
         for child, _ in node.next_functions:
             if child is not None and id(child) not in seen:
                 seen.add(id(child))

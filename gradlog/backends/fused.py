@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradlog._torch_private import is_functorch_wrapped
+
 __all__ = ["FusedLinear", "FusedLink", "fusable", "fuse_output"]
 
 
@@ -92,11 +94,6 @@ class FusedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _functorch_wrapped(t: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check(t)) if check is not None else False
-
-
 def fusable(module: nn.Module) -> bool:
     """A plain ``nn.Linear`` forward (subclasses overriding it compute something else), or
     transformers' GPT-2 ``Conv1D`` (matched by name: transformers is never imported)."""
@@ -122,7 +119,7 @@ def fuse_output(
         or output.dtype != weight.dtype  # autocast ran the matmul in a narrower dtype
         or x.dtype != weight.dtype
         or x.dim() < 1
-        or _functorch_wrapped(output)  # inside torch.func transforms: plain autograd Functions
+        or is_functorch_wrapped(output)  # inside torch.func transforms: plain autograd Functions
     ):
         return None
     transposed = not isinstance(module, nn.Linear)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog._torch_private import autograd_node_output_dtypes
+from gradlog.backends.base import Backend, PerDatumGrads, graph_nodes, is_reentrant_checkpoint
 from gradlog.errors import BackendError
 from gradlog.params import check_differentiable
 
@@ -67,21 +68,13 @@ def _hidden_by_reentrant_checkpoint(root: Any, params: Sequence[torch.Tensor]) -
     only through it (the walk does not enter checkpoint segments)."""
     reached: set[int] = set()
     checkpoint = False
-    stack, seen = ([root], {id(root)}) if root is not None else ([], set())
-    keep = list(stack)  # node wrappers alive, so their ids stay unique
-    while stack:
-        node = stack.pop()
-        if "CheckpointFunction" in type(node).__name__:
+    for node in graph_nodes(root, descend=lambda node: not is_reentrant_checkpoint(node)):
+        if is_reentrant_checkpoint(node):
             checkpoint = True
             continue
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             reached.add(id(variable))
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                keep.append(child)
-                stack.append(child)
     return checkpoint and any(id(p) not in reached for p in params if p.requires_grad)
 
 
@@ -94,22 +87,12 @@ def _narrowest_dtype(root: Any, than: set[torch.dtype]) -> torch.dtype | None:
         return None
     bits = min(torch.finfo(d).bits for d in floats)
     narrowest: torch.dtype | None = None
-    stack, seen = [root], {id(root)}
-    keep = [root]  # node wrappers alive, so their ids stay unique
-    while stack:
-        node = stack.pop()
-        metadata = getattr(node, "_input_metadata", None)
-        if metadata is None:
+    for node in graph_nodes(root):
+        dtypes = autograd_node_output_dtypes(node)
+        if dtypes is None:
             dtypes = [torch.bfloat16] if type(node).__name__ == "ToCopyBackward0" else []
-        else:
-            dtypes = [m.dtype for m in metadata]
         for d in dtypes:
             if d.is_floating_point and torch.finfo(d).bits < bits and (
                     narrowest is None or torch.finfo(d).eps > torch.finfo(narrowest).eps):
                 narrowest = d
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                keep.append(child)
-                stack.append(child)
     return narrowest

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from gradlog._torch_private import tensor_hooks, tensor_post_accumulate_hooks
 from gradlog._tree import flatten
 from gradlog.backends.base import Backend, LossFn, PerDatumGrads
 from gradlog.errors import BackendError, InputError
@@ -141,7 +142,7 @@ class VmapBackend(Backend):
             if name in unused:
                 continue
             total = (g.mean(0) if self.batch_reduction == "mean" else g.sum(0)).detach()
-            for hook in list((p._backward_hooks or {}).values()):
+            for hook in tensor_hooks(p):
                 replaced = hook(total)
                 if replaced is not None:
                     total = replaced
@@ -149,7 +150,7 @@ class VmapBackend(Backend):
                 p.grad = total.clone()
             else:
                 p.grad.add_(total)
-            for post in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+            for post in tensor_post_accumulate_hooks(p):
                 post(p)
 
         by_id = {id(p): n for n, p in trainable.items()}

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradlog._torch_private import foreach_div_, foreach_mul_
 from gradlog.errors import InputError
 from gradlog.losses import per_datum_losses
 from gradlog.recorder import GradRecorder
@@ -177,7 +178,7 @@ class RecordingSession:
             )
         accumulated = [p.grad for p in model.parameters() if p.grad is not None]
         if scale != 1.0 and accumulated:
-            torch._foreach_div_(accumulated, scale)
+            foreach_div_(accumulated, scale)
         recorder._weight_scale = scale / self.amp_scale()  # the accumulation's 1/k
         try:
             recorder.backward(losses, datum_ids=datum_ids, step=step, mask=mask)
@@ -186,7 +187,7 @@ class RecordingSession:
             if scale != 1.0:
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 if grads:
-                    torch._foreach_mul_(grads, scale)
+                    foreach_mul_(grads, scale)
 
 
 def grad_scaler_scale(scaler: Any) -> float:
@@ -198,7 +199,7 @@ def grad_scaler_scale(scaler: Any) -> float:
 
 def _last_committed(path: str | os.PathLike[str]) -> int | None:
     from gradlog.errors import NotAStoreError
-    from gradlog.store.reader import Run
+    from gradlog.run import Run
 
     try:
         steps = Run(path).steps.column("step").to_pylist()

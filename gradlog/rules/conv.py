@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from gradlog._torch_private import conv_reversed_padding
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, RuleResult, attributes, register_rule
 
@@ -40,7 +41,7 @@ def conv(module: nn.Conv1d | nn.Conv2d, cap: Capture, wanted: frozenset[str]) ->
         padding: tuple[int, ...]
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)  # padded input
+            x = F.pad(x, conv_reversed_padding(module), mode=mode)  # padded input
             padding = (0,) * nd
         else:
             padding = tuple(module.padding)

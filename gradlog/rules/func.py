@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from gradlog._torch_private import dropout_rate
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, widen
@@ -56,8 +57,9 @@ def active_randomness(module: nn.Module) -> list[str]:
     for name, m in module.named_modules():
         if not m.training:
             continue
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            p = m.p
+        rate = dropout_rate(m)
+        if rate is not None:
+            p = rate
         elif isinstance(m, nn.RNNBase):
             p = m.dropout if m.num_layers > 1 else 0.0  # dropout acts between layers only
         elif isinstance(m, nn.MultiheadAttention):

@@ -55,19 +55,8 @@ def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.T
                views_own_result=True)
 def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
-    B = cap.batch_size
-    dtype = module.weight.dtype
-    g = _as(as_rows(cap.grad_output, B, module.out_features, "Linear output gradient"), dtype)
-    out: RuleResult = {}  # g: (B, N, d_out)
-    if "weight" in wanted:
-        a = _as(as_rows(cap.input, B, module.in_features, "Linear input"), dtype)  # (B,N,d_in)
-        if "weight" in cap.factored:  # never formed: the form encodes from the factors
-            out["weight"] = Factors(g.detach(), a.detach(), scale=cap.scale)
-        else:
-            out["weight"] = _outer_sum(g, a, cap)  # (B, d_out, d_in)
-    if "bias" in wanted:
-        out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
-    return out
+    return _affine(cap, wanted, module.in_features, module.out_features, module.weight.dtype,
+                   "Linear", transposed=False)
 
 
 @register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim,
@@ -75,17 +64,26 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
 def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W (d_in, d_out): weight
     ``A_b^T G_b``. Matched by class name, so transformers is never imported."""
-    B = cap.batch_size
     weight = cast(torch.Tensor, module.weight)  # (d_in, d_out)
     d_in, d_out = weight.shape
-    g = _as(as_rows(cap.grad_output, B, d_out, "Conv1D output gradient"), weight.dtype)
+    return _affine(cap, wanted, d_in, d_out, weight.dtype, "Conv1D", transposed=True)
+
+
+def _affine(cap: Capture, wanted: frozenset[str], d_in: int, d_out: int, dtype: torch.dtype,
+            what: str, *, transposed: bool) -> RuleResult:
+    """Per-datum gradients of an affine layer from its input and output gradient rows: the
+    weight ``G_b^T A_b`` (``transposed``: W stored (d_in, d_out), ``A_b^T G_b``), or its
+    factors when its form takes them; the bias ``sum_n g_{b,n}``."""
+    B = cap.batch_size
+    g = _as(as_rows(cap.grad_output, B, d_out, f"{what} output gradient"), dtype)
     out: RuleResult = {}  # g: (B, N, d_out)
     if "weight" in wanted:
-        a = _as(as_rows(cap.input, B, d_in, "Conv1D input"), weight.dtype)  # (B, N, d_in)
-        if "weight" in cap.factored:
-            out["weight"] = Factors(a.detach(), g.detach(), scale=cap.scale)
+        a = _as(as_rows(cap.input, B, d_in, f"{what} input"), dtype)  # (B, N, d_in)
+        left, right = (a, g) if transposed else (g, a)
+        if "weight" in cap.factored:  # never formed: the form encodes from the factors
+            out["weight"] = Factors(left.detach(), right.detach(), scale=cap.scale)
         else:
-            out["weight"] = _outer_sum(a, g, cap)  # (B, d_in, d_out)
+            out["weight"] = _outer_sum(left, right, cap)  # (B, d_out, d_in) or transposed
     if "bias" in wanted:
         out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
     return out

@@ -1,0 +1,352 @@
+"""Every use of torch's private API in gradlog, each behind one function with a fallback.
+
+gradlog reads a few things torch does not expose publicly: the autograd engine's current
+graph task, the saved-tensor hooks in force, storage reference counts, functorch's wrapped
+tensors, members of autograd nodes, hooks and views, and the multi-tensor ``_foreach`` ops.
+They live here and nowhere else, so a torch upgrade that moves one of them breaks this
+module only. Each function says what it returns when the private API is missing; none of
+the fallbacks is wrong, they are only less precise (a check that runs later, a buffer that
+is not reused, a loop instead of a fused kernel).
+
+The global random-number state (CPU and CUDA generators) is read and restored here too:
+it is public API, but every layer that replays a computation (the hooks backend's datum
+check, chunked heads, the test zoo) needs the same capture and restore, and this is the
+lowest module that may hold it.
+
+Torch versions: tested on 2.13 here; written for 2.4-2.13 with getattr fallbacks.
+
+This module imports only torch and the standard library (layer 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+__all__ = [
+    "autograd_node_forward_class",
+    "autograd_node_output_dtypes",
+    "autograd_node_output_shape",
+    "autograd_node_saved_alpha",
+    "autograd_node_shapes_known",
+    "backward_keeps_graph",
+    "conv_reversed_padding",
+    "cuda_devices",
+    "dropout_rate",
+    "foreach_div_",
+    "foreach_mul_",
+    "forked_rng",
+    "global_module_backward_hooks_on",
+    "in_autograd_backward",
+    "in_checkpoint_recompute",
+    "is_functorch_wrapped",
+    "module_has_backward_hooks",
+    "rng_states",
+    "saved_tensor_hooks_on",
+    "set_rng_states",
+    "storage_use_count",
+    "tensor_hook_count",
+    "tensor_hooks",
+    "tensor_post_accumulate_hooks",
+    "tensor_version",
+    "view_base",
+]
+
+_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_autograd_backward() -> bool:
+    """Whether the autograd engine is running a backward right now.
+
+    Private API: ``torch._C._current_graph_task_id``. Fallback: False (a call is then taken
+    for a forward).
+    """
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``).
+
+    Private API: ``torch._C._autograd._get_current_graph_task_keep_graph``. Fallback: False.
+    """
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep()) if keep is not None else False
+
+
+def _top_saved_tensor_hooks() -> tuple[Any, ...] | None:
+    """The (pack, unpack) saved-tensor hooks in force; None when this torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        hooks = top(False)
+    except TypeError:  # a torch whose binding takes no argument
+        hooks = top()
+    except RuntimeError:
+        return None
+    return tuple(hooks) if hooks else ()
+
+
+def in_checkpoint_recompute() -> bool:
+    """Whether this runs inside the recomputation of a ``torch.utils.checkpoint(
+    use_reentrant=False)`` segment (torch's ``_recomputation_hook`` saved-tensor hooks).
+
+    Private API: ``torch._C._autograd._top_saved_tensors_default_hooks``. Fallback: False
+    (the recomputed call is then captured but, never receiving a gradient, computes nothing).
+    """
+    hooks = _top_saved_tensor_hooks()
+    pack = hooks[0] if hooks else None
+    return getattr(pack, "__qualname__", "").startswith("_recomputation_hook.")
+
+
+def saved_tensor_hooks_on() -> bool:
+    """Whether saved-tensor hooks are on (non-reentrant or selective activation
+    checkpointing, offloading): their unpacking may be allowed once only.
+
+    Private API: ``torch._C._autograd._top_saved_tensors_default_hooks``. Fallback: True
+    (assume so: checks that would unpack saved tensors then run after the backward).
+    """
+    hooks = _top_saved_tensor_hooks()
+    if hooks is None:
+        return True
+    return bool(hooks and hooks[0] is not None)
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage.
+
+    Private API: ``torch._C._storage_Use_Count`` and ``UntypedStorage._cdata``. Fallback: -1
+    (callers then never reuse a buffer).
+    """
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return int(count(t.untyped_storage()._cdata)) if count is not None else -1
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch wrapper (inside a ``torch.func`` transform).
+
+    Private API: ``torch._C._functorch.is_functorch_wrapped_tensor``. Fallback: False.
+    """
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if check is not None else False
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place version counter of ``t``.
+
+    Private API: ``Tensor._version`` (present in every supported torch; no fallback needed).
+    """
+    return int(t._version)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, or None.
+
+    Private API: ``Tensor._base``. Fallback: None (``t`` is then treated as no view).
+    """
+    return getattr(t, "_base", None)
+
+
+def tensor_hook_count(t: torch.Tensor) -> int:
+    """The number of gradient hooks registered on ``t`` (``Tensor.register_hook``).
+
+    Private API: ``Tensor._backward_hooks``. Fallback: 0.
+    """
+    return len(getattr(t, "_backward_hooks", None) or ())
+
+
+def tensor_hooks(t: torch.Tensor) -> list[Callable[..., Any]]:
+    """The gradient hooks registered on ``t``, in order.
+
+    Private API: ``Tensor._backward_hooks``. Fallback: none.
+    """
+    return list((getattr(t, "_backward_hooks", None) or {}).values())
+
+
+def tensor_post_accumulate_hooks(t: torch.Tensor) -> list[Callable[..., Any]]:
+    """The hooks registered with ``Tensor.register_post_accumulate_grad_hook``, in order.
+
+    Private API: ``Tensor._post_accumulate_grad_hooks``. Fallback: none.
+    """
+    return list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
+
+
+def global_module_backward_hooks_on() -> bool:
+    """Whether global module backward hooks are registered
+    (``torch.nn.modules.module.register_module_full_backward_hook`` and its pre-hook).
+
+    Private API: ``torch.nn.modules.module._global_backward_hooks`` and
+    ``_global_backward_pre_hooks``. Fallback: False for a member that is missing.
+    """
+    module_hooks = torch.nn.modules.module
+    return bool(getattr(module_hooks, "_global_backward_hooks", None)
+                or getattr(module_hooks, "_global_backward_pre_hooks", None))
+
+
+def module_has_backward_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has its own (full) backward or backward-pre hooks.
+
+    Private API: ``Module._backward_hooks`` and ``Module._backward_pre_hooks``. Fallback:
+    False for a member that is missing.
+    """
+    return bool(getattr(module, "_backward_hooks", None)
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def autograd_node_output_shape(node: Any) -> tuple[int, ...]:
+    """Shape of the first forward output of autograd node ``node`` (its gradient's shape).
+
+    Private API: ``Node._input_metadata``. Fallback: none; callers ask
+    :func:`autograd_node_shapes_known` first.
+    """
+    return tuple(node._input_metadata[0].shape)
+
+
+def autograd_node_shapes_known(node: Any) -> bool:
+    """Whether this torch's autograd nodes carry the shapes of their forward outputs (what
+    :func:`autograd_node_output_shape` reads). Private API: ``Node._input_metadata``."""
+    return hasattr(node, "_input_metadata")
+
+
+def autograd_node_output_dtypes(node: Any) -> list[torch.dtype] | None:
+    """The dtypes of autograd node ``node``'s forward outputs.
+
+    Private API: ``Node._input_metadata``. Fallback: None (callers then guess from the
+    node's type).
+    """
+    metadata = getattr(node, "_input_metadata", None)
+    return None if metadata is None else [m.dtype for m in metadata]
+
+
+def autograd_node_saved_alpha(node: Any) -> float:
+    """The ``alpha`` an ``AddBackward0``/``SubBackward0`` node saved.
+
+    Private API: ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1).
+    """
+    return float(getattr(node, "_saved_alpha", 1.0))
+
+
+def autograd_node_forward_class(node: Any) -> type | None:
+    """The ``torch.autograd.Function`` class a Python autograd node belongs to, or None.
+
+    Private API: ``BackwardCFunction._forward_cls``. Fallback: None.
+    """
+    return getattr(node, "_forward_cls", None)
+
+
+def dropout_rate(module: nn.Module) -> float | None:
+    """The drop probability ``p`` of one of torch's dropout layers; None for other modules.
+
+    Private API: ``torch.nn.modules.dropout._DropoutNd``. Fallback: the public dropout
+    classes.
+    """
+    base = getattr(nn.modules.dropout, "_DropoutNd", None)
+    kinds = (base,) if base is not None else (
+        nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+        nn.FeatureAlphaDropout)
+    if not isinstance(module, kinds):
+        return None
+    return float(cast(Any, module).p)
+
+
+def conv_reversed_padding(module: nn.Module) -> list[int]:
+    """The ``F.pad`` widths a convolution with a non-zero ``padding_mode`` applies.
+
+    Private API: ``_ConvNd._reversed_padding_repeated_twice``. Fallback: computed from the
+    public ``padding`` attribute (as torch computes it).
+    """
+    pad = getattr(module, "_reversed_padding_repeated_twice", None)
+    if pad is not None:
+        return list(pad)
+    conv: Any = module  # a _ConvNd: kernel_size, dilation and padding are tuples (or a str)
+    kernel = tuple(conv.kernel_size)
+    padding = conv.padding
+    if isinstance(padding, str):  # "valid" or "same", as torch's _ConvNd computes them
+        out = [0, 0] * len(kernel)
+        if padding == "same":
+            for i, (d, k) in enumerate(zip(conv.dilation, kernel)):
+                total = d * (k - 1)
+                j = len(kernel) - 1 - i
+                out[2 * j], out[2 * j + 1] = total // 2, total - total // 2
+        return out
+    return [p for p in reversed(tuple(padding)) for _ in range(2)]
+
+
+def foreach_div_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
+    """Divide every tensor in place by ``scalar`` (one fused kernel where available).
+
+    Private API: ``torch._foreach_div_``. Fallback: ``t.div_(scalar)`` for each.
+    """
+    _foreach("div_", tensors, scalar)
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
+    """Multiply every tensor in place by ``scalar`` (one fused kernel where available).
+
+    Private API: ``torch._foreach_mul_``. Fallback: ``t.mul_(scalar)`` for each.
+    """
+    _foreach("mul_", tensors, scalar)
+
+
+def _foreach(op: str, tensors: Sequence[torch.Tensor], scalar: float) -> None:
+    """``torch._foreach_<op>(tensors, scalar)``, or the tensor method ``op`` on each."""
+    fused = getattr(torch, f"_foreach_{op}", None)
+    if fused is not None:
+        fused(list(tensors), scalar)
+        return
+    for t in tensors:
+        getattr(t, op)(scalar)
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The CUDA device indices of ``tensors``, sorted (a model split across devices draws
+    random numbers on each)."""
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+def rng_states(cuda: Iterable[int] = ()) -> dict[str, torch.Tensor]:
+    """The global random-number states: CPU, and each listed CUDA device.
+
+    Args:
+        cuda: CUDA device indices whose generators to capture (:func:`cuda_devices`).
+
+    Returns:
+        ``{"cpu": state, "cuda:0": state, ...}``, for :func:`set_rng_states` and
+        :func:`forked_rng`.
+    """
+    states = {"cpu": torch.get_rng_state()}
+    for index in cuda:
+        states[f"cuda:{index}"] = torch.cuda.get_rng_state(index)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor] | None) -> None:
+    """Restore states captured by :func:`rng_states` (nothing for None)."""
+    for where, state in (states or {}).items():
+        if where == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, int(where.split(":")[1]))
+
+
+@contextlib.contextmanager
+def forked_rng(cuda: Iterable[int] = (),
+               states: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+    """Run the block with the global random-number states forked: after it they are as
+    before, so the caller's random stream is unchanged (a probe forward's dropout, a model
+    built from a seed, a replayed backward).
+
+    Args:
+        cuda: CUDA device indices to fork besides the CPU generator.
+        states: Where the block starts (from :func:`rng_states`, whose CUDA devices are
+            forked too), so that a replay draws what the captured run drew; None: from the
+            current states.
+    """
+    devices = sorted({*cuda, *(int(k.split(":")[1]) for k in (states or {}) if k != "cpu")})
+    with torch.random.fork_rng(devices=devices):
+        set_rng_states(states)
+        yield

@@ -1,0 +1,545 @@
+"""The ``hooks`` backend: exact per-datum gradients from the user's one ordinary backward.
+
+This package module holds :class:`HooksBackend`, which orchestrates the parts: what to hook
+(:mod:`.calls`), the autograd graph walks (:mod:`.graph`), where the batch is (:mod:`.layout`),
+adding up per-datum results (:mod:`.accumulate`), the buffer pool (:mod:`.pool`), autocast
+(:mod:`.precision`) and the checks (:mod:`.checks`).
+
+During the user's forward, a forward hook on each module that owns recorded parameters keeps
+that call's inputs and puts a tensor hook on its outputs. During ``batch_loss.backward()``
+(called once, untouched: hooks only observe, so ``p.grad`` is bitwise what it would be without
+gradlog), each output hook receives the gradient of the batch loss with respect to the output,
+and the module's **rule** (:mod:`gradlog.rules`) turns (inputs, output gradient) into per-datum
+gradients right away, so captured tensors are freed layer by layer. Modules without a rule,
+and raw parameters used in a module's own forward, use a per-module ``torch.func``
+computation (:data:`gradlog.rules.GENERIC`); ``describe()`` lists them.
+
+The captured output gradient is that of ``sum_b w_b losses[b]`` (``w_b = 1/B`` for a mean
+batch loss), so rules multiply by ``1 / w_b``. A module called several times (reuse, tied
+weights) contributes once per call, summed. Errors inside the backward are kept and raised
+after it, so ``p.grad`` is never left half accumulated.
+
+``batch_grad="sum"``. Recorded ``nn.Linear``/``Conv1D`` layers then take their weight
+gradient from the sum of their per-datum gradients instead of autograd's own matmul
+(:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
+
+Chosen layers. Only modules owning recorded parameters are hooked (and only the recorded
+parameters get a gradient hook), so recording ``params="layers.40.*"`` of a deep model costs
+that layer's captured inputs (for Linear and LayerNorm the tensors autograd saves anyway) and
+its per-datum gradients (B x its parameters); the rest of the model is not touched. A model
+the user froze (``requires_grad=False``) needs nothing more: only parameters that require
+grad are selected, and a recorded parameter frozen later is refused by name
+(:func:`gradlog.params.check_differentiable`) before autograd's own, vaguer errors.
+
+Autocast. Under ``torch.autocast`` captured inputs and output gradients may be bfloat16 or
+float16 while parameters are float32: rules widen them and accumulate per-datum gradients in
+the parameters' dtype. Autograd's own ``p.grad`` of such a layer is rounded to the narrow
+dtype, so :attr:`low_precision` names those parameters and the checks of ``sum_b w_b g_b``
+against ``p.grad`` allow :data:`~gradlog.backends.base.LOW_PRECISION_RTOL` of its epsilon.
+
+Batch dimension. Every per-datum result must have B rows. Layers that treat leading
+dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leading dimension
+(sequence-first models); it is found by size, and refused as ambiguous when the model has
+sequence-first layers and the sequence length equals B.
+
+Shared inputs. A module whose output has no batch dimension of size B (Hugging Face style
+position ids ``[1, T]``, or nanoGPT's ``arange(T)``) is broadcast over the batch by the op that
+consumes it, and its own output gradient is already summed over datums. Before the backward,
+gradlog walks the autograd graph from the loss to that output's consumers; when they are
+additions, subtractions or expands, it takes each datum's gradient from the consumer's
+output gradient instead (per datum: the shared input with that datum's gradient). Other
+consumers are refused with an error before ``p.grad`` is touched.
+
+Chunked heads. :func:`gradlog.memory.chunked_linear_loss` calls the head on chunks of
+flattened ``(B*T, d)`` rows, during the backward; its ``current_chunk()`` says which rows, so
+the backend lays each chunk out as ``(datums, T, d)`` for row-wise rules (Linear) and adds
+the result into those datums' gradients.
+
+Checks. A parameter that received a gradient without any hooked call seeing its use is an
+error (it was used outside its module's forward, e.g. ``F.linear(x, self.emb.weight)`` in a
+parent). On every backward a spot check compares ``sum_b w_b g_b`` with the gradient autograd
+accumulated at a few random entries per parameter (partial uses, wrong rules); the recorder's
+full self-check runs every ``check_every`` steps.
+
+Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint``
+recomputes a segment during the backward. With ``use_reentrant=False`` the original call
+is captured and receives the gradients; the recomputed call (told apart by torch's
+recomputation saved-tensor hooks) is not captured again. With ``use_reentrant=True`` the
+original forward ran without grad (nothing captured) and the recomputed call, inside the
+backward, is the one that counts. Per-datum gradients equal those of the model without
+checkpointing. Memory: with ``use_reentrant=False`` the captured inputs of the *recorded*
+modules stay alive from the forward to their layer's backward, as without checkpointing (the
+rest of the segment is freed as usual), so checkpointing saves less for recorded layers.
+Measured on a 24-layer GPT (bench_memory.py ``--sections layers``, tests/benchmarks/
+RESULTS.md): recording 1 of 24 checkpointed layers adds 33 MiB, all 24 add 511 MiB (386 MiB
+without checkpointing: the difference is the recorded modules' inputs, ~5 MiB per layer).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from gradlog._torch_private import (
+    cuda_devices,
+    forked_rng,
+    in_autograd_backward,
+    in_checkpoint_recompute,
+    rng_states,
+    saved_tensor_hooks_on,
+)
+from gradlog._tree import leaves
+from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog.backends.fused import FusedLink, fuse_output
+from gradlog.backends.heap import keep_heap_resident
+from gradlog.backends.hooks import checks
+from gradlog.backends.hooks.accumulate import Accumulator
+from gradlog.backends.hooks.calls import Call, Entry, plan_entries
+from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, hook_target
+from gradlog.backends.hooks.layout import (
+    batch_first,
+    chunk_as_datums,
+    consumer_inputs,
+    locate_batch,
+    shared_outputs,
+)
+from gradlog.backends.hooks.pool import _BASELINE, BufferPool
+from gradlog.backends.hooks.precision import autocast_dtype, narrow_dtype, no_autocast
+from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
+from gradlog.params import check_differentiable
+from gradlog.rules import active_randomness
+from gradlog.rules.base import Capture, RuleResult
+
+__all__ = ["BATCH_GRADS", "REUSES_BUFFERS", "HooksBackend"]
+
+log = logging.getLogger("gradlog")
+
+BATCH_GRADS = ("autograd", "sum")
+"""``p.grad`` of recorded Linear weights: autograd's own (bitwise), or the sum of the
+per-datum gradients (:mod:`gradlog.backends.fused`: one matmul less, float tolerance)."""
+
+REUSES_BUFFERS = _BASELINE is not None
+"""Whether reference counts are readable here, so the buffer pool reuses memory."""
+
+
+class HooksBackend(Backend):
+    """Per-datum gradients from forward/tensor hooks and per-layer rules (see module doc)."""
+
+    name = "hooks"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        *,
+        batch_reduction: str,
+        randomness: str,
+        batch_grad: str = "autograd",
+    ) -> None:
+        super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
+        if batch_grad not in BATCH_GRADS:
+            raise BackendError(f"batch_grad={batch_grad!r} is not one of {list(BATCH_GRADS)}.")
+        self.batch_grad = batch_grad
+        self._entries: list[Entry] = []
+        self._sequence_first: list[str] = []  # modules with batch_first=False
+        self._handles: list[Any] = []
+        self._live: list[weakref.ref[Call]] = []
+        self._armed = False  # True only inside this backend's own backward
+        self._recomputing = False  # True while a rule runs (torch.func re-runs modules)
+        self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
+        self._spot = checks.SpotCheck(self.params, self._spot_rng)
+        self._pool = BufferPool()
+        self._datum_checked: set[checks.Layout] = set()  # layouts checked
+        self._probing = False  # inside the datum check's backward (_datum_probe)
+        self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
+        self._saved_tensor_hooks = False  # a call ran under saved-tensor hooks (checkpoints)
+        self._reset(0)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Hook every module that owns (or whose rule covers) a recorded parameter."""
+        if self._handles:
+            return
+        if any(p.device.type == "cpu" for p in self.params.values()):
+            keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
+        self._entries = plan_entries(self.model, self.params, self.batch_grad)
+        self._sequence_first = [
+            name for name, m in self.model.named_modules()
+            if getattr(m, "batch_first", True) is False
+        ]
+        for entry in self._entries:
+            hook = functools.partial(self._on_forward, entry)
+            self._handles.append(entry.module.register_forward_hook(hook, with_kwargs=True))
+        for name, p in self.params.items():
+            self._handles.append(p.register_hook(functools.partial(self._on_param_grad, name)))
+
+    def detach(self) -> None:
+        """Remove every hook gradlog installed and drop captured tensors."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for ref in self._live:
+            call = ref()
+            if call is not None:
+                call.release()
+        self._live = []
+        self._entries = []
+        self._pool = BufferPool()  # let go of buffers kept for reuse
+
+    @property
+    def fused_params(self) -> frozenset[str]:
+        """Recorded weights whose gradient is the sum of their records (``batch_grad="sum"``;
+        known once attached)."""
+        return frozenset(e.names["weight"] for e in self._entries if e.fused)
+
+    def describe(self) -> dict[str, Any]:
+        """Which module computes which recorded parameters, by which rule."""
+        return {
+            "name": self.name,
+            "modules": [
+                {"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
+                 "params": sorted(set(e.names.values()))}
+                for e in self._entries
+            ],
+            "fallback": [e.name for e in self._entries if e.fallback],
+            "batch_grad": self.batch_grad,
+            "fused": [e.name for e in self._entries if e.fused],
+        }
+
+    # -- capture (forward) ------------------------------------------------------------------
+    def _on_forward(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], output: Any) -> Any:
+        if self._recomputing or not torch.is_grad_enabled():
+            return None
+        if not any(p.requires_grad for p in entry.params):
+            return None
+        link: FusedLink | None = None
+        if entry.fused and not kwargs and current_chunk() is None and not isinstance(
+                getattr(output, "grad_fn", None), torch.autograd.function.BackwardCFunction):
+            # (an output another context re-rooted, e.g. gradlog.sparse, keeps its own backward)
+            fused = fuse_output(module, args, output)
+            if fused is not None:
+                output, link = fused
+        if in_autograd_backward() and (not self._armed or in_checkpoint_recompute()):
+            # A checkpoint recompute: in a backward that is not recorded, or a non-reentrant
+            # one, whose outputs never receive gradients (the original call's do). It is
+            # re-rooted like the original call, which saved the same tensors.
+            return output if link is not None else None
+        replaced = link is not None
+        if entry.fallback:
+            aliased = alias_outputs(output, [(t, 0) for t in leaves((args, kwargs))
+                                             if isinstance(t, torch.Tensor)])
+            if aliased is not None:
+                output, replaced = aliased, True
+        outputs = leaves(output)
+        call: Call | None = None
+        seen: set[int] = set()
+        for i, t in enumerate(outputs):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in seen:
+                continue
+            seen.add(id(t))  # an output returned twice has one gradient: hook it once
+            if call is None:
+                call = Call(entry, args, kwargs, len(outputs), i, t.shape)
+                if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
+                    tags = cast(dict[str, Any], t.grad_fn.metadata)
+                    tags.setdefault(TAG, []).append((t.output_nr, call))
+            on_grad = functools.partial(self._on_output_grad, call, i)
+            if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
+                link.on_grad = functools.partial(self._on_fused_grad, call, i)
+            else:
+                target = hook_target(t, call.versions) if (
+                    entry.hook_base and i == call.primary) else t
+                if target is not t:  # see hook_target: the view's own hook may never fire
+                    geometry = (t.shape, t.stride(),
+                                int(t.storage_offset() - target.storage_offset()))
+                    on_grad = functools.partial(self._on_base_grad, call, i, geometry)
+                call.handles.append(target.register_hook(on_grad))
+            call.hooked += 1
+        if call is None:
+            return output if replaced else None
+        call.fused = link
+        narrow = autocast_dtype(entry.params[0].device.type)
+        if narrow is not None:  # (the datum check's tolerance)
+            self._autocast.add(narrow)
+        if not self._saved_tensor_hooks and saved_tensor_hooks_on():  # (when it runs)
+            self._saved_tensor_hooks = True
+        chunk = current_chunk()
+        if chunk is not None and chunk.differentiated:
+            call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
+        rule = entry.rule
+        if rule.refuse is not None:
+            call.refusal = rule.refuse(module, args, kwargs)
+        if call.refusal is None and rule.uses_torch_func:
+            noisy = active_randomness(module)
+            if noisy:
+                call.refusal = (
+                    f"it draws dropout masks in training mode (in {noisy}) and rule "
+                    f"{rule.name!r} re-runs it per datum, which cannot reproduce the batch's "
+                    "masks. Set that dropout to 0 or put the module in eval mode (the rest of "
+                    "the model may stay in training mode), register a closed-form rule "
+                    "(gradlog.rules.register_rule), or use backend='loop'."
+                )
+        self._live.append(weakref.ref(call))
+        if len(self._live) % 256 == 0:
+            self._live = [r for r in self._live if r() is not None]
+        return output if replaced else None
+
+    # -- backward ---------------------------------------------------------------------------
+    def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
+        if not self._handles:
+            raise BackendError("the hooks backend is not attached; the recorder attaches it "
+                               "when recording starts (use GradRecorder as a context manager).")
+        check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
+        B = int(losses.shape[0])
+        self._reset(B)
+        self._pool.reclaim()
+        try:
+            checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
+            self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
+            when, foreign = checks.datum_check_mode(
+                losses, batch_loss, self.params, self._saved_tensor_hooks
+            ) if self._wants_datum_check(B) else (None, False)
+            rng = rng_states(cuda_devices(self._model_tensors())) if when is not None else None
+            datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
+            self._armed = True
+            try:
+                # the ordinary backward: p.grad exactly as without gradlog (its graph kept for
+                # a datum check after it, see checks.datum_check_mode)
+                batch_loss.backward(retain_graph=True if when == "after" else None)
+            finally:
+                self._armed = False
+                for handle in self._consumer_handles:
+                    handle.remove()
+            for call in self._partial:  # calls some of whose outputs got no gradient
+                if not call.done:
+                    self._finish(call)
+            checks.raise_kept_error(self._error)
+            results = self._results
+            materials = results.merge_materials()
+            checks.check_coverage(self.params, self._got_grad, results.covered, self._entries)
+            self._spot.check(collections.ChainMap(materials, results.acc), self.low_precision,
+                             1.0 / self._scale)
+            out = {
+                name: materials[name] if name in materials
+                else results.acc[name] if name in results.acc
+                else torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device)
+                for name, p in self.params.items()
+            }
+            if when == "after":
+                datum = self._datum_probe(losses, rng, keep_graph=False)  # (frees the graph)
+            if datum is not None:
+                checks.check_datum(datum, out, self.params,
+                                   (*self.low_precision.values(), *self._autocast),
+                                   trusted=not foreign)
+            return out
+        finally:
+            for call in self._touched:
+                call.release()
+            self._reset(0)
+            self._autocast = set()  # (what the next forward runs under)
+            self._saved_tensor_hooks = False
+            self._pool.release()
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers (whose CUDA devices draw random numbers)."""
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def _wants_datum_check(self, B: int) -> bool:
+        """See :func:`checks.wants_datum_check`; never for one datum or under DDP."""
+        if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
+            return False
+        calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
+        return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params)
+
+    def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
+                     keep_graph: bool) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
+        """``autograd.grad(losses[b])`` for a random datum b, kept at a few random entries per
+        parameter; None when autograd refuses it (the check is then skipped). The global RNG
+        is forked around it and set to ``rng``, its state before the batch's backward: random
+        draws in a backward (an autograd Function's noise) draw what the batch's backward
+        draws, and training's stream is left as it was."""
+        names = [n for n, p in self.params.items() if p.numel()]
+        b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
+        devices = cuda_devices(self._model_tensors())
+        self._probing = True  # the hooks let this backward pass (see _on_output_grad)
+        try:
+            with forked_rng(devices, rng):
+                got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
+                                          retain_graph=keep_graph,
+                                          allow_unused=True)
+        except Exception as e:  # selective checkpointing ("backward an extra time"), a
+            # Function whose backward uses up its state: no check (p.grad is unaffected)
+            log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
+            return None
+        finally:
+            self._probing = False
+        return b, checks.sample_entries(names, got, self.params, self._spot_rng)
+
+    def _reset(self, batch_size: int) -> None:
+        if batch_size:
+            self.low_precision = {}
+        self._batch = batch_size
+        self._scale = float(batch_size) if self.batch_reduction == "mean" else 1.0
+        self._results = Accumulator(self.params, self._pool, batch_size, self.keep_material)
+        self._got_grad: set[str] = set()
+        self._partial: list[Call] = []
+        self._touched: list[Call] = []
+        self._consumer_handles: list[Any] = []
+        self._error: tuple[Entry, BaseException] | None = None
+        self._spot.draw(batch_size)
+
+    # -- gradients (inside the backward) ----------------------------------------------------
+    def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._got_grad.add(name)
+        self._spot.observe(name, grad)
+
+    def _on_fused_grad(self, call: Call, i: int, grad: torch.Tensor) -> bool:
+        """A fused call's output gradient (from FusedLinear.backward); False when it was let
+        pass (the datum check's backward): the call then keeps this handler for the batch's."""
+        if self._probing:
+            return False
+        self._on_output_grad(call, i, grad)
+        return True
+
+    def _on_output_grad(self, call: Call, i: int, grad: torch.Tensor) -> None:
+        # (a tensor hook: returns None, or autograd would take the result as the gradient)
+        if self._probing or call.done or call.via_consumers:
+            return
+        if not self._armed:  # a backward gradlog does not record: just let go of the inputs
+            if torch.is_grad_enabled():
+                # create_graph=True (a gradient penalty in the loss): the recorded backward
+                # will differentiate this gradient; kept to refuse it
+                # (checks.refuse_double_backward)
+                call.twice = True
+            else:
+                call.release()
+            return
+        self._touched.append(call)
+        if self._error is not None:
+            return
+        call.grads[i] = grad
+        call.received += 1
+        if call.received >= call.hooked:
+            self._finish(call)
+        elif not call.pending:
+            call.pending = True
+            self._partial.append(call)
+
+    def _on_base_grad(self, call: Call, i: int,
+                      geometry: tuple[torch.Size, tuple[int, ...], int],
+                      grad: torch.Tensor) -> None:
+        """The gradient of the base of output ``i`` (see :func:`graph.hook_target`), viewed
+        as the output: the output's gradient."""
+        size, stride, offset = geometry
+        self._on_output_grad(call, i, grad.contiguous().as_strided(size, stride, offset))
+
+    def _finish(self, call: Call) -> None:
+        self._compute(call, call.grads)
+        call.release()
+
+    def _compute(self, call: Call, grads: list[torch.Tensor | None], *,
+                 args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+                 expanded: bool = False) -> None:
+        """Run the call's rule and add its per-datum gradients; errors are kept for later
+        (raising inside the autograd engine would leave ``p.grad`` half accumulated)."""
+        entry = call.entry
+        if self._error is not None or call.args is None or call.kwargs is None:
+            return
+        try:
+            checks.check_versions(call)
+            if call.refusal is not None:
+                raise UnsupportedLayerError(call.refusal)
+            args = call.args if args is None else args
+            kwargs = call.kwargs if kwargs is None else kwargs
+            rows: slice | None = None  # the datums a chunk of rows belongs to
+            if call.chunk is not None:
+                batch, rows, args, kwargs, grads = chunk_as_datums(
+                    call.chunk, entry, self._batch, args, kwargs, grads)
+            elif call.lead is None and not expanded:
+                # a call captured during the backward
+                locate_batch(call, self._batch, self._sequence_first)
+            if call.bd != 0 and entry.rule.feature_dims is not None:
+                args, kwargs, grads = batch_first(call.bd, self._batch, args, kwargs, grads)
+            cap = Capture(
+                args=args,
+                kwargs=kwargs,
+                grads=tuple(grads),
+                batch_size=self._batch if rows is None else batch,
+                scale=self._scale,
+                expanded=expanded,
+                alloc=self._pool.empty,
+                factored=self._results.factored(entry) if rows is None else frozenset(),
+            )
+            self._recomputing = True
+            grad_mode = torch.is_grad_enabled()  # off already in a backward without create_graph
+            try:
+                if grad_mode:
+                    torch.set_grad_enabled(False)
+                with no_autocast(entry.params[0].device.type):
+                    result = entry.rule.compute(entry.module, cap, entry.wanted)
+            finally:
+                self._recomputing = False
+                if grad_mode:
+                    torch.set_grad_enabled(True)
+            weight = result.get("weight")
+            if call.fused is not None and rows is None and isinstance(weight, torch.Tensor):
+                # The call's batch weight gradient, read by FusedLinear.backward right after
+                # this handler returns; taken before _add, which may add into the tensor.
+                call.fused.weight_grad = weight.sum(0).div_(self._scale)
+            self._add(entry, result, cap, rows)
+            narrow = narrow_dtype(grads, entry.params)
+            if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded
+                for name in entry.names.values():
+                    self.low_precision[name] = narrow
+        except Exception as e:  # re-raised after the backward, with p.grad complete
+            self._error = (entry, e)
+
+    def _add(self, entry: Entry, result: RuleResult, cap: Capture,
+             rows: slice | None = None) -> None:
+        """Add a rule's result into this backward's per-datum results (see
+        :meth:`Accumulator.add`)."""
+        self._results.add(entry, result, cap, rows)
+
+    # -- shared (broadcast) outputs ---------------------------------------------------------
+    def _route_shared_outputs(self, batch_loss: torch.Tensor, B: int) -> None:
+        """Before the backward: settle each captured call's batch dimension, and hook the
+        consumers of outputs an op broadcasts over the batch (see :func:`shared_outputs`)."""
+        live = [c for c in (r() for r in self._live)
+                if c is not None and not c.done and c.args is not None]
+        self._live = [weakref.ref(c) for c in live]
+        for call, found in shared_outputs(live, batch_loss, B, self._sequence_first):
+            self._touched.append(call)
+            for node, slot in found:
+                hook = functools.partial(self._on_consumer_grad, call,
+                                         consumer_factor(node, slot))
+                self._consumer_handles.append(node.register_prehook(hook))
+
+    def _on_consumer_grad(self, call: Call, factor: float,
+                          grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        g = grad_outputs[0] if grad_outputs else None
+        if not self._armed or g is None or call.args is None or self._error is not None:
+            return
+        try:
+            per, args, kwargs, expand = consumer_inputs(call, g, self._batch)
+        except BackendError as e:
+            self._error = (call.entry, e)
+            return
+        if factor != 1.0:
+            per = per * factor
+        grads: list[torch.Tensor | None] = [None] * len(call.grads)
+        grads[call.primary] = per
+        self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)
+
+
+def _distributed() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())

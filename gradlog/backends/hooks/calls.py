@@ -1,0 +1,178 @@
+"""What the hooks backend hooks, and what each hooked call leaves for its backward.
+
+:func:`plan_entries` decides which modules get a forward hook and which rule computes each
+recorded parameter (a layer's own rule, an ancestor's rule that covers it, or the generic
+``torch.func`` fallback). An :class:`Entry` is one hooked module; a :class:`Call` is what one
+forward call of it captured: its inputs, their versions, its output gradients as they arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlog._torch_private import tensor_version
+from gradlog._tree import leaves
+from gradlog.backends.fused import FusedLink, fusable
+from gradlog.errors import UnsupportedLayerError
+from gradlog.rules import GENERIC, Rule, find_rule
+
+__all__ = ["Call", "Entry", "plan_entries"]
+
+
+@dataclass(eq=False)
+class Entry:
+    """One hooked module, the rule computing its recorded parameters, and their names."""
+
+    module: nn.Module
+    name: str
+    rule: Rule
+    names: dict[str, str]  # attribute path -> recorded parameter name
+    params: tuple[nn.Parameter, ...]
+    fallback: bool
+    fused: bool = False  # batch_grad="sum": the weight gradient is the sum of the records
+    hook_base: bool = False  # see Rule.views_own_result and graph.hook_target
+
+    @functools.cached_property
+    def wanted(self) -> frozenset[str]:
+        return frozenset(self.names)
+
+    @property
+    def label(self) -> str:
+        return f"{type(self.module).__name__} {self.name or '(the model)'!r}"
+
+
+class Call:
+    """What one forward call of a hooked module left for its backward."""
+
+    __slots__ = (
+        "__weakref__",
+        "args",
+        "bd",
+        "chunk",
+        "done",
+        "entry",
+        "fused",
+        "grads",
+        "handles",
+        "hooked",
+        "kwargs",
+        "lead",
+        "out_shape",
+        "pending",
+        "primary",
+        "received",
+        "refusal",
+        "twice",
+        "versions",
+        "via_consumers",
+    )
+
+    def __init__(self, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 n_leaves: int, primary: int, out_shape: torch.Size) -> None:
+        self.entry = entry
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs
+        self.versions = [(t, tensor_version(t)) for t in leaves((args, kwargs))
+                         if isinstance(t, torch.Tensor)]  # (input, its version when used)
+        self.grads: list[torch.Tensor | None] = [None] * n_leaves
+        self.handles: list[Any] = []
+        self.hooked = 0
+        self.received = 0
+        self.primary = primary
+        self.out_shape = out_shape
+        self.bd = entry.rule.batch_dim(entry.module)  # settled by size in layout.locate_batch
+        self.lead: int | None = None  # the output's size along bd
+        self.done = False
+        self.pending = False
+        self.via_consumers = False
+        self.twice = False  # its output was differentiated with create_graph=True
+        self.refusal: str | None = None  # why the rule cannot compute this call
+        self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
+        self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
+
+    def release(self) -> None:
+        """Drop captured tensors and make the output hooks inert."""
+        self.args = self.kwargs = None
+        self.grads = []
+        self.versions = []
+        self.done = True
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
+                 batch_grad: str) -> list[Entry]:
+    """The modules to hook: each owning (or whose rule covers) a recorded parameter.
+
+    Args:
+        model: The user's model.
+        params: The recorded parameters, by recorded name.
+        batch_grad: The backend's ``batch_grad`` (``"sum"`` fuses plain Linear weights).
+
+    Returns:
+        One entry per module and rule (a module with a rule and also parameters its rule
+        does not cover gets a second, generic entry for those).
+    """
+    by_id = {id(p): n for n, p in params.items()}
+    entries: list[Entry] = []
+    taken: set[tuple[int, str]] = set()  # (module, attr) computed by an ancestor's rule
+    for mname, module in model.named_modules():
+        _refuse_parametrization(mname, module, by_id)
+        names: dict[str, str] = {}
+        rule = find_rule(module)
+        if rule is not None:
+            for path, p in rule.covers(module).items():
+                if id(p) not in by_id or (id(module), path) in taken:
+                    continue
+                names[path] = by_id[id(p)]
+                if "." in path:  # a child's parameter that this module's forward reads
+                    owner, _, attr = path.rpartition(".")
+                    taken.add((id(module.get_submodule(owner)), attr))
+            if names:
+                entries.append(_entry(params, batch_grad, module, mname, rule, names,
+                                      fallback=False))
+        rest = {
+            attr: by_id[id(p)]
+            for attr, p in module.named_parameters(recurse=False)
+            if id(p) in by_id and (id(module), attr) not in taken and attr not in names
+        }
+        if rest:
+            entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
+                                  fallback=True))
+    return entries
+
+
+def _entry(params: Mapping[str, nn.Parameter], batch_grad: str, module: nn.Module, name: str,
+           rule: Rule, names: dict[str, str], *, fallback: bool) -> Entry:
+    owned = tuple(params[n] for n in dict.fromkeys(names.values()))
+    fused = (batch_grad == "sum" and not fallback and "weight" in names
+             and rule.name in ("linear", "conv1d_gpt2") and fusable(module))
+    # (a fallback entry of a layer whose own rule knows its forward: a pruned Linear)
+    own = rule if not fallback else find_rule(module)
+    hook_base = own is not None and own.views_own_result
+    return Entry(module, name, rule, names, owned, fallback, fused, hook_base)
+
+
+def _refuse_parametrization(name: str, module: nn.Module, recorded: Mapping[int, str]) -> None:
+    """Refuse recorded parameters held by ``torch.nn.utils.parametrize`` (e.g.
+    ``parametrizations.weight_norm``): the layer's rule gives the gradient of the weight the
+    parametrization computes, not of its originals, and the chain through it per datum is
+    not built."""
+    if type(module).__name__ != "ParametrizationList":
+        return
+    held = [recorded[id(p)] for p in module.parameters() if id(p) in recorded]
+    if held:
+        raise UnsupportedLayerError(
+            f"parameter(s) {held} are the originals of a torch.nn.utils.parametrize "
+            f"parametrization ({name!r}, e.g. parametrizations.weight_norm or orthogonal): the "
+            "hooks backend cannot compute per-datum gradients through a parametrization. Use "
+            "backend='vmap' or backend='loop', leave these parameters out with params=, or "
+            "record the plain weight (torch.nn.utils.parametrize.remove_parametrizations)."
+        )

@@ -1,0 +1,335 @@
+"""The hooks backend's checks that per-datum gradients are right.
+
+Four checks, cheapest first: inputs modified in place after a call used them
+(:func:`check_versions`); parameters that got a gradient no hooked call saw
+(:func:`check_coverage`); on every backward, ``sum_b w_b g_b`` against autograd's gradient at a
+few random entries per parameter (:class:`SpotCheck`); and on the first backward of each new
+layout, one datum's records against that datum's own ``autograd.grad`` (the datum check:
+:func:`wants_datum_check`, :func:`datum_check_mode`, :func:`sample_entries`,
+:func:`check_datum`). Tolerances come from :func:`gradlog.backends.base.check_tolerance`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlog._torch_private import (
+    global_module_backward_hooks_on,
+    module_has_backward_hooks,
+    tensor_hook_count,
+    tensor_version,
+)
+from gradlog.backends.base import check_tolerance
+from gradlog.backends.hooks.calls import Call, Entry
+from gradlog.backends.hooks.graph import foreign_functions
+from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
+from gradlog.grads import entries
+
+__all__ = [
+    "Layout",
+    "SpotCheck",
+    "check_coverage",
+    "check_datum",
+    "check_versions",
+    "datum_check_mode",
+    "raise_kept_error",
+    "refuse_double_backward",
+    "sample_entries",
+    "wants_datum_check",
+]
+
+_SPOT_ENTRIES = 4  # entries per parameter compared with autograd's gradient on every backward
+_DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
+
+Layout = tuple[str, int, tuple[int, ...]]  # (module, calls of it, dims of size B): checked
+
+
+class SpotCheck:
+    """``sum_b w_b g_b`` against the parameter's gradient in this backward, at a few random
+    entries per parameter: catches uses the hooks did not see (a parameter also used by
+    hand in a parent's forward) on every step, for the cost of reading B x k numbers and
+    one device sync. The recorder's full self-check runs every ``check_every`` steps.
+
+    Args:
+        params: The recorded parameters, by name.
+        generator: Draws the entries (never the global RNG: training's).
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], generator: torch.Generator) -> None:
+        self.params = params
+        self.generator = generator
+        self.total: dict[str, torch.Tensor] = {}
+        self.index: dict[str, torch.Tensor] = {}
+
+    def draw(self, batch_size: int) -> None:
+        """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new."""
+        self.total = {}
+        self.index = {}
+        if batch_size and self.params:
+            sizes = torch.tensor([p.numel() for p in self.params.values()], dtype=torch.float64)
+            draw = torch.rand((len(sizes), _SPOT_ENTRIES), generator=self.generator,
+                              dtype=torch.float64)
+            index = (draw * sizes.unsqueeze(1)).long()  # (n_params, k) flat entries
+            devices = {p.device for p in self.params.values()}
+            on = {d: index.to(d, non_blocking=True).unbind(0) for d in devices}  # rows (k,)
+            for i, (name, p) in enumerate(self.params.items()):
+                if p.numel():
+                    self.index[name] = on[p.device][i]
+
+    def observe(self, name: str, grad: torch.Tensor) -> None:
+        """A few entries of this backward's gradient of the parameter (summed over its
+        uses), to check against the per-datum gradients."""
+        index = self.index.get(name)
+        if index is not None and not grad.is_sparse:
+            seen = torch.take(grad.detach() if grad.requires_grad else grad, index)  # (k,)
+            prior = self.total.get(name)
+            self.total[name] = seen if prior is None else prior + seen
+
+    def check(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
+              weight: float) -> None:
+        """Raise when the records of a parameter, weighted, do not add up to its gradient.
+
+        Args:
+            records: Per-datum gradients or materials, by parameter name.
+            low_precision: Parameters whose gradient autograd rounded (autocast), to dtype.
+            weight: ``w_b`` (1/B for a mean batch loss).
+        """
+        names, rows, totals = [], [], []
+        for name, total in self.total.items():
+            acc = records.get(name)
+            if acc is not None:  # (no contribution at all: check_coverage reported it)
+                names.append(name)
+                rows.append(entries(acc, self.index[name]))  # (B, k)
+                totals.append(total)  # (k,)
+        if not names:
+            return
+        if len({(r.dtype, r.device) for r in rows + totals}) > 1:  # cat needs one kind
+            rows = [r.to(torch.float64) for r in rows]
+            totals = [t.to(torch.float64) for t in totals]
+        rtol, atol = check_tolerance(
+            (self.params[n].dtype for n in names),
+            [low_precision[n] for n in names if n in low_precision],
+        )
+        ours = torch.cat(rows, 1).to(torch.float64)  # (B, n*k)
+        total = torch.cat(totals).to(torch.float64)  # (n*k,)
+        gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
+        scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
+        bad = _over_tolerance(names, gap, scale, rtol, atol)  # the backward's only sync
+        if not bad:
+            return
+        raise BackendError(
+            f"the per-datum gradients of {bad} do not add up to their gradient in this "
+            "backward (spot check of a few entries: sum_b w_b g_b != the gradient autograd "
+            "accumulated): part of their use was not seen by gradlog's hooks, e.g. a "
+            "parameter also used by hand in a parent's forward (F.linear(x, self.emb.weight)),"
+            " or a rule is wrong. p.grad is complete. Call the owning module for every use, "
+            "register a rule covering the parameter for the module whose forward uses it, or "
+            "use backend='loop'."
+        )
+
+
+def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rtol: float,
+                    atol: float) -> list[str]:
+    """The names whose entries (``gap`` and ``scale`` hold k per name, in order) differ by
+    more than the tolerance. Floor: a parameter whose true gradient is 0 (a key bias under
+    softmax) holds only rounding noise, so the tolerance also scales with the largest
+    gradient seen."""
+    over = gap - rtol * (scale + scale.max()) - atol  # (n*k,) > 0: does not add up
+    over = over.reshape(len(names), -1).amax(1)  # (n,)
+    if not bool((over > 0).any()):  # one device sync
+        return []
+    return [n for n, g in zip(names, over.tolist()) if g > 0]
+
+
+def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
+                      model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
+    """Check one datum on the first backward, and again whenever a forward has a layout
+    not checked yet that shapes alone cannot settle: a layer output with several leading
+    dimensions of size B (a sequence-first tensor whose length equals the batch size), or
+    a module called more than once (reuse, or once per datum by hand). A wrong split
+    between datums still sums to ``p.grad``; one datum's own backward sees it. ``checked``
+    (the layouts checked so far) is updated."""
+    uses: dict[int, int] = {}
+    for c in calls:
+        uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
+    unsure: set[Layout] = set()
+    for c in calls:
+        shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
+        lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
+        at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
+        if len(at) > 1 or uses[id(c.entry)] > 1:
+            unsure.add((c.entry.name, uses[id(c.entry)], at if len(at) > 1 else ()))
+    if checked and unsure <= checked:
+        return False
+    checked |= unsure | {("", 0, ())}
+    return not _foreign_backward_hooks(model, params)
+
+
+def _foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
+    """Backward hooks of the user's own (on parameters or modules) would fire again in
+    the datum check's extra backward, with side effects (gradient statistics): then no
+    check. (Hooks on activations cannot be seen; README says so.)"""
+    recorded = {id(p) for p in params.values()}
+    for p in model.parameters():
+        if tensor_hook_count(p) > (1 if id(p) in recorded else 0):
+            return True
+    if global_module_backward_hooks_on():
+        return True
+    return any(module_has_backward_hooks(m) for m in model.modules())
+
+
+def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
+                     params: Mapping[str, nn.Parameter],
+                     saved_tensor_hooks: bool) -> tuple[str | None, bool]:
+    """When the datum's own backward runs, and whether the graph holds autograd Functions
+    gradlog does not know.
+
+    ``"before"`` the batch's (then freed before the batch's backward allocates its per-datum
+    gradients: no extra peak memory), or ``"after"`` it, on the kept graph, when a backward
+    may use up state or draw random numbers (an autograd Function of the user's or a
+    library's, saved-tensor hooks such as selective activation checkpointing): the batch's
+    backward then runs first, exactly as without gradlog, and the check is skipped if
+    autograd refuses the second backward. None: no check (a reentrant checkpoint refuses
+    ``autograd.grad``); the flag is then False.
+    """
+    if losses.grad_fn is None or not any(p.numel() for p in params.values()):
+        return None, False
+    foreign = foreign_functions(batch_loss.grad_fn)
+    if foreign is None:
+        return None, False
+    return ("after" if foreign or saved_tensor_hooks else "before"), foreign
+
+
+def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
+                   params: Mapping[str, nn.Parameter],
+                   generator: torch.Generator) -> dict[str, tuple[Any, Any]]:
+    """The datum's own gradients ``got`` (one per name; None: unused) at a few random entries
+    per parameter: name -> (flat indices, values or None)."""
+    sampled: dict[str, tuple[Any, Any]] = {}
+    for name, grad in zip(names, got):
+        p = params[name]
+        index = torch.randint(p.numel(), (_DATUM_ENTRIES,), generator=generator)
+        index = index.to(p.device)
+        sampled[name] = (index, None if grad is None else torch.take(grad, index))
+    return sampled
+
+
+def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[str, Any],
+                params: Mapping[str, nn.Parameter], narrow: Iterable[torch.dtype], *,
+                trusted: bool = True) -> None:
+    """Datum b's records against its own gradient at the sampled entries. Not ``trusted``
+    (the graph holds autograd Functions gradlog does not know, whose second backward may
+    differ: state used up, gradients scaled in place): a warning, not an error.
+
+    Args:
+        datum: ``b`` and :func:`sample_entries`' result.
+        records: The backward's per-datum gradients or materials, by name.
+        params: The recorded parameters, by name.
+        narrow: Autocast dtypes the backward ran in. Under autocast the datum's own
+            backward runs in the narrow dtype through every layer it crosses, recorded or
+            not: one tolerance for all.
+        trusted: Whether a mismatch is an error (else a warning).
+    """
+    b, sampled = datum
+    names, ours, theirs = list(sampled), [], []
+    for name in names:
+        index, theirs_k = sampled[name]
+        mine = entries(records[name], index)[b].to(torch.float64)  # (k,)
+        ours.append(mine)
+        theirs.append(torch.zeros_like(mine) if theirs_k is None
+                      else theirs_k.to(mine.device, torch.float64))  # (k,)
+    narrow = list(narrow)
+    rtol, atol = check_tolerance((params[n].dtype for n in names),
+                                 [max(narrow, key=lambda d: torch.finfo(d).eps)]
+                                 if narrow else ())
+    a = torch.stack([o.to(ours[0].device) for o in ours])  # (n, k)
+    c = torch.stack([t.to(ours[0].device) for t in theirs])  # (n, k)
+    scale = a.abs() + c.abs()  # (n, k)
+    bad = _over_tolerance(names, (a - c).abs().reshape(-1), scale.reshape(-1), rtol, atol)
+    if bad and not trusted:
+        warnings.warn(
+            f"gradlog's datum check: the per-datum gradients of {bad[:6]} for datum {b} "
+            f"differ from that datum's own gradient (autograd.grad of losses[{b}]). The "
+            "graph holds autograd Functions gradlog does not know, whose second backward "
+            "may differ from the first, so this may be a false alarm; if one datum's loss "
+            "depends on other datums, or a layer runs sequence-first with sequence length "
+            "equal to the batch size, the records are wrong: compare with backend='loop'.",
+            stacklevel=6,  # the caller of GradRecorder.backward
+        )
+        return
+    if bad:
+        raise BackendError(
+            f"the per-datum gradients of {bad[:6]} for datum {b} of the batch differ from "
+            f"that datum's own gradient (autograd.grad of losses[{b}]). Likely causes: "
+            "(1) one datum's loss depends on the other datums of the batch (in-batch "
+            "negatives of a contrastive loss, a loss normalised over the batch): the "
+            "hooks backend then gives each datum's share of the batch gradient, not "
+            "d losses[b] / d theta; (2) a layer ran on a layout where gradlog mistook "
+            "the batch dimension (a sequence-first tensor whose sequence length equals "
+            "the batch size, a layer called once per datum by hand). p.grad is complete; "
+            "nothing of this step was recorded. Use backend='loop', or for (2) a batch "
+            "size different from the sequence length."
+        )
+
+
+def refuse_double_backward(calls: Iterable[Call]) -> None:
+    """Refuse a loss that differentiates a gradient taken through a hooked call."""
+    twice = {c.entry.label for c in calls if c.twice and not c.done}
+    if twice:
+        raise UnsupportedLayerError(
+            f"the loss differentiates a gradient taken through {sorted(twice)} "
+            "(autograd.grad(..., create_graph=True) before the backward, e.g. a gradient "
+            "penalty): its per-datum gradients include second-order terms that the hooks "
+            "backend's per-layer rules do not see. Nothing was computed; p.grad is "
+            "untouched. Use backend='loop' for this loss."
+        )
+
+
+def check_versions(call: Call) -> None:
+    """Refuse a call whose input was modified in place after the call used it."""
+    for t, version in call.versions:
+        now = tensor_version(t)
+        if now != version:
+            raise BackendError(
+                f"an input of {call.entry.label} was modified in place after the module "
+                f"used it (tensor version {version} -> {now}), so its per-datum "
+                "gradients would use the changed values. Avoid the in-place op on that "
+                "input (e.g. an inplace activation after it), or use backend='loop'."
+            )
+
+
+def raise_kept_error(error: tuple[Entry, BaseException] | None) -> None:
+    """Raise the error a rule raised inside the backward (kept until ``p.grad`` was
+    complete), naming the module and rule."""
+    if error is None:
+        return
+    entry, e = error
+    where = (f"gradlog could not compute per-datum gradients of {entry.label} "
+             f"(rule {entry.rule.name!r}): ")
+    if isinstance(e, GradlogError):
+        raise type(e)(where + str(e)) from e
+    raise BackendError(
+        where + f"{type(e).__name__}: {e}. p.grad is complete (the ordinary backward ran); "
+        "use backend='loop' for this model and please report this."
+    ) from e
+
+
+def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
+                   entries_: Sequence[Entry]) -> None:
+    """Refuse parameters that received a gradient though no hooked call used them."""
+    missed = [n for n in params if n in got_grad and n not in covered]
+    if not missed:
+        return
+    owners = {n: [e.label for e in entries_ if n in e.names.values()] for n in missed}
+    raise BackendError(
+        f"parameter(s) {missed} received a gradient, but no hooked module call used them "
+        f"(owners: {owners}): they were used outside the forward of the module that owns "
+        "them, e.g. F.linear(x, self.embed.weight) in a parent. Call the owning module "
+        "instead, register a rule covering them for the module whose forward uses them "
+        "(gradlog.rules.register_rule(..., covers=...)), or use backend='loop'."
+    )

@@ -1,0 +1,151 @@
+"""Walks of the autograd graph for the hooks backend.
+
+Every question the hooks backend asks of the autograd graph lives here: which nodes consume a
+captured output (for outputs broadcast over the batch), whether the graph holds a reentrant
+checkpoint or Python autograd Functions (for the datum check), which outputs of a call feed
+each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradlog._torch_private import (
+    autograd_node_forward_class,
+    autograd_node_saved_alpha,
+    view_base,
+)
+from gradlog._tree import flatten
+from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint
+
+if TYPE_CHECKING:
+    from gradlog.backends.hooks.calls import Call
+
+__all__ = [
+    "PASS_THROUGH",
+    "TAG",
+    "alias_outputs",
+    "consumer_factor",
+    "find_consumers",
+    "foreign_functions",
+    "hook_target",
+]
+
+TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
+PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
+"""Autograd nodes through which a shared output's per-datum gradient is the consumer's."""
+
+
+def alias_outputs(output: Any, inputs: list[tuple[torch.Tensor, int]]) -> Any:
+    """A module whose outputs feed each other (``nn.LSTMCell``: ``h = o * tanh(c)``): the
+    gradient autograd gives output ``c`` includes the path through ``h``, which the
+    ``torch.func`` fallback counts again from ``h``'s gradient. The outputs another output
+    was computed from are handed to the caller as aliases (``view_as``), whose hooks get
+    only the gradient from outside the module. None when no output feeds another (the usual
+    case: outputs stay as they are, and an in-place op on them keeps their hooks)."""
+    flat, rebuild = flatten(output)
+    outs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(outs) < 2:
+        return None
+    fed = _outputs_feeding_others(outs, inputs)
+    if not fed:
+        return None
+    return rebuild([t.view_as(t) if any(t is f for f in fed) else t for t in flat])
+
+
+def _outputs_feeding_others(outs: list[torch.Tensor],
+                            inputs: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The outputs whose autograd edge another output's history reaches inside the call
+    (the walk stops at the call's inputs and at leaves)."""
+    edges = {(id(t.grad_fn), t.output_nr): t for t in outs if t.grad_fn is not None}
+    stop = {id(x.grad_fn) for x, _ in inputs if x.grad_fn is not None}
+    fed: list[torch.Tensor] = []
+    for t in outs:
+        if t.grad_fn is None:
+            continue
+        stack, seen, keep = [t.grad_fn], {id(t.grad_fn)}, [t.grad_fn]
+        while stack:
+            node = stack.pop()
+            for child, nr in node.next_functions:
+                if child is None:
+                    continue
+                hit = edges.get((id(child), nr))
+                if hit is not None and hit is not t and not any(hit is f for f in fed):
+                    fed.append(hit)
+                if id(child) not in seen and id(child) not in stop:
+                    seen.add(id(child))
+                    keep.append(child)
+                    stack.append(child)
+    return fed
+
+
+def foreign_functions(root: Any) -> bool | None:
+    """For the datum check: None when the graph holds a ``torch.utils.checkpoint(
+    use_reentrant=True)`` segment (its backward refuses ``autograd.grad``); else whether it
+    holds a Python autograd Function other than gradlog's own (whose backward might use up
+    state on a first backward or draw random numbers)."""
+    foreign = False
+    for node in graph_nodes(root):
+        if is_reentrant_checkpoint(node):
+            return None
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            owner = getattr(autograd_node_forward_class(node), "__module__", "")
+            # (torch's own, e.g. torch.compile's compiled regions, are trusted as gradlog's)
+            foreign = foreign or not owner.startswith(("gradlog.", "torch."))
+    return foreign
+
+
+def hook_target(t: torch.Tensor, inputs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Where to hook output ``t`` of a layer with a built-in rule: ``t``, or, when ``t`` is a
+    view of a whole tensor the call made (a Linear on ``(B, T, d)`` views its 2-D matmul's
+    result; ``MultiheadAttention(batch_first=True)`` transposes its projection's), that
+    tensor. An in-place op on the view (``ReLU(inplace=True)`` after the layer) rebuilds the
+    view's autograd history and drops a hook on ``t``; the base keeps its own, which receives
+    the gradient of the output as the layer returned it. (The built-in layers use that
+    tensor only through the view, so its gradient is the output's.)"""
+    base = view_base(t)
+    if (base is None or base.grad_fn is None or base.numel() != t.numel()
+            or not base.is_contiguous()):
+        return t
+    if any(base is x or base is view_base(x) for x, _ in inputs):  # a view of an input
+        return t
+    return base
+
+
+def find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
+    """Walk the autograd graph from ``root``: for each wanted call (by id), the (node, input
+    slot) pairs that consume its tagged output."""
+    found: dict[int, list[tuple[Any, int]]] = {}
+    tags: dict[int, list[tuple[int, Call]]] = {}
+    stack, keep = [root], [root]  # keep: node wrappers alive, so their ids stay unique
+    seen = {id(root)}
+    while stack:
+        node = stack.pop()
+        for slot, (child, output_nr) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            key = id(child)
+            if key not in seen:
+                seen.add(key)
+                keep.append(child)
+                stack.append(child)
+                tagged = child.metadata.get(TAG)
+                if tagged:
+                    tags[key] = tagged
+            for nr, call in tags.get(key, ()):
+                if nr == output_nr and id(call) in wanted:
+                    found.setdefault(id(call), []).append((node, slot))
+    return found
+
+
+def consumer_factor(node: Any, slot: int) -> float:
+    """d(node output)/d(input ``slot``) of a pass-through node: 1, alpha or -alpha."""
+    alpha = autograd_node_saved_alpha(node)
+    kind = type(node).__name__
+    if kind == "AddBackward0" and slot == 1:
+        return alpha
+    if kind == "SubBackward0" and slot == 1:
+        return -alpha
+    return 1.0

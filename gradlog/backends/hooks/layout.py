@@ -1,0 +1,226 @@
+"""Where the batch is, in the tensors a hooked call saw.
+
+Every per-datum result must have B rows. Layers that treat leading dimensions alike (Linear,
+Embedding, LayerNorm) may have the batch in any leading dimension (sequence-first models): it
+is found by size (:func:`locate_batch`) and moved first (:func:`batch_first`). A module whose
+output has no batch dimension of its own (shared position ids) takes each datum's gradient
+from the op that broadcasts it (:func:`shared_outputs`, :func:`consumer_inputs`). A chunked
+head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gradlog._torch_private import autograd_node_output_shape, autograd_node_shapes_known
+from gradlog._tree import flatten
+from gradlog.backends.hooks.calls import Call, Entry
+from gradlog.backends.hooks.graph import PASS_THROUGH, find_consumers
+from gradlog.errors import BackendError, UnsupportedLayerError
+
+__all__ = [
+    "batch_first",
+    "chunk_as_datums",
+    "consumer_inputs",
+    "locate_batch",
+    "shared_outputs",
+]
+
+Consumers = list[tuple[Any, int]]  # (autograd node, input slot) consuming a call's output
+
+
+def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
+    """Settle the call's batch dimension: fixed by its rule, or, for layers that treat
+    leading dimensions alike, the leading dimension of size B (dim 0 if it is one).
+
+    Args:
+        call: The call; its ``bd`` and ``lead`` are set.
+        B: The batch size.
+        sequence_first: The model's modules with ``batch_first=False``.
+    """
+    entry, shape = call.entry, call.out_shape
+    features = entry.rule.feature_dims
+    if features is not None:
+        leading = list(shape[: max(0, len(shape) - features(entry.module))])
+        found = [k for k, n in enumerate(leading) if n == B]
+        call.bd = 0 if not found or found[0] == 0 else found[0]
+        if len(found) > 1 and found[0] == 0 and sequence_first and B > 1:
+            raise BackendError(
+                f"{entry.label} has output shape {tuple(shape)}: with sequence-first "
+                f"layers in the model ({sequence_first[:3]}), either of its first "
+                f"dimensions may be the batch (B={B}), and gradlog cannot tell which. Use "
+                "a batch size different from the sequence length, batch_first=True "
+                "layers, or backend='loop'."
+            )
+    call.lead = shape[call.bd] if len(shape) > call.bd else None
+
+
+def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
+                   sequence_first: list[str]) -> Iterator[tuple[Call, Consumers]]:
+    """Before the backward: settle each captured call's batch dimension, and yield the calls
+    whose output an op broadcasts over the batch, with the consumers to take their
+    per-datum output gradients from (each call so yielded gets batch dimension 0 and
+    ``via_consumers``). Raises, as it goes, for what cannot be computed.
+
+    Args:
+        live: The calls captured for this backward.
+        batch_loss: The batch loss whose graph is walked.
+        B: The batch size.
+        sequence_first: The model's modules with ``batch_first=False``.
+    """
+    if not live or batch_loss.grad_fn is None:
+        return
+    # Node._input_metadata (shapes of a node's forward outputs) tells exactly which
+    # captured outputs an op broadcast; without it (older torch) a shape heuristic picks
+    # the calls to check, and any call reaching the loss only through pass-through ops
+    # counts as shared.
+    exact = autograd_node_shapes_known(batch_loss.grad_fn)
+    if exact:
+        candidates = live
+    else:
+        for call in live:
+            locate_batch(call, B, sequence_first)
+        widest = max((len(c.out_shape) for c in live if c.lead == B), default=0)
+        candidates = [c for c in live if c.lead != B or len(c.out_shape) < widest
+                      or c.refusal is not None]
+    if not candidates:
+        return
+    consumers = find_consumers(batch_loss.grad_fn, {id(c) for c in candidates})
+    for call in candidates:
+        found = consumers.get(id(call))
+        if not found:
+            continue  # not part of this graph (an earlier forward)
+        entry = call.entry
+        if call.refusal is not None:
+            raise UnsupportedLayerError(
+                f"gradlog cannot compute per-datum gradients of {entry.label} (rule "
+                f"{entry.rule.name!r}): {call.refusal} Nothing was computed; p.grad is "
+                "untouched."
+            )
+        passing = all(type(node).__name__ in PASS_THROUGH for node, _ in found)
+        shape = tuple(call.out_shape)
+        if exact:
+            shared = any(type(node).__name__ in PASS_THROUGH
+                         and autograd_node_output_shape(node) != shape for node, _ in found)
+        else:
+            shared = passing
+        first = entry.rule.feature_dims is not None or call.bd == 0
+        if shared and passing and first and call.hooked == 1:
+            call.bd, call.lead = 0, B  # the consumer's gradient has the batch first
+            call.via_consumers = True
+            yield call, found
+            continue
+        if exact:
+            locate_batch(call, B, sequence_first)
+        if shared or call.lead != B:
+            ops = sorted({type(node).__name__ for node, _ in found})
+            raise BackendError(
+                f"the output of {entry.label} has shape {shape}, with no batch dimension "
+                f"of size B={B} of its own, and reaches the loss through {ops}. gradlog "
+                "takes per-datum gradients of a shared output only when additions, "
+                "subtractions or expands alone broadcast it over the batch (position "
+                "embeddings). Give the layer a batched input (e.g. "
+                "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
+                "accepts (B, T, d); do not flatten to (B*T, d)), give one loss per row the "
+                "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
+                "or use backend='loop'."
+            )
+
+
+def consumer_inputs(
+    call: Call, g: torch.Tensor, B: int
+) -> tuple[torch.Tensor, tuple[Any, ...] | None, dict[str, Any] | None, bool]:
+    """A shared output's per-datum gradients from its consumer's output gradient ``g``, and
+    the call's inputs broadcast to match.
+
+    Returns:
+        ``(per, args, kwargs, expanded)``: the per-datum output gradients ``(B, *shape)``,
+        the call's arguments (expanded over the batch when ``expanded``).
+
+    Raises:
+        BackendError: The output is broadcast over the batch in more than one step.
+    """
+    shape = tuple(call.out_shape)
+    extra = g.dim() - len(shape)
+    if extra < 0 or g.dim() == 0 or g.shape[0] != B:
+        raise BackendError(
+            f"its output {shape} is broadcast over the batch in more than one step (the "
+            f"consumer's gradient has shape {tuple(g.shape)}, not (B={B}, ...)). Give the "
+            "layer a batched input (e.g. position_ids.expand(B, -1)) or use backend='loop'."
+        )
+    if extra == 0:  # the output has a batch dimension of size 1 (or B)
+        per = g.sum_to_size((B, *shape[1:]))  # (B, *shape[1:])
+        expand = shape[0] != B
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(B, *t.shape[1:]) if t.dim() and t.shape[0] == 1 else t
+    else:  # the output has no batch dimension: it is shared whole by every datum
+        per = g.sum_to_size((B,) + (1,) * (extra - 1) + shape).reshape(B, *shape)
+        expand = True
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0).expand(B, *t.shape)
+    args, kwargs = call.args, call.kwargs
+    if expand:
+        parts, rebuild = flatten((call.args, call.kwargs))
+        args, kwargs = rebuild([batched(t) if isinstance(t, torch.Tensor) else t
+                                for t in parts])
+    return per, args, kwargs, expand
+
+
+def chunk_as_datums(
+    chunk: Any, entry: Entry, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    grads: list[torch.Tensor | None],
+) -> tuple[int, slice, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
+    """Lay out a chunk of flattened rows (rows ``start:stop`` of ``(B, T)`` flattened, from
+    :func:`gradlog.memory.chunked_linear_loss`) as ``(datums spanned, T, ...)``, zero-padded
+    where the chunk starts or ends inside a datum (zero inputs and gradients add nothing).
+    Returns the number of datums, their slice, and the re-laid arguments and gradients."""
+    if entry.rule.feature_dims is None:
+        raise UnsupportedLayerError(
+            f"rule {entry.rule.name!r} cannot take the flattened rows of chunked_linear_loss "
+            "(only row-wise layers such as Linear can); call the layer unchunked or use "
+            "backend='loop'."
+        )
+    lead = tuple(chunk.lead_shape)
+    if not lead or lead[0] != B:
+        raise BackendError(
+            f"chunked_linear_loss ran on rows of shape {lead} for a batch of B={B} datums; "
+            "its input must keep the batch first, e.g. hidden states (B, T, d)."
+        )
+    per = 1
+    for n in lead[1:]:
+        per *= n  # rows per datum
+    start, stop = chunk.start, chunk.stop
+    first, last = start // per, (stop - 1) // per + 1
+    offset, n_rows = start - first * per, stop - start
+
+    def as_datums(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n_rows:
+            return t
+        full = t.new_zeros(((last - first) * per, *t.shape[1:]))  # (datums*T, ...)
+        full[offset : offset + n_rows] = t
+        return full.view(last - first, per, *t.shape[1:])  # (datums, T, ...)
+
+    parts, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([as_datums(t) for t in parts])
+    return last - first, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
+
+
+def batch_first(
+    bd: int, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    grads: list[torch.Tensor | None],
+) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
+    """Move batch dimension ``bd`` first in the tensors that have it (sequence-first calls)."""
+
+    def first(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > bd and t.shape[bd] == B:
+            return t.movedim(bd, 0)
+        return t
+
+    parts, rebuild = flatten((args, kwargs))
+    new_args, new_kwargs = rebuild([first(t) for t in parts])
+    return new_args, new_kwargs, [first(g) for g in grads]
