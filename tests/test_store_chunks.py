@@ -23,13 +23,13 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 
 import gradlog
 from gradlog import errors
+from gradlog.recording.staging import to_storage_torch
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import (
     default_compression,
     from_storage,
     storage_dtype,
     to_storage_numpy,
-    to_storage_torch,
 )
 
 CASES = [

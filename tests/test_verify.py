@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from gradlog.cli.main import app
 from torch import nn
 from typer.testing import CliRunner
 
 import gradlog
 from gradlog import errors
+from gradlog.cli.main import app
 from gradlog.store.verify import verify
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -13,6 +13,7 @@ Imports no torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,20 @@ from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import INDEX_DTYPE, StorageDtype, from_storage, storage_dtype
 from gradlog.store.fs import StorePath
 
-__all__ = ["GradArray"]
+__all__ = ["GradArray", "damaged_chunk"]
+
+
+def damaged_chunk(arr: Any, chunks: Iterable[int], chunk_rows: int) -> int | None:
+    """The first of ``chunks`` (record chunks of the zarr-python array ``arr``) that fails to
+    decode when read alone (zarr raises ValueError on a checksum mismatch), or None: for
+    naming the damaged chunk in an error message."""
+    for chunk in chunks:
+        lo = int(chunk) * chunk_rows
+        try:
+            arr[lo : min(lo + chunk_rows, arr.shape[0])]
+        except ValueError:
+            return int(chunk)
+    return None
 
 
 class GradArray:
@@ -171,9 +185,10 @@ class GradArray:
                 return np.asarray(arr[int(rows[0]) : int(rows[-1]) + 1])
             return np.asarray(arr.oindex[rows])
         except ValueError as e:
-            bad = self._find_bad_v1_chunk(arr, np.unique(rows // chunk_rows), chunk_rows)
+            bad = damaged_chunk(arr, np.unique(rows // chunk_rows), chunk_rows)
+            key = self.chunk_key(bad) if bad is not None else "(unknown)"
             raise StoreCorruptError(
-                f"{self.root}: {self.where}, chunk {bad}: {e} (the crc32c checksum of its bytes "
+                f"{self.root}: {self.where}, chunk {key}: {e} (the crc32c checksum of its bytes "
                 "does not match; the values are not returned)."
             ) from None
 
@@ -182,15 +197,6 @@ class GradArray:
         if self.layout is not None:
             return self.layout.shard_key(chunk)
         return "c/" + "/".join([str(chunk)] + ["0"] * len(self.shape))
-
-    def _find_bad_v1_chunk(self, arr: Any, chunks: np.ndarray, chunk_rows: int) -> str:
-        for chunk in chunks:
-            lo = int(chunk) * chunk_rows
-            try:
-                arr[lo : min(lo + chunk_rows, arr.shape[0])]
-            except ValueError:
-                return self.chunk_key(int(chunk))
-        return "(unknown)"
 
     def rows_per_chunk(self) -> int:
         """Records per chunk (v1) or shard (v2) file."""

@@ -35,11 +35,12 @@ __all__ = [
     "COMPRESSIONS",
     "STORAGE_DTYPE_NAMES",
     "StorageDtype",
+    "as_stored",
+    "bitround_int32",
     "default_compression",
     "from_storage",
     "storage_dtype",
     "to_storage_numpy",
-    "to_storage_torch",
 ]
 
 _BITROUND = re.compile(r"^bitround([0-9]{1,2})$")
@@ -105,27 +106,13 @@ def default_compression(name: str) -> str:
     return "lz4" if storage_dtype(name).keepbits is not None else "none"
 
 
-def _bitround_int32(bits: Any, keepbits: int) -> Any:
+def bitround_int32(bits: Any, keepbits: int) -> Any:
     """Round float32 bit patterns held as int32 (numpy array or torch tensor, modified in
     place) to ``keepbits`` mantissa bits, ties to even: numcodecs.BitRound's arithmetic."""
     drop = 23 - keepbits
     bits += ((bits >> drop) & 1) + ((1 << (drop - 1)) - 1)
     bits &= -(1 << drop)  # int32 mask of the kept bits
     return bits
-
-
-def to_storage_torch(tensor: Any, dtype: StorageDtype) -> Any:
-    """Round a torch tensor to the storage dtype, on its own device; returns a tensor of the
-    array dtype (bfloat16 as its int16 bit pattern)."""
-    import torch
-
-    if dtype.name in ("float32", "float64", "float16", "int64"):
-        return tensor.to(getattr(torch, dtype.name))
-    if dtype.name == "bfloat16":
-        return tensor.to(torch.bfloat16).view(torch.int16)
-    assert dtype.keepbits is not None
-    bits = tensor.to(torch.float32, copy=True).contiguous().view(torch.int32)
-    return _bitround_int32(bits, dtype.keepbits).view(torch.float32)
 
 
 def to_storage_numpy(array: np.ndarray, dtype: StorageDtype) -> np.ndarray:
@@ -142,8 +129,22 @@ def to_storage_numpy(array: np.ndarray, dtype: StorageDtype) -> np.ndarray:
         return out
     assert dtype.keepbits is not None
     bits = np.array(array, dtype=np.float32, order="C").view(np.int32)  # a copy
-    kept: np.ndarray = _bitround_int32(bits, dtype.keepbits)
+    kept: np.ndarray = bitround_int32(bits, dtype.keepbits)
     return kept.view(np.float32)
+
+
+def as_stored(values: np.ndarray, dtype: StorageDtype) -> np.ndarray:
+    """``values`` as an array of ``dtype`` holds them: rounded here unless they already are.
+
+    bfloat16 values already rounded arrive as their 16-bit pattern (uint16, or int16: torch's
+    view); values already in another array dtype are rounded again, which changes nothing
+    (casts and BitRound are idempotent).
+    """
+    if dtype.name == "bfloat16" and values.dtype.kind in "iu" and values.dtype.itemsize == 2:
+        return values.view(np.uint16)
+    if values.dtype == dtype.array_dtype and dtype.keepbits is None:
+        return values
+    return to_storage_numpy(values, dtype)
 
 
 def from_storage(stored: np.ndarray, dtype: StorageDtype, out_dtype: Any = np.float32) -> Any:

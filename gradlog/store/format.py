@@ -23,6 +23,7 @@ __all__ = [
     "index_part_name",
     "index_schema",
     "norm_column",
+    "normalised_specs",
     "record_bytes",
     "step_part_name",
     "steps_schema",
@@ -171,6 +172,24 @@ def check_root_attrs(attrs: dict[str, Any], where: str) -> None:
             _check_form_fields(name, spec, where)
 
 
+def normalised_specs(attrs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The parameter specs of checked root attributes (:func:`check_root_attrs`) as the
+    newest format version writes them, so that nothing above the store branches on versions:
+    before version 3 every parameter was ``full``, with its one array ``grad`` at
+    :func:`array_path`. Copies: ``attrs`` itself is left as stored."""
+    version = int(attrs["format_version"])
+    out: dict[str, dict[str, Any]] = {}
+    for name, stored in attrs["params"].items():
+        spec = dict(stored)
+        if version < 3:
+            shape = list(spec["shape"])
+            spec["form"] = "full"
+            spec["form_spec"] = {"form": "full", "shape": shape}
+            spec["arrays"] = {"grad": {"path": array_path(name), "shape": shape, "kind": "float"}}
+        out[name] = spec
+    return out
+
+
 ARRAY_KINDS = ("float", "int64")
 """Kinds of a form's arrays: gradient values in the storage dtype, or int64 indices."""
 
@@ -206,37 +225,53 @@ def _check_form_fields(name: str, spec: dict[str, Any], where: str) -> None:
             )
 
 
+_INDEX_COLUMNS = {
+    "step": "int64",
+    "micro": "int32",
+    "datum_id": "int64",
+    "row": "int64",
+    "loss": "float64",
+    "weight": "float64",
+    "lr": "float64",
+}
+"""Columns of the record index before the per-parameter norms, with their arrow types."""
+
+_STEPS_COLUMNS = {
+    "step": "int64",
+    "first_row": "int64",
+    "n_records": "int64",
+    "n_micro": "int32",
+    "tokens": "int64",
+    "lr": "float64",
+    "loss_mean": "float64",
+    "time_compute_s": "float64",
+    "time_write_s": "float64",
+}
+"""Columns of the steps table, with their arrow types."""
+
+_NULLABLE = ("lr",)
+"""Columns that may be null: the learning rate, where the caller gave none."""
+
+
+def _fields(columns: dict[str, str]) -> list[Any]:
+    import pyarrow as pa
+
+    return [
+        pa.field(name, getattr(pa, kind)(), nullable=name in _NULLABLE)
+        for name, kind in columns.items()
+    ]
+
+
 def index_schema(params: list[str]) -> Any:
     """Arrow schema of the record index: one row per (step, datum) record."""
     import pyarrow as pa
 
-    fields = [
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("micro", pa.int32(), nullable=False),
-        pa.field("datum_id", pa.int64(), nullable=False),
-        pa.field("row", pa.int64(), nullable=False),
-        pa.field("loss", pa.float64(), nullable=False),
-        pa.field("weight", pa.float64(), nullable=False),
-        pa.field("lr", pa.float64(), nullable=True),
-    ]
-    fields += [pa.field(norm_column(p), pa.float64(), nullable=False) for p in params]
-    return pa.schema(fields)
+    norms = [pa.field(norm_column(p), pa.float64(), nullable=False) for p in params]
+    return pa.schema(_fields(_INDEX_COLUMNS) + norms)
 
 
 def steps_schema() -> Any:
     """Arrow schema of the steps table: one row per committed step."""
     import pyarrow as pa
 
-    return pa.schema(
-        [
-            pa.field("step", pa.int64(), nullable=False),
-            pa.field("first_row", pa.int64(), nullable=False),
-            pa.field("n_records", pa.int64(), nullable=False),
-            pa.field("n_micro", pa.int32(), nullable=False),
-            pa.field("tokens", pa.int64(), nullable=False),
-            pa.field("lr", pa.float64(), nullable=True),
-            pa.field("loss_mean", pa.float64(), nullable=False),
-            pa.field("time_compute_s", pa.float64(), nullable=False),
-            pa.field("time_write_s", pa.float64(), nullable=False),
-        ]
-    )
+    return pa.schema(_fields(_STEPS_COLUMNS))

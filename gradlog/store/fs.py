@@ -38,6 +38,7 @@ from gradlog.errors import GradlogError, StoreFormatError
 __all__ = [
     "ObjectPath",
     "StorePath",
+    "fsync_path",
     "is_object",
     "listdir",
     "open_ranges",
@@ -297,12 +298,17 @@ def write_parquet_atomic(table: Any, path: StorePath, *, durable: bool = False) 
     tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
     pq.write_table(table, tmp, compression="zstd")
     if durable:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
     os.replace(tmp, path)
+
+
+def fsync_path(path: Path) -> None:
+    """``fsync`` the local file or directory ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_parquet(path: StorePath, schema: Any = None, columns: list[str] | None = None) -> Any:

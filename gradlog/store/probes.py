@@ -29,7 +29,8 @@ import numpy as np
 from gradlog.errors import GradlogError, StoreCorruptError, StoreFormatError
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
-from gradlog.store.dtypes import StorageDtype, from_storage, storage_dtype
+from gradlog.store.arrays import damaged_chunk
+from gradlog.store.dtypes import StorageDtype, as_stored, from_storage, storage_dtype
 from gradlog.store.fs import StorePath
 
 __all__ = [
@@ -70,14 +71,9 @@ def probe_index_schema(params: Sequence[str]) -> Any:
     """Arrow schema of the probe index: one row per (step, probe) record."""
     import pyarrow as pa
 
-    fields = [
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("probe_id", pa.int64(), nullable=False),
-        pa.field("row", pa.int64(), nullable=False),
-        pa.field("loss", pa.float64(), nullable=False),
-    ]
-    fields += [pa.field(fmt.norm_column(p), pa.float64(), nullable=False) for p in params]
-    return pa.schema(fields)
+    columns = [("step", pa.int64()), ("probe_id", pa.int64()), ("row", pa.int64())]
+    columns += [("loss", pa.float64()), *((fmt.norm_column(p), pa.float64()) for p in params)]
+    return pa.schema([pa.field(name, kind, nullable=False) for name, kind in columns])
 
 
 def read_probe_ids(path: StorePath) -> list[int] | None:
@@ -123,34 +119,6 @@ def read_probe_index(path: StorePath, params: Sequence[str], committed: Any) -> 
     return table.sort_by("row")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_parquet_atomic(table: Any, path: Path, durable: bool) -> None:
-    import pyarrow.parquet as pq
-
-    tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
-    pq.write_table(table, tmp, compression="zstd")
-    if durable:
-        _fsync(tmp)
-    os.replace(tmp, path)
-
-
-def _as_array_dtype(values: Any, dtype: np.dtype[Any]) -> np.ndarray:
-    """Rounded values in the array dtype: bfloat16 bits arrive as int16 (torch's view)."""
-    arr = np.asarray(values)
-    if arr.dtype == dtype:
-        return arr
-    if arr.dtype.kind in "iu" and dtype.kind in "iu" and arr.dtype.itemsize == dtype.itemsize:
-        return arr.view(dtype)
-    return arr.astype(dtype)
-
-
 class ProbeArray:
     """One parameter's probe gradient array, opened for reading (through zarr-python).
 
@@ -191,14 +159,8 @@ class ProbeArray:
 
     def _damaged(self, rows: np.ndarray) -> str:
         """Which chunk of ``rows`` fails to decode (each is read alone), for error messages."""
-        c = self.chunk_rows
-        for chunk in np.unique(rows // c):
-            lo = int(chunk) * c
-            try:
-                self.array[lo : min(lo + c, self.array.shape[0])]
-            except ValueError:
-                return "chunk " + ", ".join(self.chunk_keys(int(chunk)))
-        return "a chunk"
+        bad = damaged_chunk(self.array, np.unique(rows // self.chunk_rows), self.chunk_rows)
+        return "a chunk" if bad is None else "chunk " + ", ".join(self.chunk_keys(bad))
 
     def read(self, rows: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
         """Rows ``rows`` (sorted) as ``(n, *shape)`` of ``dtype``.
@@ -343,8 +305,8 @@ class ProbeWriter:
     ) -> None:
         """Write one step's probe gradients, then its probe index part (before the commit).
 
-        ``grads`` hold the values already rounded to each storage dtype's array dtype
-        (:func:`gradlog.store.dtypes.to_storage_numpy` or ``to_storage_torch``).
+        ``grads`` hold host numpy arrays, rounded to each storage dtype here unless they
+        already are (:func:`gradlog.store.dtypes.as_stored`).
         """
         import pyarrow as pa
 
@@ -357,7 +319,7 @@ class ProbeWriter:
             for name, arr in self._arrays.items():
                 arr.resize((self._capacity, *self.specs[name][0]))
         for name, arr in self._arrays.items():
-            arr[start:stop] = _as_array_dtype(grads[name], self.dtypes[name].array_dtype)
+            arr[start:stop] = as_stored(np.asarray(grads[name]), self.dtypes[name])
         if self.durable:
             self._fsync_rows(start, stop)
         columns: dict[str, Any] = {
@@ -369,8 +331,8 @@ class ProbeWriter:
         for name in self.specs:
             columns[fmt.norm_column(name)] = norms[name].astype(np.float64)
         table = pa.table(columns, schema=self._schema)
-        _write_parquet_atomic(
-            table, self.path / PROBE_INDEX_DIR / probe_part_name(step), self.durable
+        sfs.write_parquet_atomic(
+            table, self.path / PROBE_INDEX_DIR / probe_part_name(step), durable=self.durable
         )
         self.n_rows = stop
 
@@ -382,7 +344,7 @@ class ProbeWriter:
                 key = f"c/{chunk}" + (f"/{tail}" if tail else "")
                 chunk_file = self.path / probe_array_path(name) / key
                 if chunk_file.is_file():
-                    _fsync(chunk_file)
+                    sfs.fsync_path(chunk_file)
 
     def close(self) -> None:
         """Trim the arrays to the rows written."""

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,19 @@ import numpy as np
 from gradlog.errors import GradlogError
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
+from gradlog.store.arrays import GradArray
 from gradlog.store.fs import StorePath
+from gradlog.store.probes import (
+    PROBE_INDEX_DIR,
+    PROBES_GROUP,
+    ProbeArray,
+    parse_probe_part_name,
+    probe_array_path,
+    probe_index_schema,
+    read_probe_ids,
+)
+from gradlog.store.reader import StoreReader
+from gradlog.store.schema import violation
 
 __all__ = ["Check", "Report", "verify"]
 
@@ -93,14 +106,12 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
     Returns:
         The :class:`Report`; ``report.ok`` says whether the store is intact.
     """
-    from gradlog.store.reader import Run
-
     root = sfs.store_path(path)
     report = Report(root)
     check = Check("root")
     report.checks.append(check)
     try:
-        run = Run(root)
+        run = StoreReader(root)
     except GradlogError as e:
         check.problems.append(str(e))
         for name in ("commit log", "index", "arrays", "checksums", "schemas", "probes"):
@@ -157,30 +168,18 @@ def _check_commit_log(
     if not directory.is_dir() and not sfs.is_object(root):  # object stores: no empty dirs
         check.problems.append(f"{directory} is missing: the store has no commit log.")
         return steps, rows
-    schema = fmt.steps_schema()
-    for entry in sorted(sfs.listdir(directory)):
-        if entry.startswith("."):
-            report.notes.append(f"temporary {fmt.STEPS_DIR}/{entry} (an interrupted commit)")
-            continue
-        parsed = fmt.parse_part_name(entry)
-        if parsed is None or parsed[1] is not None:
-            check.problems.append(f"{fmt.STEPS_DIR}/{entry} is not a steps part name.")
-            continue
-        try:
-            table = sfs.read_parquet(directory / entry, schema=schema)
-        except Exception as e:
-            check.problems.append(f"{fmt.STEPS_DIR}/{entry} does not read: {e}")
-            continue
+    parts = _parts(
+        root, fmt.STEPS_DIR, "a steps part", _steps_part, fmt.steps_schema(), check, report,
+        temporary="an interrupted commit",
+    )
+    for entry, step, table in parts:
         if table.num_rows != 1:
             check.problems.append(f"{fmt.STEPS_DIR}/{entry} holds {table.num_rows} rows, not 1.")
             continue
-        if _nulls(table):
-            check.problems.append(f"{fmt.STEPS_DIR}/{entry} lacks column(s) {_nulls(table)}.")
-            continue
         row = table.to_pylist()[0]
-        if row["step"] != parsed[0]:
+        if row["step"] != step:
             check.problems.append(
-                f"{fmt.STEPS_DIR}/{entry} holds step {row['step']}, its name says {parsed[0]}."
+                f"{fmt.STEPS_DIR}/{entry} holds step {row['step']}, its name says {step}."
             )
             continue
         steps[row["step"]] = row
@@ -204,26 +203,9 @@ def _check_index(
     if not directory.is_dir() and not sfs.is_object(root):
         check.problems.append(f"{directory} is missing.")
         return []
-    for entry in sorted(sfs.listdir(directory)):
-        if entry.startswith("."):
-            report.notes.append(f"temporary {fmt.INDEX_DIR}/{entry} (an interrupted write)")
-            continue
-        parsed = fmt.parse_part_name(entry)
-        if parsed is None or parsed[1] is None:
-            check.problems.append(f"{fmt.INDEX_DIR}/{entry} is not an index part name.")
-            continue
-        step, micro = parsed[0], int(parsed[1])
-        if step not in steps:
-            report.notes.append(f"uncommitted {fmt.INDEX_DIR}/{entry} (ignored by readers)")
-            continue
-        try:
-            table = sfs.read_parquet(directory / entry, schema=schema)
-        except Exception as e:
-            check.problems.append(f"{fmt.INDEX_DIR}/{entry} does not read: {e}")
-            continue
-        if _nulls(table):
-            check.problems.append(f"{fmt.INDEX_DIR}/{entry} lacks column(s) {_nulls(table)}.")
-            continue
+    for entry, (step, micro), table in _parts(
+        root, fmt.INDEX_DIR, "an index part", _index_part, schema, check, report, steps
+    ):
         rows = table.to_pylist()
         keys = {(r["step"], r["micro"]) for r in rows}
         if keys != {(step, micro)}:
@@ -302,10 +284,70 @@ def _nulls(table: Any) -> list[str]:
     return [f.name for f in table.schema if not f.nullable and table.column(f.name).null_count]
 
 
-# -- arrays and checksums -------------------------------------------------------------------
-def _check_arrays(run: Any, records: list[dict[str, Any]], report: Report) -> dict[str, Any]:
-    from gradlog.store.arrays import GradArray
+def _steps_part(entry: str) -> tuple[int, int] | None:
+    """``(step, step)`` of a steps part's name, else None."""
+    parsed = fmt.parse_part_name(entry)
+    return None if parsed is None or parsed[1] is not None else (parsed[0], parsed[0])
 
+
+def _index_part(entry: str) -> tuple[int, tuple[int, int]] | None:
+    """``(step, (step, micro))`` of an index part's name, else None."""
+    parsed = fmt.parse_part_name(entry)
+    if parsed is None or parsed[1] is None:
+        return None
+    return parsed[0], (parsed[0], int(parsed[1]))
+
+
+def _probe_part(entry: str) -> tuple[int, int] | None:
+    """``(step, step)`` of a probe part's name, else None."""
+    step = parse_probe_part_name(entry)
+    return None if step is None else (step, step)
+
+
+def _parts(
+    root: StorePath,
+    sub: str,
+    kind: str,
+    parse: Callable[[str], tuple[int, Any] | None],
+    schema: Any,
+    check: Check,
+    report: Report,
+    steps: dict[int, dict[str, Any]] | None = None,
+    temporary: str = "an interrupted write",
+) -> Iterator[tuple[str, Any, Any]]:
+    """``(entry, key, table)`` of every readable part in ``root/sub`` whose name ``parse``
+    takes (to ``(step, key)``) and, given ``steps``, of a committed step. Temporaries and
+    uncommitted parts are noted; bad names, unreadable parts and missing columns are
+    problems of ``check``."""
+    directory = root / sub
+    entries = sorted(sfs.listdir(directory)) if directory.is_dir() or sfs.is_object(root) else []
+    for entry in entries:
+        where = f"{sub}/{entry}"
+        if entry.startswith("."):
+            report.notes.append(f"temporary {where} ({temporary})")
+            continue
+        parsed = parse(entry)
+        if parsed is None:
+            check.problems.append(f"{where} is not {kind} name.")
+            continue
+        if steps is not None and parsed[0] not in steps:
+            report.notes.append(f"uncommitted {where} (ignored by readers)")
+            continue
+        try:
+            table = sfs.read_parquet(directory / entry, schema=schema)
+        except Exception as e:
+            check.problems.append(f"{where} does not read: {e}")
+            continue
+        if _nulls(table):
+            check.problems.append(f"{where} lacks column(s) {_nulls(table)}.")
+            continue
+        yield entry, parsed[1], table
+
+
+# -- arrays and checksums -------------------------------------------------------------------
+def _check_arrays(
+    run: StoreReader, records: list[dict[str, Any]], report: Report
+) -> dict[str, Any]:
     check = Check("arrays")
     report.checks.append(check)
     arrays: dict[str, Any] = {}
@@ -334,7 +376,7 @@ def _check_arrays(run: Any, records: list[dict[str, Any]], report: Report) -> di
 
 
 def _check_checksums(
-    run: Any, arrays: dict[str, Any], records: list[dict[str, Any]], report: Report
+    run: StoreReader, arrays: dict[str, Any], records: list[dict[str, Any]], report: Report
 ) -> None:
     check = Check("checksums")
     report.checks.append(check)
@@ -368,8 +410,7 @@ def _check_schemas(
     check = Check("schemas")
     report.checks.append(check)
     try:
-        import jsonschema
-        from jsonschema import Draft202012Validator
+        import jsonschema  # noqa: F401  (optional: the checks below validate with it)
     except ImportError:
         _structural_root_checks(attrs, check)
         check.summary = (
@@ -377,43 +418,22 @@ def _check_schemas(
             "schemas/*.schema.json)"
         )
         return
-    from gradlog.testing.schemas import load_schema
-
     items = [("root", attrs, "root attributes")]
     items += [("steps", r, f"steps row of step {r['step']}") for r in step_rows]
     items += [("index", r, f"index row {r['row']}") for r in records]
-    validators = {
-        name: Draft202012Validator(
-            load_schema(name), format_checker=Draft202012Validator.FORMAT_CHECKER
-        )
-        for name in ("root", "steps", "index")
-    }
     for name, instance, where in items:
-        error = jsonschema.exceptions.best_match(validators[name].iter_errors(instance))
-        if error is not None:
-            check.problems.append(
-                f"{where} breaks {name}.schema.json at {error.json_path}: {error.message}"
-            )
+        broken = violation(name, instance)
+        if broken is not None:
+            check.problems.append(f"{where} {broken}")
     check.summary = f"{len(items)} objects valid against schemas/*.schema.json"
 
 
 # -- probes -----------------------------------------------------------------------------------
-def _check_probes(run: Any, steps: dict[int, dict[str, Any]], report: Report) -> None:
-    from gradlog.store.probes import (
-        PROBE_INDEX_DIR,
-        PROBES_GROUP,
-        ProbeArray,
-        parse_probe_part_name,
-        probe_array_path,
-        probe_index_schema,
-        read_probe_ids,
-    )
-
+def _check_probes(run: StoreReader, steps: dict[int, dict[str, Any]], report: Report) -> None:
     check = Check("probes")
     report.checks.append(check)
     root = run.path
     group = root / PROBES_GROUP
-    directory = root / PROBE_INDEX_DIR
     if not group.is_dir() and not (group / "zarr.json").is_file():
         check.summary = "no probes"
         return
@@ -433,27 +453,10 @@ def _check_probes(run: Any, steps: dict[int, dict[str, Any]], report: Report) ->
     schema = probe_index_schema(params)
     norm_columns = [fmt.norm_column(n) for n in params]
     parts: dict[int, list[dict[str, Any]]] = {}
-    entries = sorted(sfs.listdir(directory)) if directory.is_dir() else []
-    for entry in entries:
+    for entry, step, table in _parts(
+        root, PROBE_INDEX_DIR, "a probe part", _probe_part, schema, check, report, steps
+    ):
         where = f"{PROBE_INDEX_DIR}/{entry}"
-        if entry.startswith("."):
-            report.notes.append(f"temporary {where} (an interrupted write)")
-            continue
-        step = parse_probe_part_name(entry)
-        if step is None:
-            check.problems.append(f"{where} is not a probe part name.")
-            continue
-        if step not in steps:
-            report.notes.append(f"uncommitted {where} (ignored by readers)")
-            continue
-        try:
-            table = sfs.read_parquet(directory / entry, schema=schema)
-        except Exception as e:
-            check.problems.append(f"{where} does not read: {e}")
-            continue
-        if _nulls(table):
-            check.problems.append(f"{where} lacks column(s) {_nulls(table)}.")
-            continue
         records = table.to_pylist()
         held = sorted({r["step"] for r in records})
         if held != [step]:

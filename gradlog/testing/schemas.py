@@ -1,10 +1,10 @@
 """Conformance checks of a store against the format specification (``schemas/FORMAT.md``).
 
 :func:`validate_store` validates what a reader sees (root attributes, every committed index
-row and steps row) against the JSON Schemas shipped as package data ``gradlog.schemas``, and
-then checks the rules a JSON Schema cannot express (config hash, array paths, array shapes,
-row ranges, part file names). jsonschema is a test-only dependency: it is imported by the
-functions that need it, never at import time.
+row and steps row) against the format's JSON Schemas (:mod:`gradlog.store.schema`, which also
+serves ``gradlog verify``), and then checks the rules a JSON Schema cannot express (config
+hash, array paths, array shapes, row ranges, part file names). jsonschema is a test-only
+dependency: it is imported by the functions that need it, never at import time.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,34 +21,13 @@ import numpy as np
 
 from gradlog.store import format as fmt
 from gradlog.store.dtypes import storage_dtype
+from gradlog.store.reader import StoreReader
+from gradlog.store.schema import SCHEMAS, load_schema, violation
 
 __all__ = ["SCHEMAS", "load_schema", "validate_store"]
 
-SCHEMAS = ("root", "index", "steps")
-"""Names of the JSON Schemas in ``gradlog.schemas`` (file ``<name>.schema.json``)."""
-
 _INDEX_PART = re.compile(r"^step-\d{12,}-\d{6,}\.parquet$")
 _STEPS_PART = re.compile(r"^step-\d{12,}\.parquet$")
-
-
-def load_schema(name: str) -> dict[str, Any]:
-    """Load one of the format's JSON Schemas.
-
-    Args:
-        name: ``"root"``, ``"index"`` or ``"steps"`` (or the file name, ``"root.schema.json"``).
-
-    Returns:
-        The schema as a dict.
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`SCHEMAS`.
-    """
-    stem = name.removesuffix(".json").removesuffix(".schema")
-    if stem not in SCHEMAS:
-        raise ValueError(f"unknown schema {name!r}; the format has: {', '.join(SCHEMAS)}.")
-    text = files("gradlog.schemas").joinpath(f"{stem}.schema.json").read_text(encoding="utf-8")
-    schema: dict[str, Any] = json.loads(text)
-    return schema
 
 
 def validate_store(path: str | os.PathLike[str]) -> None:
@@ -68,9 +46,7 @@ def validate_store(path: str | os.PathLike[str]) -> None:
         jsonschema.ValidationError: the first violation found, with where it is.
         gradlog.errors.GradlogError: the store cannot be opened at all.
     """
-    import gradlog
-
-    run = gradlog.open(path)
+    run = StoreReader(path)
     root = Path(path)
     attrs = run.attrs
     _check_schema("root", attrs, f"{root}/zarr.json attributes")
@@ -82,10 +58,10 @@ def validate_store(path: str | os.PathLike[str]) -> None:
     steps = run.steps.to_pylist()
     for step_row in steps:
         _check_schema("steps", step_row, f"{root} steps row of step {step_row.get('step')}")
-    _check_tables(attrs, records, steps, root)
-    _check_arrays(attrs, records, root)
-    if run.format_version >= 2:
-        _check_v2_rows(attrs, records, root)
+    _check_tables(attrs, records, steps, root, run.sharded)
+    _check_arrays(attrs, records, root, run.sharded)
+    if run.sharded:
+        _check_sharded_rows(attrs, records, root)
     _check_part_files(root)
 
 
@@ -97,15 +73,9 @@ def _fail(message: str) -> NoReturn:
 
 
 def _check_schema(name: str, instance: Any, where: str) -> None:
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import best_match
-
-    schema = load_schema(name)
-    Draft202012Validator.check_schema(schema)
-    validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
-    error = best_match(validator.iter_errors(instance))
-    if error is not None:
-        _fail(f"{where}: breaks {name}.schema.json at {error.json_path}: {error.message}")
+    broken = violation(name, instance)
+    if broken is not None:
+        _fail(f"{where}: {broken}")
 
 
 def _check_root_rules(attrs: dict[str, Any], root: Path) -> None:
@@ -138,6 +108,7 @@ def _check_tables(
     records: list[dict[str, Any]],
     steps: list[dict[str, Any]],
     root: Path,
+    sharded: bool,
 ) -> None:
     norm_columns = {fmt.norm_column(name) for name in attrs["params"]}
     for record in records:
@@ -163,7 +134,7 @@ def _check_tables(
         first, n = row["first_row"], row["n_records"]
         rows = sorted(r["row"] for r in mine)
         contiguous = rows == list(range(first, first + n))
-        if attrs["format_version"] == 1 and not contiguous:
+        if not sharded and not contiguous:  # unsharded (version 1): a step's rows follow
             _fail(
                 f"{root}: step {step} claims rows {first}..{first + n - 1}, its index rows are "
                 f"{rows}."
@@ -193,15 +164,17 @@ def _arrays_of(spec: dict[str, Any]) -> list[tuple[str, list[int], Any]]:
     ]
 
 
-def _check_arrays(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
+def _check_arrays(
+    attrs: dict[str, Any], records: list[dict[str, Any]], root: Path, sharded: bool
+) -> None:
     max_row = max((r["row"] for r in records), default=-1)
     for name, spec in attrs["params"].items():
         for path, shape, dtype in _arrays_of(spec):
-            _check_array(attrs, name, path, shape, dtype, bool(records), max_row, root)
+            _check_array(name, path, shape, dtype, bool(records), max_row, root, sharded)
 
 
-def _check_array(attrs: dict[str, Any], name: str, path: str, shape: list[int], dtype: Any,
-                 has_records: bool, max_row: int, root: Path) -> None:
+def _check_array(name: str, path: str, shape: list[int], dtype: Any, has_records: bool,
+                 max_row: int, root: Path, sharded: bool) -> None:
     import zarr
 
     meta_file = root / path / "zarr.json"
@@ -222,7 +195,7 @@ def _check_array(attrs: dict[str, Any], name: str, path: str, shape: list[int], 
     if meta.get("dimension_names") != dims:
         _fail(f"{where} has dimension_names {meta.get('dimension_names')}; expected {dims}.")
     codecs = [c.get("name") for c in meta.get("codecs", [])]
-    if attrs["format_version"] >= 2:
+    if sharded:
         config = meta["codecs"][0].get("configuration", {}) if codecs else {}
         inner = [c.get("name") for c in config.get("codecs", [])]
         index = [c.get("name") for c in config.get("index_codecs", [])]
@@ -239,8 +212,11 @@ def _check_array(attrs: dict[str, Any], name: str, path: str, shape: list[int], 
         _fail(f"{where} has codecs {codecs}; the chain must end with crc32c.")
 
 
-def _check_v2_rows(attrs: dict[str, Any], records: list[dict[str, Any]], root: Path) -> None:
-    """Version 2: each backward call's rows are consecutive and start at a shard boundary."""
+def _check_sharded_rows(
+    attrs: dict[str, Any], records: list[dict[str, Any]], root: Path
+) -> None:
+    """Sharded stores (version 2 on): each backward call's rows are consecutive and start at
+    a shard boundary."""
     shards = set()
     for spec in attrs["params"].values():
         for path, _, _ in _arrays_of(spec):
