@@ -20,10 +20,14 @@ from gradlog._version import __version__
 from gradlog.errors import (  # the public errors, as the README names them (gradlog.X)
     BackendError,
     ConfigError,
+    DoubleBackwardError,
     FrozenParamError,
     GradientCheckError,
     GradlogError,
     InputError,
+    MemoryTooSmallError,
+    MissingExtraError,
+    MissingLearningRateError,
     NonFiniteLossError,
     NotAStoreError,
     ParamSelectionError,
@@ -36,7 +40,7 @@ from gradlog.errors import (  # the public errors, as the README names them (gra
     StoreWriteError,
     UnsupportedLayerError,
 )
-from gradlog.store.reader import Run
+from gradlog.run import Run
 
 if TYPE_CHECKING:
     from gradlog.config import RecorderConfig
@@ -46,11 +50,15 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendError",
     "ConfigError",
+    "DoubleBackwardError",
     "FrozenParamError",
     "GradRecorder",
     "GradientCheckError",
     "GradlogError",
     "InputError",
+    "MemoryTooSmallError",
+    "MissingExtraError",
+    "MissingLearningRateError",
     "NonFiniteLossError",
     "NotAStoreError",
     "ParamSelectionError",

@@ -30,9 +30,15 @@ from jsonschema import Draft202012Validator
 from torch import nn
 
 import gradlog
-from gradlog.analysis import MemoryTooSmallError, MissingExtraError, MissingLearningRateError
 from gradlog.analysis.scan import memory_bytes
-from gradlog.errors import InputError, NonFiniteLossError, SelectionError
+from gradlog.errors import (
+    InputError,
+    MemoryTooSmallError,
+    MissingExtraError,
+    MissingLearningRateError,
+    NonFiniteLossError,
+    SelectionError,
+)
 from gradlog.testing.schemas import validate_store
 
 N_DATA, N_PROBES, PROBE_IDS = 30, 3, [100, 7, 42]
@@ -830,3 +836,65 @@ def test_scans_refuse_damaged_chunks(tmp_store: Path) -> None:
         with pytest.raises(StoreCorruptError):
             scan()
     run.influence(7, params="2.weight")  # the other arrays still read
+
+
+# -- factored store against the full store of the same run ------------------------------------
+def _record_sequence(path: Path, form: str, dtype: str) -> None:
+    """A sequence MLP (8 tokens per datum: rank-8 per-datum weight gradients) in ``dtype``,
+    hooks backend, every setting seeded, so that each form records the same run."""
+    torch.manual_seed(0)
+    kind = getattr(torch, dtype)  # a float64 model: the full store's records exact too
+    model = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 3)).to(kind)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 8, 12, generator=gen), torch.randint(0, 3, (24, 8), generator=gen)
+    probes = (torch.randn(2, 8, 12, generator=gen).to(kind),
+              torch.randint(0, 3, (2, 8), generator=gen))
+    x = x.to(kind)
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        per_token = F.cross_entropy(m(b[0]).transpose(1, 2), b[1], reduction="none")  # (B, T)
+        return per_token.mean(1)  # (B,)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradlog.GradRecorder(
+        model, path, backend="hooks", form=form, dtype=dtype, optimizer=opt,
+        probes=(loss_fn, probes), check_every=0,
+    ) as rec:
+        for step in range(4):
+            idx = torch.arange(6 * step, 6 * step + 6)
+            rec.step(loss_fn, (x[idx], y[idx]), datum_ids=idx)
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_factored_store_scores_equal_the_full_store(tmp_path: Path, dtype: str) -> None:
+    """Influence and similarity computed in factors space (nothing rebuilt) equal those of
+    the ``full`` store of the same run, to float rounding of the full store's values."""
+    for form in ("full", "factors"):
+        _record_sequence(tmp_path / f"{form}.gradlog", form, dtype)
+    full, fact = gradlog.open(tmp_path / "full.gradlog"), gradlog.open(tmp_path / "factors.gradlog")
+    assert fact.form_name("0.weight") == "factors" and full.form_name("0.weight") == "full"
+    rtol = 1e-6 if dtype == "float32" else 1e-8  # float32: the full store's own rounding
+
+    def close(ours: np.ndarray, theirs: np.ndarray) -> None:
+        np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=rtol * np.abs(theirs).max())
+
+    some = full.datums.take(np.arange(0, 24, 2))  # a block that is not every record
+    for max_memory in (None, 200_000):  # one block; several (x against y blocks)
+        kw = {"max_memory": max_memory}
+        for probe in full.probe_ids:
+            ours = fact.influence(probe, top=None, **kw).sort_by("datum_id")
+            theirs = full.influence(probe, top=None, **kw).sort_by("datum_id")
+            close(ours.column("score").to_numpy(), theirs.column("score").to_numpy())
+        grad = {n: full.probe_grads(n)[0] for n in full.param_names}  # a user gradient
+        close(fact.influence(grad, top=None, **kw).sort_by("datum_id").column("score")
+              .to_numpy(), full.influence(grad, top=None, **kw).sort_by("datum_id")
+              .column("score").to_numpy())
+        for kind in ("dot", "cosine"):
+            close(fact.similarity("0.weight", kind=kind, **kw),
+                  full.similarity("0.weight", kind=kind, **kw))
+            close(fact.similarity(a=some, kind=kind, **kw),
+                  full.similarity(a=some, kind=kind, **kw))
+            close(fact.similarity(a=some, b={"step": 3}, kind=kind, **kw),
+                  full.similarity(a=some, b={"step": 3}, kind=kind, **kw))

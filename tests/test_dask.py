@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlog
-from gradlog.analysis import MissingExtraError
 from gradlog.analysis.tasks import StoreRef
-from gradlog.errors import StoreFormatError
+from gradlog.errors import MissingExtraError, StoreFormatError
 
 distributed = pytest.importorskip("distributed", reason="needs gradlog[dask] (dask.distributed)")
 pytest.importorskip("dask.array", reason="needs gradlog[dask] (dask.array)")

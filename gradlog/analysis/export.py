@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
-from gradlog.analysis.selection import params_of, reader
+from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
+from gradlog.analysis.selection import params_of
+from gradlog.analysis.space import reader
 from gradlog.errors import InputError
+from gradlog.store.reader import Selector, StoreReader
 
 if TYPE_CHECKING:
-    from gradlog.store.reader import Run, Selector
+    from typing_extensions import Unpack
 
 __all__ = ["FORMATS", "export"]
 
@@ -34,15 +36,14 @@ _INDEX = ("step", "micro", "datum_id", "row", "loss", "weight", "lr")
 
 
 def export(
-    run: Run,
+    run: StoreReader,
     out: str | os.PathLike[str],
     *,
     format: str | None = None,
     params: str | Sequence[str] | None = None,
     step: Selector = None,
     datum: Selector = None,
-    max_memory: int | str | None = None,
-    progress: bool = False,
+    **scan: Unpack[ScanArgs],
 ) -> dict[str, Any]:
     """Write the selected records and their gradients to ``out`` (module doc for layouts).
 
@@ -53,14 +54,15 @@ def export(
         params: Parameters to export (default: every parameter that keeps gradients: those
             recorded with form ``norm`` keep only norms, in ``run.norms()``, and are skipped;
             naming one is a ``SelectionError``). The summary lists those exported.
-        step: Step selection, as :meth:`Run.records`.
-        datum: Datum selection, as :meth:`Run.records`.
-        max_memory: Working-memory cap (bytes or ``"512MiB"``).
-        progress: Show a progress bar.
+        step: Step selection, as ``Run.records``.
+        datum: Datum selection, as ``Run.records``.
+        **scan: ``max_memory``, ``progress`` (:class:`~gradlog.analysis.scan.ScanArgs`);
+            an export runs in this process (no ``scheduler``).
 
     Returns:
         A summary: ``path``, ``format``, ``records``, ``params``, ``bytes`` (of the file).
     """
+    opts = ScanOptions(**scan).local_only("export")
     path = Path(out)
     if format is None:
         format = path.suffix.lstrip(".").lower()
@@ -71,12 +73,11 @@ def export(
         )
     names = params_of(run, params, gradients=True)
     records = run.records(step, datum)
-    budget = memory_bytes(max_memory)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = _parquet if format == "parquet" else _npz
     tmp = path.with_name("." + path.name + ".tmp")
     try:
-        writer(run, tmp, names, records, budget, progress)
+        writer(run, tmp, names, records, opts)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -90,7 +91,7 @@ def export(
 
 
 def _parquet(
-    run: Run, path: Path, names: list[str], records: Any, budget: int, progress: bool
+    run: StoreReader, path: Path, names: list[str], records: Any, opts: ScanOptions
 ) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -111,12 +112,13 @@ def _parquet(
     others = sum(r.row_bytes for r in readers.values()) - widest.row_bytes
     total = sum(rows.size * r.row_bytes for r in readers.values())
     name = next(n for n, r in readers.items() if r is widest)
-    require_memory(budget, "export", [  # the blocks below get half of it
+    budget = opts.budget
+    opts.require("export", [  # the blocks below get half of it
         (name, widest, 2 * least_budget(widest, rows, per_row_bytes=2 * others))
     ])
     with (
         pq.ParquetWriter(path, schema, compression="zstd") as out,
-        progress_bar(progress, total, "export") as bar,
+        opts.bar(total, "export") as bar,
     ):
         for blk in blocks(
             widest, rows, budget=budget // 2, keys=keys, per_row_bytes=2 * others, what="export"
@@ -134,15 +136,16 @@ def _parquet(
             out.write_table(schema.empty_table())
 
 
-def _npz(run: Run, path: Path, names: list[str], records: Any, budget: int, progress: bool) -> None:
+def _npz(run: StoreReader, path: Path, names: list[str], records: Any, opts: ScanOptions) -> None:
     rows = records.column("row").to_numpy()
     keys = records.column("step").to_numpy()
     readers = {n: reader(run, n) for n in names}
     total = sum(rows.size * r.row_bytes for r in readers.values())
-    require_memory(budget, "export", [(n, r, least_budget(r, rows)) for n, r in readers.items()])
+    budget = opts.budget
+    opts.require("export", [(n, r, least_budget(r, rows)) for n, r in readers.items()])
     with (
         zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
-        progress_bar(progress, total, "export") as bar,
+        opts.bar(total, "export") as bar,
     ):
         for column in _INDEX:
             values = records.column(column)

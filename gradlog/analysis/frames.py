@@ -5,62 +5,43 @@ Both are optional dependencies: ``pip install 'gradlog[xarray]'`` / ``'gradlog[d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gradlog.errors import GradlogError
-
-if TYPE_CHECKING:
-    from gradlog.store.reader import Run, Selector
+from gradlog.analysis.extras import require_extra
+from gradlog.analysis.gradients import decoded, record_shape
+from gradlog.analysis.tasks import StoreRef, read_rows
+from gradlog.errors import MissingExtraError
+from gradlog.store.reader import Selector, StoreReader
 
 __all__ = ["MissingExtraError", "to_dask", "to_xarray"]
 
 
-class MissingExtraError(GradlogError, ImportError):
-    """An optional dependency of the feature asked for is not installed."""
-
-
-def _require(module: str, extra: str, feature: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise MissingExtraError(
-            f"{feature} needs {module.split('.')[0]}, which is not installed: "
-            f"pip install 'gradlog[{extra}]'"
-        ) from None
-
-
-def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None) -> Any:
+def to_dask(run: StoreReader, param: str, step: Selector = None, datum: Selector = None) -> Any:
     """``param``'s gradients of the selected records as a lazy dask array ``(n, *shape)``.
 
     Chunks follow the store's chunk (or shard) files on the record axis (one backward call's
     rows); nothing is read until computed, and every read is checksum-verified and decoded
-    like :meth:`Run.grads` (float32; float64 for float64 storage), compact forms included
+    like ``Run.grads`` (float32; float64 for float64 storage), compact forms included
     (factors, rows and top-k rebuilt per chunk; a projection's projected vectors, shape
     ``(n, *ranks)``; ``norm`` keeps no gradient and raises ``SelectionError``). Rows follow
-    :meth:`Run.records`.
+    ``Run.records``.
 
     Each chunk is a task that opens the store by its path and reads its rows
     (:func:`gradlog.analysis.tasks.read_rows`), so the array computes on any Dask scheduler,
     a ``dask.distributed`` cluster included (its workers must see the store's path), and the
     graph carries only row numbers, never gradient data.
     """
-    da = _require("dask.array", "dask", "Run.to_dask")
+    shape, array = record_shape(run, param)  # a wrong name is named before dask is needed
+    da = require_extra("dask.array", "dask", "Run.to_dask")
     from dask.base import tokenize
 
-    from gradlog.analysis.tasks import StoreRef, read_rows
-    from gradlog.store.dtypes import storage_dtype
-
-    spec = run._check_param(param)
-    shape, array = _record_shape(run, param)
-    rows = np.asarray(run.records(step, datum).column("row"), dtype=np.int64)
-    dtype = np.float64 if storage_dtype(spec["dtype"]).array_dtype == np.float64 else np.float32
+    rows = run.rows(step, datum)
+    dtype = run.value_dtype(param)
     if rows.size == 0:
         return da.zeros((0, *shape), dtype=dtype)
-    per_file = int(run._grad_array(param, array).rows_per_chunk())
+    per_file = int(run.array(param, array).rows_per_chunk())
     # chunk boundaries where the rows cross into the next chunk file
     files = rows // per_file
     cuts = np.flatnonzero(np.diff(files)) + 1
@@ -81,36 +62,30 @@ def to_dask(run: Run, param: str, step: Selector = None, datum: Selector = None)
     )
 
 
-def _record_shape(run: Run, param: str) -> tuple[list[int], str]:
-    """What :meth:`Run.grads` returns per record of ``param`` (its shape; a projection's
-    projected shape), and the stored array whose chunks the records follow. A ``norm``
-    parameter keeps no gradient: :class:`~gradlog.errors.SelectionError`, and a projection
-    warns, as in ``grads``."""
-    spec = run._check_param(param)
-    if run.format_version < 3 or spec.get("form", "full") == "full":
-        return [int(d) for d in spec["shape"]], "grad"
-    form = run._form_notice(param, stacklevel=4)
-    if form.name == "projection":
-        return [int(d) for d in form.out_shape], "proj"
-    return [int(d) for d in spec["shape"]], next(iter(spec["arrays"]))
-
-
 def to_xarray(
-    run: Run, param: str, step: Selector = None, datum: Selector = None, *, lazy: bool = False
+    run: StoreReader,
+    param: str,
+    step: Selector = None,
+    datum: Selector = None,
+    *,
+    lazy: bool = False,
 ) -> Any:
     """``param``'s gradients as an ``xarray.DataArray`` with dimension ``record`` first.
 
     Coordinates along ``record``: ``step``, ``datum_id``, ``row``, ``loss``, ``weight``,
     ``lr`` (NaN where unknown). The other dimensions are ``dim_0 ...`` as in the store, or
     ``proj_0 ...`` for a parameter recorded as a random projection (the projected vectors,
-    as :meth:`Run.grads` returns them); attribute ``form`` names the form. With ``lazy=True``
+    as ``Run.grads`` returns them); attribute ``form`` names the form. With ``lazy=True``
     the data is a dask array (:func:`to_dask`), otherwise numpy.
     """
-    xr = _require("xarray", "xarray", "Run.to_xarray")
+    xr = require_extra("xarray", "xarray", "Run.to_xarray")
     records = run.records(step, datum)
-    data = to_dask(run, param, step, datum) if lazy else run.grads(param, step, datum)
-    spec = run._check_param(param)
-    form = spec.get("form", "full") if run.format_version >= 3 else "full"
+    if lazy:
+        data = to_dask(run, param, step, datum)
+    else:
+        run.spec(param)
+        data = decoded(run, param, np.asarray(records.column("row"), dtype=np.int64), np.float32)
+    form = run.form_name(param)
     axis = "proj" if form == "projection" else "dim"  # projected vectors: their own axes
     dims = ["record", *(f"{axis}_{i}" for i in range(data.ndim - 1))]
     coords = {

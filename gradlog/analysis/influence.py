@@ -31,19 +31,28 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
+from gradlog.analysis import tasks
+from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
 from gradlog.analysis.selection import (
     params_of,
     per_datum,
     ranked,
-    reader,
     record_coefficients,
+    summed_sqnorms,
+)
+from gradlog.analysis.space import (
+    ops_of,
+    probe_cost,
+    probe_read,
+    reader,
     space_vector,
+    step_dots,
 )
 from gradlog.errors import InputError
+from gradlog.store.reader import StoreReader
 
 if TYPE_CHECKING:
-    from gradlog.store.reader import Run
+    from typing_extensions import Unpack
 
 __all__ = ["influence", "record_influence", "self_influence"]
 
@@ -64,24 +73,23 @@ def _vector(value: Any, shape: Sequence[int], name: str) -> np.ndarray:
 
 
 def record_influence(
-    run: Run,
+    run: StoreReader,
     probe: Probe,
     *,
     params: str | Sequence[str] | None = None,
     weighted: bool = False,
     lr: float | None = None,
-    max_memory: int | str | None = None,
-    progress: bool = False,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> tuple[Any, np.ndarray]:
     """Per-record TracIn scores: ``(records, scores)``, one score per record of ``records``.
 
     See :func:`influence` for the arguments; ``records`` are the training records that count
     (those at steps where the probe has a gradient), in row order.
     """
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # heavy: imported by the queries that use it
 
-    budget = memory_bytes(max_memory)
+    opts = ScanOptions(**scan)
+    budget = opts.budget
     if isinstance(probe, Mapping):
         names = params_of(run, list(probe) if params is None else params, gradients=True)
         missing = [n for n in names if n not in probe]
@@ -116,80 +124,57 @@ def record_influence(
         return records, dots
     # position -> probe row at that record's step (probe rows ascend with steps)
     at = probe_rows[np.searchsorted(probe_steps, steps)] if probe_rows is not None else None
-    readers = {n: reader(run, n) for n in names}
+    readers = {n: reader(run, n, space=True) for n in names}
     needs = []  # a fixed gradient is held beside the blocks; a probe's rows are read with them
     for name, train in readers.items():
         if at is None:
             needs.append((name, train, least_budget(train, rows) + vectors[name].nbytes))
             continue
         probes = reader(run, name, probes=True)
+        needs.append((name, train, least_budget(train, rows, extra_cost=probe_cost(probes, at))))
+    opts.require("influence", needs)
 
-        def probe_cost(i0: int, i1: int, probes: Any = probes) -> int:
-            return int(probes.read_cost(np.unique(at[i0:i1])))
-
-        needs.append((name, train, least_budget(train, rows, extra_cost=probe_cost)))
-    require_memory(budget, "influence", needs)
-
-    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
-        from gradlog.analysis.tasks import influence_dots
-
-        return records, coef * influence_dots(
-            run, names, rows, steps, at, vectors, budget, scheduler
+    if opts.scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        return records, coef * tasks.influence_dots(
+            run, names, rows, steps, at, vectors, budget, opts.scheduler
         )
     total = sum(rows.size * r.row_bytes for r in readers.values())
-    with progress_bar(progress, total, "influence") as bar:
+    with opts.bar(total, "influence") as bar:
         for name in names:
             train = readers[name]
+            ops = ops_of(train)
             if at is None:
                 q = vectors[name]
                 for blk in blocks(
                     train, rows, budget=budget - q.nbytes, keys=steps, on_read=bar.update, what=name
                 ):
-                    dots[blk.positions] += np.einsum(
-                        "ij,j->i", blk.data, q, dtype=np.float64, casting="unsafe"
-                    )
+                    dots[blk.positions] += ops.dots(blk.data, q)
                 continue
             probes = reader(run, name, probes=True)
-
-            def extra_cost(i0: int, i1: int, probes: Any = probes) -> int:
-                return int(probes.read_cost(np.unique(at[i0:i1])))
-
-            def extra_read(i0: int, i1: int, probes: Any = probes) -> np.ndarray:
-                return np.asarray(probes.read(np.unique(at[i0:i1])))
-
             for blk in blocks(
                 train,
                 rows,
                 budget=budget,
                 keys=steps,
-                extra_cost=extra_cost,
-                extra_read=extra_read,
+                extra_cost=probe_cost(probes, at),
+                extra_read=probe_read(probes, at),
                 on_read=bar.update,
                 what=name,
             ):
-                assert blk.extra is not None
-                i0, i1 = blk.positions.start, blk.positions.stop
-                # runs of equal steps inside the block: the k-th uses the k-th probe row
-                cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps[i0:i1])) + 1, [i1 - i0]])
-                for k in range(cuts.size - 1):
-                    a, b = int(cuts[k]), int(cuts[k + 1])
-                    dots[i0 + a : i0 + b] += np.einsum(
-                        "ij,j->i", blk.data[a:b], blk.extra[k], dtype=np.float64, casting="unsafe"
-                    )
+                assert blk.extra is not None  # extra_read gave it
+                dots[blk.positions] += step_dots(ops, blk.data, steps[blk.positions], blk.extra)
     return records, coef * dots
 
 
 def influence(
-    run: Run,
+    run: StoreReader,
     probe: Probe,
     *,
     top: int | None = 10,
     params: str | Sequence[str] | None = None,
     weighted: bool = False,
     lr: float | None = None,
-    max_memory: int | str | None = None,
-    progress: bool = False,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> Any:
     """Rank training data by TracIn influence on a probe (module doc: sign and scale).
 
@@ -207,12 +192,8 @@ def influence(
             skipped; naming one is a ``SelectionError``).
         weighted: Multiply by each record's weight ``w_b`` (module doc).
         lr: Use this learning rate for every step instead of the recorded one.
-        max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
-        progress: Show a progress bar (local scans; on Dask, use Dask's dashboard).
-        scheduler: Run the scan on Dask: a ``dask.distributed.Client``, ``"distributed"``
-            (the active Client), ``"dask"`` (Dask's default), or any scheduler that
-            ``dask.compute`` takes. Same result as the local scan
-            (:mod:`gradlog.analysis.tasks`). None: in this process.
+        **scan: ``max_memory``, ``progress``, ``scheduler`` (:class:`ScanArgs`); on Dask
+            the result is the local scan's (:mod:`gradlog.analysis.tasks`).
 
     Returns:
         pyarrow table ``kind`` ("proponent" / "opponent"; "neutral" for a zero score with
@@ -224,14 +205,7 @@ def influence(
         MissingLearningRateError: a step has no recorded learning rate and ``lr`` is not given.
     """
     records, scores = record_influence(
-        run,
-        probe,
-        params=params,
-        weighted=weighted,
-        lr=lr,
-        max_memory=max_memory,
-        progress=progress,
-        scheduler=scheduler,
+        run, probe, params=params, weighted=weighted, lr=lr, **scan
     )
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores
@@ -240,7 +214,7 @@ def influence(
 
 
 def self_influence(
-    run: Run,
+    run: StoreReader,
     *,
     top: int | None = None,
     params: str | Sequence[str] | None = None,
@@ -256,19 +230,14 @@ def self_influence(
     Returns:
         pyarrow table ``datum_id``, ``score``, ``n_steps``, by descending score (first ``top``).
     """
-    import pyarrow as pa
-
-    from gradlog.store import format as fmt
+    import pyarrow as pa  # heavy: imported by the queries that use it
 
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
         raise InputError(f"top={top!r} must be a positive int, or None for every datum.")
     names = params_of(run, params)
     records = run.datums
     coef = record_coefficients(records, lr=lr, weighted=weighted, what="self_influence")
-    sq = np.zeros(records.num_rows, dtype=np.float64)
-    for name in names:
-        norms = records.column(fmt.norm_column(name)).to_numpy()
-        sq += norms * norms
+    sq = summed_sqnorms(run, records, names)
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), coef * sq
     )

@@ -25,76 +25,71 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
-from gradlog.analysis.selection import params_of, per_datum, ranked, reader, record_coefficients
+from gradlog.analysis import tasks
+from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
+from gradlog.analysis.selection import params_of, per_datum, ranked, record_coefficients
+from gradlog.analysis.space import ops_of, reader
+from gradlog.store.reader import Selector, StoreReader
 
 if TYPE_CHECKING:
-    from gradlog.store.reader import Run, Selector
+    from typing_extensions import Unpack
 
 __all__ = ["movers", "record_movement"]
 
 
 def record_movement(
-    run: Run,
+    run: StoreReader,
     params: str | Sequence[str] | None,
     *,
     steps: Selector = None,
     lr: float | None = None,
-    max_memory: int | str | None = None,
-    progress: bool = False,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> tuple[Any, np.ndarray, float]:
     """Per record ``<c_r, delta>`` and ``||delta||``: ``(records, projections, norm)``."""
-    budget = memory_bytes(max_memory)
+    opts = ScanOptions(**scan)
+    budget = opts.budget
     names = params_of(run, params, gradients=True)
     records = run.records(step=steps)
     coef = -record_coefficients(records, lr=lr, weighted=True, what="movers")  # -lr_t w_r
     rows = records.column("row").to_numpy()
     keys = records.column("step").to_numpy()
-    readers = {n: reader(run, n) for n in names}
+    readers = {n: reader(run, n, space=True) for n in names}
     # each scan holds the parameter's change and einsum's output beside its blocks
-    require_memory(budget, "movers", [
+    opts.require("movers", [
         (n, r, least_budget(r, rows) + 2 * r.numel * 8) for n, r in readers.items()
     ])
-    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
-        from gradlog.analysis.tasks import movement
-
-        proj, norm_sq = movement(run, names, rows, keys, coef, budget, scheduler)
+    if opts.scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        proj, norm_sq = tasks.movement(run, names, rows, keys, coef, budget, opts.scheduler)
         return records, coef * proj, float(np.sqrt(norm_sq))
     proj = np.zeros(rows.size, dtype=np.float64)
     norm_sq = 0.0
     total = 2 * sum(rows.size * r.row_bytes for r in readers.values())
-    with progress_bar(progress, total, "movers") as bar:
+    with opts.bar(total, "movers") as bar:
         for name in names:
             r = readers[name]
+            ops = ops_of(r)
             delta = np.zeros(r.numel, dtype=np.float64)
             own = 2 * delta.nbytes  # delta and einsum's output
             for blk in blocks(
                 r, rows, budget=budget - own, keys=keys, on_read=bar.update, what=name
             ):
-                delta += np.einsum(
-                    "i,ij->j", coef[blk.positions], blk.data, dtype=np.float64, casting="unsafe"
-                )
+                delta += ops.weighted_sum(coef[blk.positions], blk.data)
             norm_sq += float(delta @ delta)
             for blk in blocks(
                 r, rows, budget=budget - own, keys=keys, on_read=bar.update, what=name
             ):
-                proj[blk.positions] += np.einsum(
-                    "ij,j->i", blk.data, delta, dtype=np.float64, casting="unsafe"
-                )
+                proj[blk.positions] += ops.dots(blk.data, delta)
     return records, coef * proj, float(np.sqrt(norm_sq))
 
 
 def movers(
-    run: Run,
-    params: str | Sequence[str] | None,
+    run: StoreReader,
+    params: str | Sequence[str] | None = None,
     *,
     steps: Selector = None,
     top: int | None = 10,
     lr: float | None = None,
-    max_memory: int | str | None = None,
-    progress: bool = False,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> Any:
     """Rank data by how much they moved ``params`` over ``steps`` (module doc).
 
@@ -107,23 +102,14 @@ def movers(
         top: The ``top`` data that moved the parameter most along its change ("along") and
             the ``top`` that pushed most against it ("against"); None: every datum.
         lr: Use this learning rate for every step instead of the recorded one.
-        max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``).
-        progress: Show a progress bar (local scans).
-        scheduler: Run the scan on Dask, as :func:`gradlog.analysis.influence` does.
+        **scan: ``max_memory``, ``progress``, ``scheduler``
+            (:class:`~gradlog.analysis.scan.ScanArgs`).
 
     Returns:
         pyarrow table ``kind``, ``rank``, ``datum_id``, ``score``, ``n_steps``, ``fraction``;
         its schema metadata ``change_norm`` holds ``||delta||`` (the sum of every score).
     """
-    records, scores, norm = record_movement(
-        run,
-        params,
-        steps=steps,
-        lr=lr,
-        max_memory=max_memory,
-        progress=progress,
-        scheduler=scheduler,
-    )
+    records, scores, norm = record_movement(run, params, steps=steps, lr=lr, **scan)
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores
     )

@@ -8,36 +8,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gradlog.analysis.frames import _require
-from gradlog.analysis.selection import params_of
+from gradlog.analysis.extras import require_extra
+from gradlog.analysis.selection import params_of, summed_sqnorms
 from gradlog.errors import InputError
-
-if TYPE_CHECKING:
-    from gradlog.store.reader import Run
+from gradlog.store.reader import StoreReader
 
 __all__ = ["plot_norms", "record_norms"]
 
 _MAX_HEAT = (400, 300)  # (steps, data) at most in the heatmap; larger runs are subsampled
 
 
-def record_norms(run: Run, params: str | Sequence[str] | None = None) -> np.ndarray:
+def record_norms(run: StoreReader, params: str | Sequence[str] | None = None) -> np.ndarray:
     """Per record (row order): the norm of its gradient over ``params`` (default: all)."""
-    from gradlog.store import format as fmt
-
-    records = run.datums
-    sq = np.zeros(records.num_rows, dtype=np.float64)
-    for name in params_of(run, params):
-        norms = records.column(fmt.norm_column(name)).to_numpy()
-        sq += norms * norms
-    return np.sqrt(sq)
+    return np.asarray(np.sqrt(summed_sqnorms(run, run.datums, params_of(run, params))))
 
 
 def plot_norms(
-    run: Run,
+    run: StoreReader,
     out: str | os.PathLike[str] | None = None,
     *,
     params: str | Sequence[str] | None = None,
@@ -63,7 +54,7 @@ def plot_norms(
     Returns:
         The ``matplotlib.figure.Figure``.
     """
-    _require("matplotlib", "plot", "plotting")
+    require_extra("matplotlib", "plot", "plotting")
     from matplotlib.colors import LogNorm, Normalize
     from matplotlib.figure import Figure
 

@@ -22,18 +22,22 @@ import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from gradlog.errors import GradlogError, InputError
+from gradlog.errors import InputError, MemoryTooSmallError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
     "ArrayReader",
     "Block",
-    "MemoryTooSmallError",
+    "PlanArgs",
+    "ScanArgs",
+    "ScanOptions",
     "block_plan",
     "blocks",
     "least_budget",
@@ -88,8 +92,49 @@ def memory_bytes(value: int | float | str | None) -> int:
     return int(value)
 
 
-class MemoryTooSmallError(GradlogError, ValueError):
-    """``max_memory`` is below what reading one chunk of an array needs."""
+class ScanArgs(TypedDict, total=False):
+    """The keywords every scan takes (``**scan`` of the analyses and their ``Run`` methods);
+    :class:`ScanOptions` checks them."""
+
+    max_memory: int | str | None
+    """Working-memory cap of the scan: bytes, or a string such as ``"512MiB"`` (default
+    256 MiB)."""
+    progress: bool
+    """Show a tqdm progress bar (local scans; on Dask, use Dask's dashboard)."""
+    scheduler: Any
+    """Run the scan on Dask (:mod:`gradlog.analysis.tasks`): a ``dask.distributed.Client``,
+    ``"distributed"``, ``"dask"`` or any scheduler ``dask.compute`` takes; None: here."""
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """How a scan runs: the checked :class:`ScanArgs` (one place for their defaults)."""
+
+    max_memory: int | str | None = None
+    progress: bool = False
+    scheduler: Any = None
+
+    def __post_init__(self) -> None:
+        memory_bytes(self.max_memory)  # refuse a malformed size before any read
+
+    @property
+    def budget(self) -> int:
+        """``max_memory`` in bytes."""
+        return memory_bytes(self.max_memory)
+
+    def bar(self, total: int | None, desc: str) -> Any:
+        """A tqdm bar over bytes for a local scan (a no-op object without ``progress``)."""
+        return progress_bar(self.progress and self.scheduler is None, total, desc)
+
+    def require(self, what: str, needs: Sequence[tuple[str, ArrayReader, int]]) -> None:
+        """:func:`require_memory` with this ``max_memory``."""
+        require_memory(self.budget, what, needs)
+
+    def local_only(self, what: str) -> ScanOptions:
+        """These options, refusing ``scheduler`` for a scan that runs here only."""
+        if self.scheduler is not None:
+            raise InputError(f"{what} runs in this process only; drop scheduler=.")
+        return self
 
 
 class ArrayReader:
@@ -104,6 +149,10 @@ class ArrayReader:
         chunk_rows: Rows per chunk file (a shard for sharded arrays).
         sharded: True for gradlog's sharded arrays (read row by row from each shard file),
             False for arrays read through zarr-python (whole chunks decoded).
+        ops: The arithmetic on what ``read`` returns: None for ``(n, *shape)`` arrays
+            (read as ``(n, numel)``); a form's operations
+            (:class:`gradlog.analysis.space.FormOps`) for its stored arrays, taken as
+            ``read`` returns them.
     """
 
     def __init__(
@@ -115,8 +164,10 @@ class ArrayReader:
         stored_itemsize: int,
         chunk_rows: Callable[[], int] | int,
         sharded: bool,
+        ops: Any = None,
     ) -> None:
         self._read = read
+        self.ops = ops
         self.shape = tuple(int(d) for d in shape)
         self.numel = int(np.prod(self.shape, dtype=np.int64))
         self.dtype = np.dtype(dtype)
@@ -159,8 +210,11 @@ class ArrayReader:
         in_flight = min(touched, _CONCURRENCY)
         return int(out + data * self.stored_row_bytes + in_flight * _PER_CHUNK + _PER_READ)
 
-    def read(self, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` (sorted) as an ``(n, numel)`` array of :attr:`dtype`."""
+    def read(self, rows: np.ndarray) -> Any:
+        """Rows ``rows`` (sorted) as an ``(n, numel)`` array of :attr:`dtype` (a form's
+        stored arrays when :attr:`ops` is set)."""
+        if self.ops is not None:
+            return self._read(rows)
         if rows.size == 0:
             return np.zeros((0, self.numel), dtype=self.dtype)
         return np.asarray(self._read(rows), dtype=self.dtype).reshape(rows.size, self.numel)
@@ -173,17 +227,25 @@ class Block:
 
     Attributes:
         positions: The block's positions in the scan's ``rows`` (a slice, ascending).
-        data: ``(n, numel)`` gradients of those rows, storage dtype.
+        data: ``(n, numel)`` gradients of those rows, storage dtype (a form's arrays for a
+            reader with ``ops``).
         extra: The companion block (see :func:`blocks`), or None.
     """
 
     positions: slice
-    data: np.ndarray
+    data: Any
     extra: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of :attr:`data`."""
+        if isinstance(self.data, np.ndarray):
+            return int(self.data.nbytes)
+        return sum(int(t.nbytes) for t in self.data.values())
 
     def release(self) -> None:
         """Drop the arrays (the scan calls this before reading the next block)."""
-        self.data = np.empty((0, *self.data.shape[1:]), dtype=self.data.dtype)  # not a view
+        self.data = None
         self.extra = None
 
 
@@ -195,18 +257,31 @@ def _boundaries(keys: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], starts, [keys.size]]).astype(np.int64)
 
 
+class PlanArgs(TypedDict, total=False):
+    """How :func:`block_plan` cuts a scan into blocks (also taken by :func:`blocks`)."""
+
+    keys: np.ndarray | None
+    """One key per row (the step); blocks hold whole runs of equal keys unless a run alone
+    is over the budget."""
+    per_row_bytes: int
+    """The caller's own temporaries per row of a block (e.g. a float64 copy)."""
+    extra_cost: Callable[[int, int], int] | None
+    """For a block's positions ``[i0, i1)``, the bytes of a companion read done with it
+    (the probe gradients of the block's steps)."""
+    what: str
+    """Name of the array, for errors."""
+    prefetch: bool
+    """Read ahead on background threads (default True)."""
+
+
 def blocks(
     reader: ArrayReader,
     rows: np.ndarray,
     *,
     budget: int,
-    keys: np.ndarray | None = None,
-    per_row_bytes: int = 0,
-    extra_cost: Callable[[int, int], int] | None = None,
     extra_read: Callable[[int, int], np.ndarray] | None = None,
     on_read: Callable[[int], None] | None = None,
-    what: str = "",
-    prefetch: bool = True,
+    **plan_args: Unpack[PlanArgs],
 ) -> Iterator[Block]:
     """Yield the rows ``rows`` (ascending) of ``reader``'s array in blocks within ``budget``.
 
@@ -219,15 +294,10 @@ def blocks(
         reader: The array.
         rows: Sorted store rows to read.
         budget: Bytes the scan may hold at once.
-        keys: One key per row (the step); blocks hold whole runs of equal keys unless a run
-            alone is over the budget.
-        per_row_bytes: The caller's own temporaries per row of a block (e.g. a float64 copy).
-        extra_cost: For a block's positions ``[i0, i1)``, the bytes of a companion read done
-            with it (the probe gradients of the block's steps).
-        extra_read: For a block's positions ``[i0, i1)``, that companion array.
+        extra_read: For a block's positions ``[i0, i1)``, the companion array whose bytes
+            ``extra_cost`` counts.
         on_read: Called with the bytes of each block read (progress bars).
-        what: Name of the array, for errors.
-        prefetch: Read ahead on a background thread.
+        **plan_args: How the blocks are cut (:class:`PlanArgs`).
 
     Raises:
         MemoryTooSmallError: ``budget`` cannot hold the smallest possible block.
@@ -235,16 +305,7 @@ def blocks(
     rows = np.asarray(rows, dtype=np.int64)
     if rows.size == 0:
         return
-    plan, depth = block_plan(
-        reader,
-        rows,
-        budget=budget,
-        keys=keys,
-        per_row_bytes=per_row_bytes,
-        extra_cost=extra_cost,
-        what=what,
-        prefetch=prefetch,
-    )
+    plan, depth = block_plan(reader, rows, budget=budget, **plan_args)
 
     def emit(i0: int, i1: int) -> Block:
         data = reader.read(rows[i0:i1])
@@ -255,7 +316,7 @@ def blocks(
         for i0, i1 in plan:
             block = emit(i0, i1)
             if on_read is not None:
-                on_read(block.data.nbytes)
+                on_read(block.nbytes)
             yield block
             block.release()
         return
@@ -271,7 +332,7 @@ def blocks(
             if k + depth < len(plan):
                 pending.append(pool.submit(emit, *plan[k + depth]))
             if on_read is not None:
-                on_read(block.data.nbytes)
+                on_read(block.nbytes)
             yield block
             block.release()
     finally:
@@ -421,6 +482,8 @@ def _fits(
 
 def progress_bar(enabled: bool, total: int | None, desc: str) -> Any:
     """A tqdm bar over bytes (a no-op object when disabled)."""
+    from tqdm.auto import tqdm  # ~0.3 s to import: not for `gradlog info`
+
     return tqdm(
         total=total,
         unit="B",

@@ -1,56 +1,27 @@
-"""What an analysis runs over: parameters, records, their learning rates, array readers."""
+"""What an analysis runs over: parameters, records, their learning rates; and how its
+per-record scores become per-datum rankings."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gradlog.analysis.scan import ArrayReader
-from gradlog.errors import InputError, SelectionError, StoreFormatError
-
-if TYPE_CHECKING:
-    from gradlog.store.reader import Run
+from gradlog.errors import InputError, MissingLearningRateError, SelectionError
+from gradlog.store.reader import StoreReader
 
 __all__ = [
-    "MissingLearningRateError",
-    "estimated",
     "params_of",
-    "reader",
+    "per_datum",
+    "ranked",
     "record_coefficients",
     "records_of",
-    "space_vector",
+    "summed_sqnorms",
 ]
 
-_FORMS = ("full", "factors", "rows", "topk", "projection")
-"""Forms the scans read: ``full``; ``factors``, ``rows`` and ``topk`` rebuilt block by block
-(exact; ``topk`` its kept entries); ``projection`` in its projected space (estimates)."""
-
-
-def estimated(run: Run, names: Sequence[str]) -> list[str]:
-    """The parameters among ``names`` whose scores are estimates: recorded as projections
-    (inner products of projections estimate the gradients', unbiased) or top-k entries."""
-    return [n for n in names if run._check_param(n).get("form", "full") in ("projection", "topk")]
-
-
-def space_vector(run: Run, param: str, grad: Any) -> Any:
-    """A gradient the user gives for ``param`` in the space its records are compared in:
-    projected for a ``projection`` parameter, as given otherwise."""
-    if run._check_param(param).get("form", "full") != "projection":
-        return grad
-    if hasattr(grad, "detach"):  # torch, without importing it here
-        grad = grad.detach().cpu().numpy()
-    arr = np.asarray(grad)
-    return run.project(param, arr if arr.dtype.kind == "f" else arr.astype(np.float32))
-
-
-class MissingLearningRateError(InputError):
-    """The learning rate an analysis needs was not recorded (it is null in the index)."""
-
-
 def params_of(
-    run: Run, params: str | Sequence[str] | None, *, gradients: bool = False
+    run: StoreReader, params: str | Sequence[str] | None, *, gradients: bool = False
 ) -> list[str]:
     """Recorded parameter names selected by ``params`` (None: all), checked.
 
@@ -61,7 +32,7 @@ def params_of(
     if params is None:
         names = run.param_names
         if gradients:
-            names = [n for n in names if run._check_param(n).get("form", "full") != "norm"]
+            names = [n for n in names if run.form_name(n) != "norm"]
             if not names:
                 raise SelectionError(
                     f"every parameter of {run.path} was recorded with form 'norm': only each "
@@ -79,8 +50,7 @@ def params_of(
     if not names:
         raise SelectionError("no parameter selected: pass a parameter name, a list, or None.")
     for name in names:
-        spec = run._check_param(name)
-        if gradients and spec.get("form", "full") == "norm":
+        if run.form_name(name) == "norm" and gradients:
             raise SelectionError(
                 f"parameter {name!r} was recorded with form 'norm': only each record's exact "
                 "norm is kept (run.norms(param)), so it cannot enter similarities, influence, "
@@ -90,144 +60,7 @@ def params_of(
     return names
 
 
-def reader(run: Run, param: str, *, probes: bool = False) -> ArrayReader:
-    """A reader of ``param``'s gradient array (or of its probe array), opened on first read.
-
-    Values come back float32 (float64 for float64 storage), lossy storage dtypes widened.
-    """
-    from gradlog.store.dtypes import storage_dtype
-
-    spec = run._check_param(param)
-    form = spec.get("form", "full")
-    if form == "norm":
-        raise SelectionError(  # params= selections are refused earlier, by params_of
-            f"parameter {param!r} was recorded with form 'norm': only each record's exact norm "
-            "is kept (read it with run.norms(param)), so it has no gradients to read. Choose a "
-            "parameter recorded with another form."
-        )
-    if form not in _FORMS:
-        raise StoreFormatError(
-            f"parameter {param!r} is stored in form {form!r}, which this gradlog's analysis "
-            f"does not read (it reads {', '.join(_FORMS)}). Upgrade gradlog."
-        )
-    stored = storage_dtype(spec["dtype"])
-    out = np.float64 if stored.array_dtype == np.float64 else np.float32
-    if probes:  # probes are stored full; a projected parameter's are projected alike
-
-        def read(rows: np.ndarray) -> np.ndarray:
-            full = np.asarray(run._probe_array(param).read(rows, out))
-            return np.asarray(space_vector(run, param, full), dtype=out)
-
-        shape = run.form(param).out_shape if form == "projection" else spec["shape"]
-        return ArrayReader(
-            read,
-            shape,
-            out,
-            stored_itemsize=stored.itemsize,
-            chunk_rows=lambda: run._probe_array(param).chunk_rows,
-            sharded=False,
-        )
-
-    if form != "full" and run.format_version >= 3:
-        _note_estimates(run, param, form)
-        return _form_reader(run, param, spec, out, stored.itemsize)
-
-    def read_grads(rows: np.ndarray) -> np.ndarray:
-        return _read_sorted(run._grad_array(param), rows, out)
-
-    sharded = run.format_version >= 2  # gradlog's own shard reader; version 1 reads via zarr
-    return ArrayReader(
-        read_grads,
-        spec["shape"],
-        out,
-        stored_itemsize=stored.itemsize,
-        chunk_rows=lambda: run._grad_array(param).rows_per_chunk(),
-        sharded=sharded,
-    )
-
-
-_ESTIMATES = {
-    "projection": "a random projection: inner products, norms and scores computed from it are "
-    "unbiased estimates (Johnson-Lindenstrauss error ~ sqrt(2/dim) of the product of norms)",
-    "topk": "its top-k entries: inner products and scores use those entries only",
-}
-
-
-def _note_estimates(run: Run, param: str, form: str) -> None:
-    """Say once per run and parameter that its scores are estimates."""
-    import warnings
-
-    if form not in _ESTIMATES:
-        return
-    noted: set[str] = run.__dict__.setdefault("_estimates_noted", set())
-    if param not in noted:
-        noted.add(param)
-        warnings.warn(
-            f"parameter {param!r} was recorded as {_ESTIMATES[form]}; exact norms stay in "
-            "run.norms().",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _form_reader(
-    run: Run, param: str, spec: Mapping[str, Any], out: Any, itemsize: int
-) -> ArrayReader:
-    """Rows of a parameter kept in another form than ``full``: a projection's vectors
-    (compared in projected space), or the rebuilt gradients of factors, rows and top-k."""
-    form = run.form(param)
-    first = next(iter(spec["arrays"]))
-
-    def read(rows: np.ndarray) -> np.ndarray:
-        arrays = run.read_form_arrays(param, rows)
-        data = arrays["proj"] if form.name == "projection" else form.decode(arrays)
-        return np.asarray(data.numpy(), dtype=out)
-
-    shape = form.out_shape if form.name == "projection" else spec["shape"]
-    stored = max(1, form.nbytes_per_record(itemsize))
-    return ArrayReader(
-        read,
-        shape,
-        out,
-        stored_itemsize=max(1, stored // max(1, int(np.prod(shape, dtype=np.int64)))),
-        chunk_rows=lambda: run._grad_array(param, first).rows_per_chunk(),
-        sharded=True,
-    )
-
-
-def _read_sorted(array: Any, rows: np.ndarray, dtype: Any) -> np.ndarray:
-    """``array.read(rows, dtype)`` for sorted rows, without its scatter buffers.
-
-    For sharded (format version 2) arrays each shard's rows are decoded straight into their
-    place in the result by the verified shard reader (``ShardLayout.read_rows``: checksums,
-    missing rows and truncation raise ``StoreCorruptError``), which saves two of the four
-    passes over the data that ``GradArray.read``'s any-order scatter makes (a zeroed result and
-    a per-shard block): measured, it makes scans about 2x faster on CPU. Other arrays go
-    through ``GradArray.read``.
-    """
-
-    from gradlog.store.dtypes import from_storage
-
-    layout = getattr(array, "layout", None)
-    if layout is None or rows.size == 0 or bool(np.any(np.diff(rows) <= 0)):
-        return np.asarray(array.read(rows, dtype))
-    stored = np.empty((rows.size, *array.shape), dtype=layout.array_dtype)
-    shards = rows // layout.rows_per_shard
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(shards)) + 1, [rows.size]])
-    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        shard = int(shards[a])
-        key = layout.shard_key(shard)
-        layout.read_rows(
-            array.directory / key,
-            shard,
-            (rows[a:b] - shard * layout.rows_per_shard).tolist(),
-            stored[a:b],
-            f"{array.root}: {array.where}, chunk {key}",
-        )
-    return np.asarray(from_storage(stored, array.dtype, dtype))
-
-
-def records_of(run: Run, selection: Any, what: str) -> Any:
+def records_of(run: StoreReader, selection: Any, what: str) -> Any:
     """The records a selection names: None (all), ``{"step": ..., "datum": ...}``, or a
     pyarrow table with a ``row`` column (e.g. ``run.records(...)``)."""
     if selection is None:
@@ -334,3 +167,13 @@ def ranked(
     if metadata:
         table = table.replace_schema_metadata(dict(metadata))
     return table
+
+
+def summed_sqnorms(run: StoreReader, records: Any, names: Sequence[str]) -> np.ndarray:
+    """Per record of ``records``: the squared norm of its gradient over ``names``, from the
+    index's exact float64 norms (no gradient read)."""
+    sq = np.zeros(records.num_rows, dtype=np.float64)
+    for name in names:
+        norms = run.record_norms(records, name)
+        sq += norms * norms
+    return sq

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, least_budget, memory_bytes, progress_bar, require_memory
-from gradlog.analysis.selection import params_of, reader, records_of
+from gradlog.analysis import tasks
+from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
+from gradlog.analysis.selection import params_of, records_of
+from gradlog.analysis.space import ops_of, reader
 from gradlog.errors import InputError
+from gradlog.store.reader import StoreReader
 
 if TYPE_CHECKING:
-    from gradlog.store.reader import Run
+    from typing_extensions import Unpack
 
 __all__ = ["KINDS", "similarity"]
 
@@ -20,15 +24,13 @@ KINDS = ("dot", "cosine")
 
 
 def similarity(
-    run: Run,
+    run: StoreReader,
     params: str | Sequence[str] | None = None,
     *,
     a: Any = None,
     b: Any = None,
     kind: str = "dot",
-    max_memory: int | str | None = None,
-    progress: bool = False,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> np.ndarray:
     """Similarity of the gradients of two sets of records.
 
@@ -41,12 +43,13 @@ def similarity(
             :meth:`Run.records` takes, or a table from ``run.records(...)``.
         b: The columns' records, likewise; None with ``a`` given means the same as ``a``.
         kind: ``"dot"`` (``<g_i, g_j>``) or ``"cosine"`` (0 where a gradient is zero).
-        max_memory: Working-memory cap of the scan (bytes or ``"512MiB"``); the result
-            (``len(a) x len(b)`` float64) is not counted.
-        progress: Show a progress bar (local scans).
-        scheduler: Run the scan on Dask, as :func:`gradlog.analysis.influence` does: one
-            task per pair of blocks of the local plan (equal to the local result on one
+        **scan: ``max_memory`` (the result, ``len(a) x len(b)`` float64, is not counted),
+            ``progress``, ``scheduler`` (:class:`~gradlog.analysis.scan.ScanArgs`): on Dask,
+            one task per pair of blocks of the local plan (equal to the local result on one
             machine; BLAS builds may round ``x @ y.T`` differently elsewhere).
+
+    Records of ``factors``, ``rows`` and ``topk`` parameters are compared through their
+    form's inner products (:mod:`gradlog.analysis.space`), never rebuilt.
 
     Returns:
         float64 array ``(len(a), len(b))``; row ``i`` is the ``i``-th record of ``a`` in the
@@ -54,7 +57,8 @@ def similarity(
     """
     if kind not in KINDS:
         raise InputError(f"kind={kind!r} is not one of {list(KINDS)}.")
-    budget = memory_bytes(max_memory)
+    opts = ScanOptions(**scan)
+    budget = opts.budget
     names = params_of(run, params, gradients=True)
     rec_a = records_of(run, a, "a")
     rec_b = rec_a if b is None and a is not None else records_of(run, b, "b")
@@ -63,61 +67,46 @@ def similarity(
     rows_b, order_b = _sorted_rows(rec_b)
     steps_a = rec_a.column("step").to_numpy()[order_a]
     steps_b = rec_b.column("step").to_numpy()[order_b]
-    readers = {n: reader(run, n) for n in names}
+    readers = {n: reader(run, n, space=True) for n in names}
     # each side's blocks get half of max_memory (a block of a and one of b are held at once)
-    require_memory(budget, "similarity", [
+    opts.require("similarity", [
         (n, r, 2 * least_budget(r, rows, per_row_bytes=r.numel * 8))
         for n, r in readers.items() for rows in (rows_a, rows_b)
     ])
-    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
-        from gradlog.analysis.tasks import similarity_parts
-
-        parts = similarity_parts(
-            run, names, (rows_a, steps_a), (rows_b, steps_b), same, budget // 2, scheduler
+    if opts.scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        parts = tasks.similarity_parts(
+            run, names, (rows_a, steps_a), (rows_b, steps_b), same, budget // 2, opts.scheduler
         )
         return _finish(*parts, kind, order_a, order_b)
     out = np.zeros((rows_a.size, rows_b.size), dtype=np.float64)
     sq_a = np.zeros(rows_a.size, dtype=np.float64)
     sq_b = np.zeros(rows_b.size, dtype=np.float64)
     half = budget // 2
-    with progress_bar(progress, None, "similarity") as bar:
+    with opts.bar(None, "similarity") as bar:
         for name in names:
             r = readers[name]
-            f64 = r.numel * 8  # each block is multiplied as a float64 copy
+            ops = ops_of(r)
+            side = functools.partial(  # each block is multiplied as a float64 copy
+                blocks, r, budget=half, per_row_bytes=r.numel * 8, on_read=bar.update, what=name
+            )
             first = True
-            for blk_a in blocks(
-                r,
-                rows_a,
-                budget=half,
-                keys=steps_a,
-                per_row_bytes=f64,
-                on_read=bar.update,
-                what=name,
-            ):
-                x = blk_a.data.astype(np.float64)
-                own = np.einsum("ij,ij->i", x, x)
-                sq_a[blk_a.positions] += own
+            for blk_a in side(rows_a, keys=steps_a):
+                x = blk_a.data
                 if same and blk_a.positions == slice(0, rows_a.size):  # all of a, in memory
-                    out += x @ x.T
+                    gram, own = ops.gram(x)  # one symmetric pass gives the norms too
+                    out += gram
+                    sq_a += own
                     sq_b += own
-                    del x
+                    del x, gram
                     continue
-                for blk_b in blocks(
-                    r,
-                    rows_b,
-                    budget=half,
-                    keys=steps_b,
-                    per_row_bytes=f64,
-                    on_read=bar.update,
-                    what=name,
-                    # no read-ahead: an inner pass left early (the next outer block) would
-                    # leave its reads in flight beside the next pass's, over the budget
-                    prefetch=False,
-                ):
-                    y = blk_b.data.astype(np.float64)
-                    out[blk_a.positions, blk_b.positions] += x @ y.T
+                sq_a[blk_a.positions] += ops.sqnorms(x)
+                # no read-ahead: an inner pass left early (the next outer block) would leave
+                # its reads in flight beside the next pass's, over the budget
+                for blk_b in side(rows_b, keys=steps_b, prefetch=False):
+                    y = blk_b.data
+                    out[blk_a.positions, blk_b.positions] += ops.inner(x, y)
                     if first:
-                        sq_b[blk_b.positions] += np.einsum("ij,ij->i", y, y)
+                        sq_b[blk_b.positions] += ops.sqnorms(y)
                     del y
                 first = False
                 del x

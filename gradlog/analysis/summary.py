@@ -7,34 +7,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.analysis.scan import blocks, memory_bytes
-from gradlog.analysis.selection import reader
+from gradlog.analysis import tasks
+from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks
+from gradlog.analysis.space import block_moments, reader
+from gradlog.store.reader import Selector, StoreReader
 
 if TYPE_CHECKING:
-    from gradlog.store.reader import Run, Selector
+    from typing_extensions import Unpack
 
-__all__ = ["block_moments", "stats"]
-
-
-def block_moments(data: np.ndarray) -> tuple[int, float, float, float, float]:
-    """A block's (count, mean, sum of squared deviations, min, max), in float64."""
-    x = data.astype(np.float64)
-    n = int(x.size)
-    if n == 0:
-        return 0, 0.0, 0.0, float(np.inf), float(-np.inf)
-    bmean = float(x.mean())
-    x -= bmean
-    return n, bmean, float(np.einsum("ij,ij->", x, x)), float(data.min()), float(data.max())
+__all__ = ["stats"]
 
 
 def stats(
-    run: Run,
+    run: StoreReader,
     param: str,
     step: Selector = None,
     datum: Selector = None,
-    *,
-    max_memory: int | str | None = None,
-    scheduler: Any = None,
+    **scan: Unpack[ScanArgs],
 ) -> dict[str, Any]:
     """Statistics of ``param``'s gradients over the selected records, in float64.
 
@@ -44,31 +33,33 @@ def stats(
         and ``record_norm_min`` / ``record_norm_max`` (the exact per-record norms of the
         index). Values are None for an empty slice.
 
-    ``scheduler`` runs the scan on Dask (:mod:`gradlog.analysis.tasks`): same result.
+    ``**scan``: ``max_memory``, ``progress``, ``scheduler``
+    (:class:`~gradlog.analysis.scan.ScanArgs`); on Dask the result is the local scan's.
     """
-    from gradlog.store import format as fmt
-
-    budget = memory_bytes(max_memory)
+    opts = ScanOptions(**scan)
+    budget = opts.budget
     r = reader(run, param)
     records = run.records(step, datum)
     rows = records.column("row").to_numpy()
     steps = records.column("step").to_numpy()
-    if scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
-        from gradlog.analysis.tasks import stats_moments
-
-        parts: Iterable[tuple[int, float, float, float, float]] = stats_moments(
-            run, param, rows, steps, budget, scheduler
+    bar = opts.bar(None, "stats")
+    if opts.scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
+        parts: Iterable[tuple[int, float, float, float, float]] = tasks.stats_moments(
+            run, param, rows, steps, budget, opts.scheduler
         )
     else:
         parts = (
             block_moments(blk.data)
             for blk in blocks(
-                r, rows, budget=budget, keys=steps, per_row_bytes=r.numel * 8, what=param
+                r, rows, budget=budget, keys=steps, per_row_bytes=r.numel * 8,
+                on_read=bar.update, what=param,
             )
         )
     count, mean, m2 = 0, 0.0, 0.0  # Chan et al.'s parallel variance, merged block by block
     lo, hi = np.inf, -np.inf
-    for n, bmean, bm2, blo, bhi in parts:
+    with bar:
+        merged = list(parts)
+    for n, bmean, bm2, blo, bhi in merged:
         if n == 0:
             continue
         delta = bmean - mean
@@ -91,7 +82,7 @@ def stats(
         "record_norm_max": None,
     }
     if count:
-        norms = records.column(fmt.norm_column(param)).to_numpy()
+        norms = run.record_norms(records, param)
         out.update(
             norm=float(np.sqrt(m2 + count * mean * mean)),
             mean=mean,

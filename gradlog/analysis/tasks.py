@@ -30,15 +30,16 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from gradlog.analysis.extras import require_extra
+from gradlog.analysis.gradients import decoded
 from gradlog.analysis.scan import block_plan
-from gradlog.analysis.selection import reader
-
-if TYPE_CHECKING:
-    from gradlog.store.reader import Run
+from gradlog.analysis.space import block_moments, ops_of, probe_cost, reader, step_dots
+from gradlog.errors import StoreFormatError
+from gradlog.store.reader import StoreReader
 
 __all__ = [
     "StoreRef",
@@ -61,17 +62,14 @@ class StoreRef:
     config_hash: str | None
 
     @classmethod
-    def of(cls, run: Run) -> StoreRef:
+    def of(cls, run: StoreReader) -> StoreRef:
         # absolute: a worker's working directory is not the client's
         path = run.path.absolute() if isinstance(run.path, Path) else run.path
         return cls(str(path), run.attrs.get("created"), run.attrs.get("config_hash"))
 
-    def open(self) -> Run:
+    def open(self) -> StoreReader:
         """The store, opened in the task's process (root JSON only: the index is not read)."""
-        from gradlog.errors import StoreFormatError
-        from gradlog.store.reader import Run
-
-        run = Run(self.path)
+        run = StoreReader(self.path)
         if (run.attrs.get("created"), run.attrs.get("config_hash")) != (
             self.created,
             self.config_hash,
@@ -85,9 +83,7 @@ class StoreRef:
 
 def compute(tasks: Sequence[Any], scheduler: Any) -> list[Any]:
     """``dask.compute`` of delayed ``tasks`` on ``scheduler`` (module doc)."""
-    from gradlog.analysis.frames import _require
-
-    dask = _require("dask", "dask", "scheduler= (scans on Dask)")
+    dask = require_extra("dask", "dask", "scheduler= (scans on Dask)")
     if not tasks:
         return []
     if isinstance(scheduler, str) and scheduler == "dask":
@@ -96,28 +92,30 @@ def compute(tasks: Sequence[Any], scheduler: Any) -> list[Any]:
 
 
 def _delayed() -> Any:
-    from gradlog.analysis.frames import _require
-
-    return _require("dask", "dask", "scheduler= (scans on Dask)").delayed
+    return require_extra("dask", "dask", "scheduler= (scans on Dask)").delayed
 
 
 # -- tasks (run on workers) ----------------------------------------------------------------
+def _space_reader(run: StoreReader, name: str) -> Any:
+    """The reader a local scan compares ``name``'s records with (its form's space); the
+    client said once that scores are estimates."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return reader(run, name, space=True)
+
+
 def read_rows(rows: np.ndarray, ref: StoreRef, param: str, dtype: Any) -> np.ndarray:
     """Task: rows ``rows`` (ascending store rows) of ``param``'s gradients, ``(n, *shape)``."""
     run = ref.open()
-    rows = np.asarray(rows, dtype=np.int64)
-    spec = run._check_param(param)
-    if run.format_version >= 3 and spec.get("form", "full") != "full":
-        with warnings.catch_warnings():  # to_dask warned once, for the whole array
-            warnings.simplefilter("ignore", UserWarning)
-            return run._form_grads(param, rows, dtype)  # rebuilt like Run.grads
-    return np.asarray(run._grad_array(param).read(rows, dtype), dtype=dtype)
+    with warnings.catch_warnings():  # to_dask warned once, for the whole array
+        warnings.simplefilter("ignore", UserWarning)
+        return decoded(run, param, np.asarray(rows, dtype=np.int64), dtype)  # as Run.grads
 
 
 def _dots_fixed(ref: StoreRef, name: str, rows: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Task: ``<g_r, q>`` for the block's records (influence with a user gradient)."""
-    data = reader(ref.open(), name).read(rows)
-    return np.asarray(np.einsum("ij,j->i", data, q, dtype=np.float64, casting="unsafe"))
+    r = _space_reader(ref.open(), name)
+    return ops_of(r).dots(r.read(rows), q)
 
 
 def _dots_probe(
@@ -125,26 +123,19 @@ def _dots_probe(
 ) -> np.ndarray:
     """Task: ``<g_r, g_t(probe)>`` for the block's records, the probe's row at each step."""
     run = ref.open()
-    data = reader(run, name).read(rows)
+    r = _space_reader(run, name)
     extra = np.asarray(reader(run, name, probes=True).read(probe_rows))
-    out = np.zeros(rows.size, dtype=np.float64)
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [rows.size]])
-    for k in range(cuts.size - 1):  # runs of equal steps: the k-th uses the k-th probe row
-        a, b = int(cuts[k]), int(cuts[k + 1])
-        out[a:b] += np.einsum("ij,j->i", data[a:b], extra[k], dtype=np.float64, casting="unsafe")
-    return out
+    return step_dots(ops_of(r), r.read(rows), steps, extra)
 
 
 def _moments(ref: StoreRef, name: str, rows: np.ndarray) -> tuple[int, float, float, float, float]:
     """Task: a block's (count, mean, sum of squared deviations, min, max)."""
-    from gradlog.analysis.summary import block_moments
-
     return block_moments(reader(ref.open(), name).read(rows))
 
 
 # -- plans (run on the client) -------------------------------------------------------------
 def influence_dots(
-    run: Run,
+    run: StoreReader,
     names: Sequence[str],
     rows: np.ndarray,
     steps: np.ndarray,
@@ -160,7 +151,7 @@ def influence_dots(
     tasks: list[Any] = []
     where: list[slice] = []
     for name in names:
-        train = reader(run, name)
+        train = reader(run, name, space=True)
         if at is None:
             q = vectors[name]
             plan, _ = block_plan(train, rows, budget=budget - q.nbytes, keys=steps, what=name)
@@ -170,12 +161,8 @@ def influence_dots(
                 where.append(slice(i0, i1))
             continue
         probes = reader(run, name, probes=True)
-
-        def extra_cost(i0: int, i1: int, probes: Any = probes) -> int:
-            return int(probes.read_cost(np.unique(at[i0:i1])))
-
         plan, _ = block_plan(
-            train, rows, budget=budget, keys=steps, extra_cost=extra_cost, what=name
+            train, rows, budget=budget, keys=steps, extra_cost=probe_cost(probes, at), what=name
         )
         for i0, i1 in plan:
             task = delayed(_dots_probe, pure=True)(
@@ -190,7 +177,7 @@ def influence_dots(
 
 
 def stats_moments(
-    run: Run, param: str, rows: np.ndarray, steps: np.ndarray, budget: int, scheduler: Any
+    run: StoreReader, param: str, rows: np.ndarray, steps: np.ndarray, budget: int, scheduler: Any
 ) -> list[tuple[int, float, float, float, float]]:
     """The blocks' moments of :func:`gradlog.analysis.stats`, in the local scan's order."""
     delayed = _delayed()
@@ -203,12 +190,12 @@ def stats_moments(
 
 def _weighted_sum(ref: StoreRef, name: str, rows: np.ndarray, coef: np.ndarray) -> np.ndarray:
     """Task: ``sum_r coef_r g_r`` over the block's records."""
-    data = reader(ref.open(), name).read(rows)
-    return np.asarray(np.einsum("i,ij->j", coef, data, dtype=np.float64, casting="unsafe"))
+    r = _space_reader(ref.open(), name)
+    return ops_of(r).weighted_sum(coef, r.read(rows))
 
 
 def movement(
-    run: Run,
+    run: StoreReader,
     names: Sequence[str],
     rows: np.ndarray,
     keys: np.ndarray,
@@ -223,7 +210,7 @@ def movement(
     plans = {}
     sums: list[Any] = []
     for name in names:
-        r = reader(run, name)
+        r = reader(run, name, space=True)
         own = 2 * r.numel * 8  # delta and einsum's output, as the local scan counts them
         plans[name], _ = block_plan(r, rows, budget=budget - own, keys=keys, what=name)
         for i0, i1 in plans[name]:
@@ -232,7 +219,7 @@ def movement(
     deltas = {}
     norm_sq = 0.0
     for name in names:
-        delta = np.zeros(reader(run, name).numel, dtype=np.float64)
+        delta = np.zeros(reader(run, name, space=True).numel, dtype=np.float64)
         for _ in plans[name]:
             delta += next(parts)  # block by block, in the local order
         norm_sq += float(delta @ delta)
@@ -251,24 +238,22 @@ def movement(
 
 
 def _squares(ref: StoreRef, name: str, rows: np.ndarray) -> np.ndarray:
-    """Task: each record's squared norm, from a float64 copy of the block."""
-    x = reader(ref.open(), name).read(rows).astype(np.float64)
-    return np.asarray(np.einsum("ij,ij->i", x, x))
+    """Task: each record's squared norm."""
+    r = _space_reader(ref.open(), name)
+    return ops_of(r).sqnorms(r.read(rows))
 
 
 def _products(
     ref: StoreRef, name: str, rows_a: np.ndarray, rows_b: np.ndarray | None
 ) -> np.ndarray:
-    """Task: ``x @ y.T`` of two blocks in float64 (``x @ x.T`` when ``rows_b`` is None)."""
-    r = reader(ref.open(), name)
-    x = r.read(rows_a).astype(np.float64)
-    if rows_b is None:
-        return np.asarray(x @ x.T)
-    return np.asarray(x @ r.read(rows_b).astype(np.float64).T)
+    """Task: ``<x_i, y_j>`` of two blocks in float64 (``x`` with itself when ``rows_b`` is
+    None)."""
+    r = _space_reader(ref.open(), name)
+    return ops_of(r).inner(r.read(rows_a), None if rows_b is None else r.read(rows_b))
 
 
 def similarity_parts(
-    run: Run,
+    run: StoreReader,
     names: Sequence[str],
     a: tuple[np.ndarray, np.ndarray],
     b: tuple[np.ndarray, np.ndarray],
@@ -284,7 +269,7 @@ def similarity_parts(
     layout: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]] | None]] = []
     tasks: list[Any] = []
     for name in names:
-        r = reader(run, name)
+        r = reader(run, name, space=True)
         f64 = r.numel * 8  # each block is multiplied as a float64 copy
         plan_a, _ = block_plan(r, rows_a, budget=budget, keys=steps_a, per_row_bytes=f64, what=name)
         task = functools.partial(delayed, pure=True)

@@ -149,7 +149,7 @@ def train_demo(
             if on_step is not None:
                 on_step(step, loss)
 
-    from gradlog.store.reader import Run
+    from gradlog.run import Run
 
     run = Run(out)
     table = run.steps

@@ -18,10 +18,24 @@ What is measured.
 - **Slice latency** (warm cache, median of ``--lat-reps``): one step of one parameter, one
   datum's trajectory, norms of the whole run, the records index of one step, similarity within
   a step, self-influence; and the first (cold) call of each after dropping the cache.
+- **Form space** (``--forms-steps`` > 0): the same run (same model, data and seeds) recorded
+  twice with the hooks backend, once ``form="full"`` and once ``--factored-form`` (default
+  ``auto``: ``factors`` where they are smaller, ``T (d_in + d_out) < d_in d_out``, i.e. the
+  ``width x width`` layer; ``full`` for the small head and the biases), a sequence model
+  (``--tokens`` tokens per datum) so that a Linear weight's per-datum gradient is
+  ``G_b^T A_b`` of rank ``tokens``. At each of ``--forms-widths`` (default 128 and 512, a
+  typical LM layer), influence of a recorded probe (every datum) and similarity of a block
+  of records (``--forms-records``; ``--forms-records-wide`` above width 256, where a full
+  record is over 1 MB) are timed on both stores (warm cache, median of ``--forms-reps``); the
+  factored store compares records through ``Form.inner`` / ``inner_dense`` without
+  rebuilding them. The table gives both times, the speed-up and the largest absolute
+  difference of the scores, also relative to the largest score.
 
 Usage::
 
     python tests/benchmarks/bench_query.py --gib 1 --reps 3
+    python tests/benchmarks/bench_query.py --forms-only            # widths 128 and 512, ~1-2 min
+    python tests/benchmarks/bench_query.py --forms-only --forms-widths 256 --tokens 32
 """
 
 from __future__ import annotations
@@ -78,6 +92,98 @@ def record(path: Path, *, width: int, batch: int, gib: float, backend: str) -> g
     return gradlog.open(path)
 
 
+def record_forms(
+    path: Path, form: str, *, width: int, batch: int, tokens: int, steps: int
+) -> gradlog.Run:
+    """A sequence MLP recorded with ``form``; everything else seeded, so two forms record
+    the same run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 16))
+    gen = torch.Generator().manual_seed(1)
+    n_data = 4 * batch
+    x = torch.randn(n_data, tokens, width, generator=gen)
+    y = torch.randint(0, 16, (n_data, tokens), generator=gen)
+    probes = (torch.randn(2, tokens, width, generator=gen),
+              torch.randint(0, 16, (2, tokens), generator=gen))
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits = m(b[0])  # (B, T, 16)
+        per_token = F.cross_entropy(logits.transpose(1, 2), b[1], reduction="none")  # (B, T)
+        return per_token.mean(1)  # (B,)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradlog.GradRecorder(
+        model, path, backend="hooks", form=form, optimizer=opt, overwrite=True,
+        probes=(loss_fn, probes), check_every=0,
+    ) as rec:
+        for _ in range(steps):
+            idx = torch.randperm(n_data, generator=gen)[:batch]
+            rec.step(loss_fn, (x[idx], y[idx]), datum_ids=idx)
+            opt.step()
+            opt.zero_grad()
+    return gradlog.open(path)
+
+
+def forms_table(root: Path, args: argparse.Namespace) -> None:
+    """Influence and similarity on a factored store against the ``full`` store of the same
+    run, at each width: time, speed-up and largest score difference (module doc, **Form
+    space**)."""
+    print()
+    print(
+        f"form space: {args.forms_steps} steps x {args.batch} records x {args.tokens} tokens; "
+        f"factored store recorded with form={args.factored_form!r}; warm cache, median of "
+        f"{args.forms_reps}; scan cap {args.max_memory or '256MiB'}"
+    )
+    print()
+    print("| width | query | full (ms) | factored (ms) | speed-up | max abs diff | "
+          "diff / max score | max abs score |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for width in args.forms_widths:
+        forms_rows(root, args, width)
+    print()
+
+
+def forms_rows(root: Path, args: argparse.Namespace, width: int) -> None:
+    """The table rows of one width (:func:`forms_table`)."""
+    size = {"width": width, "batch": args.batch, "tokens": args.tokens,
+            "steps": args.forms_steps}
+    forms = {"full": "full", "factored": args.factored_form}
+    runs = {k: record_forms(root / f"{k}{width}.gradlog", f, **size) for k, f in forms.items()}
+    n = args.forms_records if width <= 256 else args.forms_records_wide
+    rows = runs["full"].datums.column("row").to_numpy()[:n]
+    block = runs["full"].datums.take(np.arange(rows.size))
+    big = runs["full"].param_names[0]
+    planned = runs["factored"].params.column("form").to_pylist()
+
+    def influence(run: gradlog.Run) -> np.ndarray:
+        table = run.influence(run.probe_ids[0], top=None, max_memory=args.max_memory)
+        return table.sort_by("datum_id").column("score").to_numpy()
+
+    queries: dict[str, Callable[[gradlog.Run], np.ndarray]] = {
+        "influence(probe, top=None), every param": influence,
+        f"similarity({big!r}, {rows.size} x {rows.size} records)": lambda run: run.similarity(
+            big, a=block, max_memory=args.max_memory
+        ),
+        f"similarity(every param, {rows.size} x {rows.size}, cosine)": lambda run: (
+            run.similarity(a=block, kind="cosine", max_memory=args.max_memory)
+        ),
+    }
+    note = (f"{runs['full'].nbytes / 1e6:.1f} MB full, {runs['factored'].nbytes / 1e6:.1f} MB "
+            f"factored ({'/'.join(planned)})")
+    for name, query in queries.items():
+        dense, factored = query(runs["full"]), query(runs["factored"])  # warm: arrays opened
+        t_full = median_time(lambda q=query: q(runs["full"]), args.forms_reps)
+        t_fact = median_time(lambda q=query: q(runs["factored"]), args.forms_reps)
+        diff = float(np.max(np.abs(dense - factored))) if dense.size else 0.0
+        top = float(np.max(np.abs(dense))) if dense.size else 0.0
+        print(
+            f"| {width} | {name} | {t_full * 1e3:.1f} | {t_fact * 1e3:.1f} | "
+            f"{t_full / t_fact:.2f}x | {diff:.2e} | {diff / top if top else 0.0:.1e} | "
+            f"{top:.2e} |"
+        )
+    print(f"| {width} | stores: {note} | | | | | | |")
+
+
 def array_files(path: Path) -> list[Path]:
     roots = [path / "grads", path / "probes" / "grads"]
     return sorted(f for r in roots if r.is_dir() for f in r.rglob("*") if f.is_file())
@@ -128,11 +234,27 @@ def main() -> None:
     parser.add_argument("--max-memory", default=None, help="scan cap (default 256MiB)")
     parser.add_argument("--dir", default=None, help="where to write the store")
     parser.add_argument("--keep", action="store_true", help="keep the store")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per datum (forms)")
+    parser.add_argument("--forms-steps", type=int, default=10, help="0: no form table")
+    parser.add_argument("--forms-records", type=int, default=128, help="similarity block")
+    parser.add_argument("--forms-records-wide", type=int, default=64,
+                        help="similarity block above width 256")
+    parser.add_argument("--forms-widths", type=lambda v: [int(w) for w in v.split(",")],
+                        default=[128, 512], help="widths of the form table, e.g. 128,512")
+    parser.add_argument("--factored-form", default="auto",
+                        help="form of the factored store: auto (factors where smaller), factors")
+    parser.add_argument("--forms-reps", type=int, default=3, help="repeats of a form query")
+    parser.add_argument("--forms-only", action="store_true", help="only the form table")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_query-", dir=args.dir))
     path = root / "bench.gradlog"
     try:
+        if args.forms_only:
+            print(f"# bench_query --forms-only  {datetime.datetime.now().isoformat('T', 'seconds')}"
+                  f"  {platform.node()}  {os.cpu_count()} CPUs  gradlog {gradlog.__version__}")
+            forms_table(root, args)
+            return
         t0 = time.perf_counter()
         run = record(path, width=args.width, batch=args.batch, gib=args.gib, backend=args.backend)
         t_record = time.perf_counter() - t0
@@ -223,6 +345,8 @@ def main() -> None:
         print("|---|---:|---:|")
         for name, (cold, warm) in latency.items():
             print(f"| {name} | {cold * 1e3:.1f} | {warm * 1e3:.1f} |")
+        if args.forms_steps > 0:
+            forms_table(root, args)
     finally:
         if args.keep:
             print(f"store kept at {path}")

@@ -1,0 +1,184 @@
+"""Per-datum gradients read back: the records of one parameter rebuilt from its form.
+
+``Run.grads``, ``Run.probe_grads``, ``Run.trajectory``, ``Run.project`` and
+``Run.read_form_arrays`` are these functions. ``full`` records come back as stored;
+``factors``, ``rows`` and ``topk`` rebuilt (``topk``: its kept entries, zeros elsewhere);
+``projection`` as its projected vectors (with a :class:`UserWarning` saying so, once per run
+and parameter); ``norm`` keeps no gradient.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from gradlog.errors import SelectionError
+from gradlog.store.reader import Selector, StoreReader, one_int
+
+__all__ = [
+    "Trajectory",
+    "decoded",
+    "form_notice",
+    "form_tensors",
+    "grads",
+    "probe_grads",
+    "project",
+    "record_shape",
+    "trajectory",
+]
+
+
+class Trajectory(NamedTuple):
+    """One datum's gradients across training: ``steps[i]`` is the step of ``grads[i]``."""
+
+    steps: np.ndarray
+    grads: Any
+
+
+def _out(values: np.ndarray, as_torch: bool) -> Any:
+    if as_torch:
+        import torch
+
+        return torch.from_numpy(values)
+    return values
+
+
+def grads(
+    run: StoreReader,
+    param: str,
+    step: Selector = None,
+    datum: Selector = None,
+    *,
+    as_torch: bool = False,
+    dtype: Any = np.float32,
+) -> Any:
+    """Per-datum gradients of ``param`` for the selected records.
+
+    Returns an array ``(n_records, *shape)`` whose rows follow ``run.records`` with the
+    same selection (in row order: by step, then by position in the batch); torch with
+    ``as_torch``.
+
+    Parameters recorded with another form than ``full`` (``run.params["form"]``):
+    ``factors``, ``rows`` and ``topk`` are rebuilt (``topk``: its kept entries, zeros
+    elsewhere); ``projection`` returns the projected vectors ``(n_records, *ranks)``
+    (with a :class:`UserWarning` saying so, once per parameter); ``norm`` keeps no
+    gradient and raises :class:`~gradlog.errors.SelectionError` pointing to ``run.norms``.
+    """
+    run.spec(param)
+    return _out(decoded(run, param, run.rows(step, datum), dtype), as_torch)
+
+
+def decoded(run: StoreReader, param: str, rows: np.ndarray, dtype: Any) -> np.ndarray:
+    """``param``'s records at store ``rows`` as :func:`grads` returns them (numpy)."""
+    if run.form_name(param) == "full":
+        return run.read_array(param, rows, dtype)
+    form = form_notice(run, param, stacklevel=4)
+    arrays = form_tensors(run, param, rows)
+    if form.name == "projection":
+        return np.asarray(arrays["proj"].numpy(), dtype=dtype)
+    return np.asarray(form.decode(arrays).numpy(), dtype=dtype)
+
+
+def form_notice(run: StoreReader, param: str, *, stacklevel: int = 3) -> Any:
+    """``param``'s form, after what reading its gradients must say: ``norm`` keeps none
+    (:class:`~gradlog.errors.SelectionError`), ``projection`` gives projected vectors
+    (a :class:`UserWarning`, once per run and parameter)."""
+    form = run.form(param)
+    if form.name == "norm":
+        raise SelectionError(
+            f"parameter {param!r} was recorded with form 'norm': only each record's exact "
+            "norm is kept. Read it with run.norms(param); record with form 'full', "
+            "'factors', 'projection' or 'auto' to keep more."
+        )
+    if form.name == "projection" and run.first_notice("projection", param):
+        warnings.warn(
+            f"parameter {param!r} was recorded as a random projection: grads() returns "
+            f"the projected vectors {tuple(form.out_shape)} per record, not the "
+            "gradients. Inner products between them estimate the gradients' "
+            "(unbiased); project your own gradients alike with run.project(param, g).",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return form
+
+
+def form_tensors(run: StoreReader, param: str, rows: np.ndarray) -> dict[str, Any]:
+    """The stored arrays of ``param``'s form at store ``rows`` (sorted or not): name ->
+    torch tensor ``(len(rows), *array shape)`` (floats as float32, float64 for float64
+    storage; indices int64), as ``run.form(param).inner``/``decode`` take them."""
+    import torch
+
+    rows = np.asarray(rows, dtype=np.int64)
+    return {k: torch.from_numpy(v) for k, v in run.read_arrays(param, rows).items()}
+
+
+def record_shape(run: StoreReader, param: str) -> tuple[list[int], str]:
+    """What :func:`grads` returns per record of ``param`` (its shape; a projection's
+    projected shape), and the stored array whose chunks the records follow. A ``norm``
+    parameter keeps no gradient: :class:`~gradlog.errors.SelectionError`, and a projection
+    warns, as in :func:`grads`."""
+    spec = run.spec(param)
+    if spec["form"] == "full":
+        return [int(d) for d in spec["shape"]], "grad"
+    form = form_notice(run, param, stacklevel=4)
+    if form.name == "projection":
+        return [int(d) for d in form.out_shape], "proj"
+    return [int(d) for d in spec["shape"]], next(iter(spec["arrays"]))
+
+
+def project(run: StoreReader, param: str, grad: Any) -> Any:
+    """A gradient the user computed (a test example's, ``(*shape)`` or a batch ``(K,
+    *shape)``, torch or numpy), projected with ``param``'s stored projection: it lies in
+    the space of ``run.grads(param)``, so their inner products estimate the gradients'.
+
+    Raises:
+        SelectionError: ``param`` was not recorded with form ``projection``.
+    """
+    import torch
+
+    from gradlog.forms import project as project_with
+
+    spec = run.spec(param)
+    if spec["form"] != "projection":
+        raise SelectionError(
+            f"parameter {param!r} was recorded with form {spec['form']!r}, "
+            "not 'projection': compare your gradient with run.grads(param) directly."
+        )
+    g = grad if isinstance(grad, torch.Tensor) else torch.as_tensor(np.asarray(grad))
+    if not g.is_floating_point():
+        g = g.to(torch.float32)
+    out = project_with(g, spec["form_spec"])  # float64 stays float64
+    return out if isinstance(grad, torch.Tensor) else out.numpy()
+
+
+def probe_grads(
+    run: StoreReader,
+    param: str,
+    probe: Selector = None,
+    step: Selector = None,
+    *,
+    as_torch: bool = False,
+    dtype: Any = np.float32,
+) -> Any:
+    """Recorded probe gradients of ``param``: ``(n, *shape)``, rows following
+    ``run.probe_records`` with the same selection."""
+    run.spec(param)
+    rows = np.asarray(run.probe_records(probe, step).column("row"), dtype=np.int64)
+    return _out(run.read_probe_rows(param, rows, dtype), as_torch)
+
+
+def trajectory(run: StoreReader, param: str, datum: int, *, as_torch: bool = False) -> Trajectory:
+    """Datum ``datum``'s gradients of ``param`` at every step where it appeared.
+
+    Returns:
+        ``Trajectory(steps, grads)``: int64 steps ``(n,)`` and gradients ``(n, *shape)``
+        (float32 numpy, or torch with ``as_torch=True``), in step order.
+    """
+    one = one_int(datum)
+    if one is None:
+        raise SelectionError(f"datum={datum!r}: a trajectory follows one datum id (an int).")
+    run.spec(param)
+    steps = np.asarray(run.records(datum=one).column("step"), dtype=np.int64)
+    return Trajectory(steps, grads(run, param, datum=one, as_torch=as_torch))
