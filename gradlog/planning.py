@@ -14,30 +14,30 @@ import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from gradlog.config import RecorderConfig
 from gradlog.errors import InputError
 from gradlog.forms import (
     Form,
     FullForm,
-    Material,
     ParamInfo,
     form_from_spec,
     make_form,
+    naming_errors,
     plan_forms,
 )
-from gradlog.forms.auto import naming_errors
-from gradlog.forms.base import batch_size, material_shape
+from gradlog.grads import Material, batch_size, material_shape
 
 __all__ = [
+    "FormRequests",
     "array_specs",
     "check_free_space",
     "check_requests",
     "encode",
+    "format_bytes",
     "forms_from_specs",
     "keeps_material",
     "plan",
@@ -45,7 +45,21 @@ __all__ = [
 ]
 
 
-def check_requests(config: RecorderConfig, params: Mapping[str, torch.Tensor]) -> None:
+class FormRequests(Protocol):
+    """What planning reads of the configuration (:class:`gradlog.config.RecorderConfig`,
+    one layer above: planning only reads it)."""
+
+    @property
+    def form_budget(self) -> int | None: ...
+
+    def rule_for(self, name: str) -> tuple[str | None, str | Mapping[str, Any]]: ...
+
+    def request_for(self, name: str) -> str | Mapping[str, Any]: ...
+
+    def check_form_globs(self, names: list[str]) -> None: ...
+
+
+def check_requests(config: FormRequests, params: Mapping[str, torch.Tensor]) -> None:
     """Refuse, when the recorder is built, ``form=`` globs that decide no parameter and
     requests that cannot apply to a parameter's shape (naming it and the fix), rather than at
     the first backward. What depends on the material (factors, token counts, the budget's
@@ -65,16 +79,16 @@ def check_requests(config: RecorderConfig, params: Mapping[str, torch.Tensor]) -
             make_form(request, info)
 
 
-def keeps_material(config: RecorderConfig, names: list[str]) -> frozenset[str]:
+def _form_name(config: FormRequests, name: str) -> Any:
+    """The name of the form parameter ``name`` asks for."""
+    request = config.request_for(name)
+    return request if isinstance(request, str) else request.get("form")
+
+
+def keeps_material(config: FormRequests, names: list[str]) -> frozenset[str]:
     """Parameters whose request is not plain ``full``: the hooks backend hands their
     factors or sparse rows over instead of adding them into dense gradients."""
-    out = set()
-    for name in names:
-        request = config.request_for(name)
-        form = request if isinstance(request, str) else request.get("form")
-        if form != FullForm.name:
-            out.add(name)
-    return frozenset(out)
+    return frozenset(name for name in names if _form_name(config, name) != FullForm.name)
 
 
 DENSE_ENCODED = ("projection", "topk", "norm")
@@ -83,21 +97,15 @@ need the factors to stay compact)."""
 
 
 def dense_for_fused(
-    config: RecorderConfig, keep: frozenset[str], fused: frozenset[str]
+    config: FormRequests, keep: frozenset[str], fused: frozenset[str]
 ) -> frozenset[str]:
     """``keep`` without the fused weights (``batch_grad="sum"``) whose form encodes dense
     gradients: those are formed in the backward, and their sum is the weight gradient."""
-    dense = set()
-    for name in keep & fused:
-        request = config.request_for(name)
-        form = request if isinstance(request, str) else request.get("form")
-        if form in DENSE_ENCODED:
-            dense.add(name)
-    return keep - dense
+    return keep - {name for name in keep & fused if _form_name(config, name) in DENSE_ENCODED}
 
 
 def plan(
-    config: RecorderConfig,
+    config: FormRequests,
     materials: Mapping[str, Material],
     *,
     itemsize: int,
@@ -212,7 +220,7 @@ def plan_table(
     if records_from is not None:
         lines.append(f"bytes per step for {batch:,} records per step ({records_from})")
     if steps is not None:
-        lines.append(f"projected size for {steps:,} steps: {_fmt_bytes(total * steps)}")
+        lines.append(f"projected size for {steps:,} steps: {format_bytes(total * steps)}")
     return "\n".join(lines)
 
 
@@ -229,8 +237,8 @@ def check_free_space(path: str | os.PathLike[str], nbytes: int) -> str | None:
     if nbytes <= free:
         return None
     message = (
-        f"gradlog: the planned recording needs {_fmt_bytes(nbytes)}, but only "
-        f"{_fmt_bytes(free)} are free where {path} lives. Record less (form= projections, "
+        f"gradlog: the planned recording needs {format_bytes(nbytes)}, but only "
+        f"{format_bytes(free)} are free where {path} lives. Record less (form= projections, "
         "form_budget=, params=, every=, dtype='bfloat16') or free space; recording continues "
         "and fails cleanly, steps committed, if the disk fills."
     )
@@ -238,7 +246,8 @@ def check_free_space(path: str | os.PathLike[str], nbytes: int) -> str | None:
     return message
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"1.5 MiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -1,0 +1,268 @@
+"""The step pipeline behind :class:`gradlog.GradRecorder`: one recorded backward call goes
+begin (step, learning rate, checks) -> backward (the backend's per-datum gradients) ->
+self-check -> probes -> encode (forms) -> stage (host arrays) -> hand over (the writer) ->
+account (the step in progress, committed by :class:`StepLifecycle`).
+
+Each stage is its own component; this module wires them: :meth:`StepPipeline.open` builds
+them around a started backend and writer, :meth:`StepPipeline.record` runs a batch through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradlog import planning
+from gradlog.backends import BACKENDS, Backend, PerDatumGrads
+from gradlog.config import RecorderConfig, RecordingOptions
+from gradlog.distributed import Distributed, detect
+from gradlog.errors import InputError
+from gradlog.recording import handoff
+from gradlog.recording.encoding import FormEncoder
+from gradlog.recording.inputs import (
+    LossChecks,
+    check_grad_shapes,
+    on_step_of,
+    optimizer_lr,
+    tokens_of,
+)
+from gradlog.recording.lifecycle import StepLifecycle
+from gradlog.recording.probes import ProbeRecorder
+from gradlog.recording.selfcheck import SelfCheck
+from gradlog.recording.state import PendingStep
+from gradlog.sparse import active_settings, check_settings
+from gradlog.store.writer import StoreWriter
+
+__all__ = ["Compute", "StepPipeline", "make_backend"]
+
+log = logging.getLogger("gradlog")
+
+Compute = Callable[[], tuple[torch.Tensor, PerDatumGrads]]
+"""Runs a batch's backward: its per-datum losses ``(B,)`` and per-datum gradients."""
+
+
+def make_backend(
+    model: nn.Module, params: Mapping[str, nn.Parameter], config: RecorderConfig
+) -> Backend:
+    """The configured backend, attached to the model; which parameters hand over their
+    factors or sparse rows (``keep_material``) follows their forms."""
+    backend = BACKENDS[config.backend](
+        model,
+        params,
+        batch_reduction=config.batch_reduction,
+        randomness=config.vmap_randomness,
+        **({"batch_grad": "sum"} if config.batch_grad == "sum" else {}),
+    )
+    backend.keep_material = planning.keeps_material(config, list(params))
+    backend.attach()
+    if config.batch_grad == "sum":
+        # Fused layers form their per-datum gradients in the backward anyway (their sum is
+        # the weight gradient): forms that encode dense gradients take them as they are,
+        # rather than factors they would form again for the exact norms.
+        backend.keep_material = planning.dense_for_fused(
+            config, backend.keep_material, backend.fused_params
+        )
+    return backend
+
+
+@dataclass(eq=False)
+class StepPipeline:
+    """A started recording: the backend, the writer and the stages between them.
+
+    Attributes:
+        backend: The attached backend.
+        writer: The store writer.
+        dist: This process's place in a torch.distributed run, or None.
+        encoder: The forms, planned at the first recorded batch.
+        lifecycle: Step numbering and the step in progress.
+    """
+
+    model: nn.Module
+    params: Mapping[str, nn.Parameter]
+    config: RecorderConfig
+    options: RecordingOptions
+    backend: Backend
+    writer: StoreWriter
+    dist: Distributed | None
+    encoder: FormEncoder
+    sparse: list[dict[str, Any]]  # how the backward is sparsified (gradlog.sparse), as opened
+
+    def __post_init__(self) -> None:
+        config, options = self.config, self.options
+        self.lifecycle = StepLifecycle(
+            config.every, self._commit, self._committed, distributed=self.dist is not None
+        )
+        self.check_losses = LossChecks(self.model)
+        self.self_check = SelfCheck(self.params, config.check_every, config.check_rtol)
+        self.probes = None if options.probes is None else ProbeRecorder(
+            options.probes, options.probe_ids, self.model, self.params,
+            token_reduction=config.token_reduction, dtype=config.dtype, durable=options.durable,
+        )
+        self._optimizer_hook = on_step_of(options.optimizer, self.lifecycle.on_optimizer_step)
+        if options.resume and self.writer.last_step is not None:
+            self.lifecycle.resume(self.writer.last_step, self.writer.next_datum_id)
+        if self.writer.planned_specs is not None:  # resumed: the stored forms hold
+            self.encoder.resume(self.writer.planned_specs)
+
+    @classmethod
+    def open(
+        cls,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        config: RecorderConfig,
+        options: RecordingOptions,
+        path: str | os.PathLike[str],
+        encoder: FormEncoder,
+    ) -> StepPipeline:
+        """Attach the backend and create (or resume) the store.
+
+        Raises:
+            InputError: probes or compact forms under torch.distributed.
+            StoreExistsError, StoreResumeError: from the writer.
+        """
+        specs = handoff.param_specs(params, config.dtype)
+        backend = make_backend(model, params, config)
+        attrs = handoff.root_attrs(model, config)
+        attrs["backend"] = backend.describe()
+        # Kept in the backend description: no format change; steps recorded under other
+        # settings are refused (check_settings in record()).
+        sparse: list[dict[str, Any]] = active_settings(model)
+        if sparse:
+            attrs["backend"]["sparse_backprop"] = sparse
+        try:
+            dist = detect(model, options.distributed)
+            if dist is not None:
+                attrs["backend"]["distributed"] = dist.describe()
+                _refuse_under_distributed(config, options, list(params))
+            writer = handoff.open_writer(path, attrs, specs, config, options, dist)
+        except BaseException:
+            backend.detach()
+            raise
+        return cls(model, params, config, options, backend, writer, dist, encoder, sparse)
+
+    # -- one backward call ------------------------------------------------------------------
+    def record(
+        self,
+        compute: Compute,
+        step: int,
+        datum_ids: Any,
+        lr: float | None,
+        mask: torch.Tensor | None,
+        tokens_per_datum: int | Callable[[], int],
+        weight_scale: float,
+    ) -> torch.Tensor:
+        """Run a recorded batch through every stage; its per-datum losses, detached.
+
+        Args:
+            compute: The batch's backward.
+            step: The resolved step.
+            datum_ids: The caller's ids, or None (a counter).
+            lr: The checked ``lr=``, or None (then the optimizer's, if any).
+            mask: The token mask of ``(B, T)`` losses.
+            tokens_per_datum: Tokens per datum (or a function giving them after compute).
+            weight_scale: A trainer's scaling of this micro-batch's loss (gradient
+                accumulation's ``1/k``): part of each stored weight.
+        """
+        check_settings(self.model, self.sparse)
+        if lr is None and self.options.optimizer is not None:  # checked before the backward
+            lr = optimizer_lr(self.options.optimizer)
+        lifecycle = self.lifecycle
+        check = self.self_check.due(lifecycle.steps_recorded, lifecycle.first_micro())
+        before = self.self_check.snapshot() if check else {}
+
+        t0 = time.perf_counter()
+        losses, grads = compute()
+        batch = losses.shape[0]
+        check_grad_shapes(grads, batch, self.params, self.config.backend)
+        if self.encoder.forms is None:
+            self.encoder.plan_forms(grads, self.writer.set_forms)
+        weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
+        sizes, offset, rank, world = [batch], 0, 0, 1  # every rank's batch (in rank order)
+        if self.dist is not None:
+            sizes = self.dist.batch_sizes(batch)
+            rank, world = self.dist.rank, self.dist.world_size
+            offset = sum(sizes[:rank])  # counter-numbered datum ids of the ranks before
+            weight /= world  # DDP averages p.grad over ranks
+        if check:
+            self.self_check.verify(before, grads, weight, self.dist, self.backend.low_precision)
+        if self.probes is not None and lifecycle.pending is None:  # once per step, at micro 0
+            self.probes.record(step, self.writer.path)
+        t1 = time.perf_counter()
+
+        ids = lifecycle.datum_ids(datum_ids, batch, sizes, offset)
+        staged, norms = self.encoder.encode(grads)
+        loss_np = losses.detach().double().cpu().numpy()
+        rows = self.writer.append(
+            step=step,
+            micro=lifecycle.micro_index(rank, world),
+            datum_ids=ids,
+            losses=loss_np,
+            weights=np.full(batch, weight * weight_scale),
+            lr=lr,
+            grads=staged.arrays,
+            norms=norms,
+            plan=sizes if self.dist is not None else None,
+            ready=staged.ready,  # the writer thread waits for the device copies
+        )
+        t2 = time.perf_counter()
+
+        per_datum = tokens_per_datum() if callable(tokens_per_datum) else tokens_per_datum
+        lifecycle.add(
+            step, rows, lr, tokens=tokens_of(mask, batch, per_datum),
+            loss_sum=float(loss_np.sum()), compute_s=t1 - t0, write_s=t2 - t1,
+        )
+        return losses.detach()
+
+    def _commit(self, pending: PendingStep) -> None:
+        self.writer.commit(pending.row())
+
+    def _committed(self, pending: PendingStep) -> None:
+        self.encoder.committed(pending, distributed=self.dist is not None)
+
+    # -- end --------------------------------------------------------------------------------
+    def close(self, *, failed: bool) -> None:
+        """Commit the step in progress (unless ``failed`` and not known complete), detach the
+        backend and finish the store."""
+        if failed and not self.lifecycle.complete():
+            self.lifecycle.abandon()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        try:
+            self.lifecycle.commit()
+        finally:
+            self.backend.detach()
+            if self.probes is not None:
+                self.probes.close()
+            self.writer.close()
+
+
+def _refuse_under_distributed(
+    config: RecorderConfig, options: RecordingOptions, names: list[str]
+) -> None:
+    """What torch.distributed recording does not support yet.
+
+    Raises:
+        InputError: probes, or forms other than ``full``.
+    """
+    if options.probes is not None:
+        raise InputError(
+            "probes are not supported under torch.distributed yet: record them "
+            "in a separate single-process run, or pass distributed=False."
+        )
+    if planning.keeps_material(config, names):
+        # Forms are planned from the first batch's token counts, which differ between
+        # ranks; one plan shared by every rank is not built yet.
+        raise InputError(
+            f"form={config.form!r} is not supported under torch.distributed "
+            "yet: record distributed runs with form='full' (the default), or "
+            "record compact forms in a single process (distributed=False)."
+        )

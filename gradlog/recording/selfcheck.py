@@ -1,0 +1,119 @@
+"""The self-check: ``sum_b w_b g_b == p.grad`` on the first recorded step and every N-th.
+
+A mismatch means per-datum gradients are silently wrong (a layer that couples datums, an
+in-place change of a parameter, a backend bug), so it is a loud error naming the parameter,
+raised before anything of the batch is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from gradlog.backends import PerDatumGrads
+from gradlog.backends.base import check_tolerance
+from gradlog.distributed import Distributed
+from gradlog.errors import GradientCheckError
+from gradlog.grads import Factors, Material, batch_size, batch_sum
+
+__all__ = ["SelfCheck", "weighted_sum"]
+
+
+def weighted_sum(material: Material, weight: float) -> torch.Tensor:
+    """``weight * sum_b g_b`` of any material (dense: as before forms, bitwise)."""
+    if isinstance(material, torch.Tensor):
+        return material.detach().sum(0) * weight
+    device = material.g.device if isinstance(material, Factors) else material.values.device
+    weights = torch.full((batch_size(material),), weight, dtype=torch.float64, device=device)
+    return batch_sum(material, weights)
+
+
+class SelfCheck:
+    """Compares the weighted sum of each parameter's per-datum gradients with what the
+    backward added to its ``p.grad``.
+
+    Args:
+        params: The recorded parameters, by name.
+        every: Check the first recorded step and every N-th after it (0: never).
+        rtol: Relative tolerance on the norm of the difference.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], every: int, rtol: float) -> None:
+        self.params = params
+        self.every = every
+        self.rtol = rtol
+        self.n_checked = 0
+
+    def due(self, steps_recorded: int, first_micro: bool) -> bool:
+        """Whether the batch about to be recorded is checked: only a step's first
+        micro-batch (``p.grad`` then holds only its gradient past the snapshot)."""
+        if self.every == 0:
+            return False
+        due = self.n_checked == 0 or steps_recorded % self.every == 0
+        return due and first_micro
+
+    def snapshot(self) -> dict[str, torch.Tensor | None]:
+        """``p.grad`` before the backward (it may hold earlier accumulated gradients)."""
+        return {
+            n: None if p.grad is None else p.grad.detach().clone() for n, p in self.params.items()
+        }
+
+    def verify(
+        self,
+        before: Mapping[str, torch.Tensor | None],
+        grads: PerDatumGrads,
+        weight: float,
+        dist: Distributed | None,
+        low_precision: Mapping[str, torch.dtype],
+    ) -> None:
+        """Check every parameter after the backward.
+
+        Args:
+            before: :meth:`snapshot` before the backward.
+            grads: The batch's per-datum gradients.
+            weight: Each record's weight ``w_b``.
+            dist: This process's place in a distributed run (each rank holds its own
+                records), or None.
+            low_precision: Parameters whose ``p.grad`` autograd rounded to a narrow dtype
+                (autocast), and that dtype.
+
+        Raises:
+            GradientCheckError: a parameter without ``.grad``, or one whose sum differs.
+        """
+        self.n_checked += 1
+        results = []  # (name, error, own scale, dtype)
+        totals = [weighted_sum(grads[name], weight) for name in self.params]
+        if dist is not None:  # this rank holds its own records only
+            if dist.syncing():
+                totals = dist.sum_over_ranks(totals)
+            else:  # DDP.no_sync(): p.grad is this rank's own, not yet averaged
+                totals = [t * dist.world_size for t in totals]
+        for name, p, total in zip(self.params, self.params.values(), totals):
+            if p.grad is None:
+                raise GradientCheckError(
+                    f"{name!r} has no .grad after the backward, though it is recorded: the loss "
+                    "does not depend on it. Exclude it with params=..."
+                )
+            prior = before[name]
+            delta = p.grad.detach() - (0 if prior is None else prior)
+            err = float(torch.linalg.vector_norm((delta - total).double()))
+            results.append((name, err, float(torch.linalg.vector_norm(delta.double())), p.dtype))
+        # Rounding error follows the size of the intermediate values, not of the result: a
+        # gradient that is analytically zero (attention key biases) is pure rounding noise of
+        # the model's other gradients. So the floor scales with the largest gradient.
+        largest = max((scale for _, _, scale, _ in results), default=0.0)
+        for name, err, scale, dtype in results:
+            floor = 1e3 * torch.finfo(dtype).eps * largest
+            # autocast: autograd rounded p.grad to bfloat16/float16
+            narrow = (low_precision[name],) if name in low_precision else ()
+            rtol, _ = check_tolerance((dtype,), narrow, rtol=self.rtol)
+            if err > rtol * scale + floor:
+                raise GradientCheckError(
+                    f"self-check failed for {name!r}: the weighted sum of per-datum gradients "
+                    f"differs from p.grad by {err:.3g} (|p.grad| {scale:.3g}, rtol "
+                    f"{rtol:.3g}). Per-datum gradients of this parameter are wrong. "
+                    "Likely causes: a layer that mixes datums (batch statistics, a batch-level "
+                    "loss term), an in-place change of the parameter during the step, or a "
+                    "backend bug; compare with backend='loop'. Nothing of this batch was written."
+                )
