@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gradlog.cli.main import app
 from typer.testing import CliRunner
 
 import gradlog
+from gradlog.cli.main import app
 from gradlog.store.format import FORMAT_VERSION
 
 runner = CliRunner()
@@ -179,6 +181,34 @@ def test_export_refuses_a_format_contradicting_the_extension(
         ok = runner.invoke(app, ["export", str(trained), "--out", str(tmp_path / name),
                                  "--format", fmt])
         assert ok.exit_code == 0, ok.output
+
+
+def test_train_help_lists_the_registries() -> None:
+    from gradlog.backends import BACKENDS
+    from gradlog.backends.hooks import BATCH_GRADS
+    from gradlog.forms import FORMS
+    from gradlog.store.dtypes import STORAGE_DTYPE_NAMES
+
+    result = runner.invoke(app, ["train", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "{" + "forms}" not in result.output  # every placeholder filled
+    for name in (*FORMS, *BACKENDS, *BATCH_GRADS, *STORAGE_DTYPE_NAMES):
+        assert name in result.output
+
+
+def test_reading_a_store_does_not_import_torch() -> None:
+    # `gradlog info` stays fast: the store, the reader and the CLI import torch lazily
+    store = str(Path(__file__).parent / "golden" / "v3-forms.store")
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from gradlog.cli.main import app\n"
+        f"for command in (['--help'], ['info', {store!r}], ['ls', {store!r}]):\n"
+        "    result = CliRunner().invoke(app, command)\n"
+        "    assert result.exit_code == 0, result.output\n"
+        "    assert 'torch' not in sys.modules, command\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_public_errors_are_top_level() -> None:

@@ -1,0 +1,100 @@
+"""What the commands that read a run share: their arguments and options, the parsing of step
+and datum selections, opening the run, and choosing the parameters that keep gradients."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from gradlog.analysis import ScanArgs
+from gradlog.cli._render import err_console
+from gradlog.errors import InputError, SelectionError
+from gradlog.run import Run
+
+RUN_HELP = "Path of a gradlog store, or an fsspec URL (s3://bucket/run.gradlog, ...)."
+SELECTOR_HELP = "an int, A:B (A..B-1; either end may be left open), or a comma list"
+
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help=RUN_HELP)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+StepOpt = Annotated[str | None, typer.Option("--step", "-s", help=f"Steps: {SELECTOR_HELP}.")]
+DatumOpt = Annotated[
+    str | None, typer.Option("--datum", "-d", help=f"Datum ids: {SELECTOR_HELP}.")
+]
+ParamsOpt = Annotated[
+    list[str] | None, typer.Option("--param", "-p", help="Parameter (repeat for several).")
+]
+MemoryOpt = Annotated[
+    str | None, typer.Option(help="Working-memory cap of the scan, e.g. 512MiB (default 256MiB).")
+]
+
+
+def selector(text: str | None, what: str) -> Any:
+    """``"5"`` -> 5, ``"2:8"`` -> slice(2, 8), ``"1,4,9"`` -> [1, 4, 9]; None stays None.
+
+    Raises:
+        InputError: ``text`` is none of those (``what`` names the option).
+    """
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            start, _, stop = text.partition(":")
+            return slice(int(start) if start.strip() else None, int(stop) if stop.strip() else None)
+        if "," in text:
+            return [int(v) for v in text.split(",") if v.strip()]
+        return int(text)
+    except ValueError:
+        raise InputError(
+            f"--{what} {text!r} is not a selection: pass {SELECTOR_HELP} (e.g. 3, 0:10, 1,5,9)."
+        ) from None
+
+
+def scan_args(max_memory: str | None, *, bar: bool = True) -> ScanArgs:
+    """The library's scan keywords of a command: its --max-memory, and a progress bar when
+    ``bar`` and stderr is a terminal."""
+    return {"max_memory": max_memory, "progress": bar and sys.stderr.isatty()}
+
+
+def open_run(run_path: str) -> Run:
+    """Open a run and read its step and record tables now, so that a damaged or missing store
+    fails here, before any output (``Run(path)`` is what ``gradlog.open`` returns)."""
+    run = Run(run_path)
+    run.steps, run.datums  # noqa: B018 - read the tables now, so errors surface here
+    return run
+
+
+def with_gradients(run: Run, params: list[str] | None) -> list[str]:
+    """The parameters of a command that reads gradients: those given with -p, or by default
+    every one that keeps gradients, saying which are skipped (form 'norm' keeps only norms).
+
+    Raises:
+        SelectionError: a parameter given, or every parameter, keeps only norms.
+    """
+    forms = dict(zip(run.params.column("name").to_pylist(), run.params.column("form").to_pylist()))
+    if params:
+        for name in params:  # unknown names: the library's error lists the recorded ones
+            if forms.get(name) == "norm":
+                raise SelectionError(
+                    f"parameter {name!r} was recorded with form 'norm': only each record's exact "
+                    f"norm is kept (gradlog norms RUN -p {name} shows them), so it has no "
+                    "gradients to read. Choose other parameters with -p/--param."
+                )
+        return list(params)
+    names = [n for n, form in forms.items() if form != "norm"]
+    skipped = [n for n, form in forms.items() if form == "norm"]
+    if not names:
+        raise SelectionError(
+            "every parameter was recorded with form 'norm': only each record's exact norm is "
+            "kept, so there are no gradients to read. Use gradlog norms or gradlog influence "
+            "--self."
+        )
+    if skipped:
+        err_console.print(
+            f"note: skipping {escape(', '.join(skipped))}: recorded with form 'norm' (only "
+            "norms are kept: gradlog norms shows them). Choose parameters with -p/--param.",
+            highlight=False, soft_wrap=True,
+        )
+    return names

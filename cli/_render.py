@@ -1,0 +1,75 @@
+"""How every command shows its result: the consoles, the one-line error, tables, numbers, JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Sequence
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(error: Exception) -> NoReturn:
+    """Print ``error`` as one red line on stderr and exit with code 1 (never a traceback)."""
+    # escaped: messages hold brackets ("pip install 'gradlog[plot]'", lists) rich would eat
+    err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False,
+                      soft_wrap=True)
+    raise typer.Exit(code=1)
+
+
+def table(title: str, columns: Sequence[str], *, left: Container[str] = ()) -> Table:
+    """A rich table with these columns: those in ``left`` left-justified, numbers right."""
+    view = Table(title=title)
+    for column in columns:
+        view.add_column(column, justify="left" if column in left else "right")
+    return view
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """``[4, 3]`` -> ``"4x3"``; ``[]`` -> ``"scalar"``."""
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def share(part: int, whole: int) -> str:
+    """``part`` as a percentage of ``whole``, ``-`` when ``whole`` is 0."""
+    return f"{100 * part / whole:.2f}%" if whole else "-"
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """A table cell: floats to ``digits`` significant digits, None as ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/inf: None instead."""
+    if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def echo_json(value: Any) -> None:
+    """Print ``value`` as indented JSON on stdout (NaN and infinities as null)."""
+    typer.echo(json.dumps(_finite(value), indent=2))
