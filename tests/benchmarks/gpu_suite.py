@@ -1,0 +1,597 @@
+"""The GPU suite in one command: the ``gpu`` tests, then gradlog's CUDA benchmarks.
+
+Usage::
+
+    python tests/benchmarks/gpu_suite.py                 # on a CUDA machine: tests + tables
+    python tests/benchmarks/gpu_suite.py --cpu           # tiny shapes on the CPU (< 1 minute)
+    python tests/benchmarks/gpu_suite.py --out results.md --sections forms,head
+    python tests/benchmarks/gpu_suite.py --shapes gpt --forms projection,norm --reps 9
+
+``--out FILE`` also writes the tables to FILE (and the whole pytest output to
+``FILE.pytest.txt``); ``--workdir`` is where temporary stores go (the Writer table's disk).
+
+Without CUDA the suite runs in ``--cpu`` mode by itself. It uses gradlog's public API only
+(``GradRecorder``, ``gradlog.open``, ``gradlog.memory.chunked_linear_loss``, the model builders
+of ``gradlog.testing``), so it measures what a user gets.
+
+Sections (``--sections``, comma-separated; all by default):
+
+- ``tests``: ``pytest -m gpu`` over every test file holding a ``gpu`` mark
+  (``tests/test_gpu.py``: every backend and the zoo on CUDA, bf16 autocast, no
+  synchronisation per layer, pinned staging; and the others). The summary line is printed.
+- ``forms`` (table "Compute"): a recorded step as a ratio to a plain step, for a GPT-2-small
+  shape (``gradlog.demo`` GPT: vocab 50257, d 768, 12 layers, 12 heads, tied head, T 1024,
+  B 8) and a ~1B Llama shape (``gradlog.testing.llama``: vocab 32000, dim 2048, 16 layers,
+  16 heads, SwiGLU 5632, T 256, B 4; its head through ``chunked_linear_loss``), random
+  init, float32 parameters, bf16 autocast, SGD. Every form (full, auto, auto within 1% of
+  full's bytes, projection dim 1024, topk 1%, norm) with ``batch_grad="autograd"`` and
+  ``"sum"``; hooks backend. Paired: every repetition runs ``--block`` plain steps on a
+  hook-free copy of the model and then ``--block`` recorded steps on a second copy (forward,
+  ``rec.backward``, optimizer step, ``rec.flush()`` after the block: the D2H copies and the
+  writer's work are included, overlapped as in training), timed with CUDA events after a
+  ``torch.cuda.synchronize``; the table gives the median over repetitions of the ratio and
+  the median per-step times. Stores go to a temporary folder under ``--workdir``
+  (``durable=False``: the page cache absorbs the writes, disk is the next table's job).
+  ``full`` of the Llama shape (15 GB per step) is left to the writer table's model.
+- ``writer`` (table "Writer"): the GPT-2-small shape at B 4 recording ``full`` float32 to
+  local disk (``durable=True``, fsync per step), steady state over several steps, against
+  max(plain step, device-to-host copy of the step's records into pinned memory, raw
+  ``tofile`` + ``fsync`` of as many bytes in the same folder).
+- ``head`` (table "Chunked head"): the memory puzzle's head, batch 4, length 4096, hidden 4096,
+  vocab 128256 (Llama 3), bf16 autocast: the naive head against ``chunked_linear_loss``
+  (mean, and ``reduction="none"`` as per-datum recording needs), and ``reduction="none"``
+  recorded by a ``GradRecorder`` (form ``norm``); peak ``torch.cuda.max_memory_allocated``
+  above what was allocated before the step, and median time.
+
+``--cpu`` shrinks every shape (a few layers, widths of 32-64) and repetitions so that the whole
+run takes seconds: ``tests/test_gpu.py::test_gpu_suite_cpu_mode_runs`` keeps it alive in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlog
+from gradlog.memory import chunked_linear_loss
+from gradlog.testing import zoo
+from gradlog.testing.llama import LlamaConfig, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ["tests", "forms", "writer", "head"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape for the Compute and Writer tables."""
+
+    label: str
+    kind: str  # "gpt" or "llama"
+    vocab: int
+    d: int
+    layers: int
+    heads: int
+    T: int
+    B: int
+    hidden: int = 0  # Llama's SwiGLU size
+
+
+GPU_SHAPES = [
+    Shape("GPT-2 small", "gpt", 50257, 768, 12, 12, 1024, 8),
+    Shape("Llama ~1B", "llama", 32000, 2048, 16, 16, 256, 4, hidden=5632),
+]
+CPU_SHAPES = [
+    Shape("GPT tiny", "gpt", 96, 32, 2, 2, 16, 4),
+    Shape("Llama tiny", "llama", 128, 32, 2, 4, 16, 3, hidden=64),
+]
+HEAVY = 512 * 2**20  # bytes per step above which a row times single steps
+GPU_HEAD = {"B": 4, "T": 4096, "d": 4096, "V": 128256}
+CPU_HEAD = {"B": 2, "T": 32, "d": 32, "V": 512}
+
+# key -> (label, GradRecorder options from full's bytes per step)
+FORMS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
+    "full": ("full", lambda full: {"form": "full"}),
+    "auto": ("auto", lambda full: {"form": "auto"}),
+    "auto1": ("auto, 1% of full",
+              lambda full: {"form": "auto", "form_budget": max(full // 100, 1)}),
+    "projection": ("projection 1024", lambda full: {"form": {"form": "projection", "dim": 1024}}),
+    "topk": ("topk 1%", lambda full: {"form": {"form": "topk", "fraction": 0.01}}),
+    "norm": ("norm", lambda full: {"form": "norm"}),
+}
+
+
+class Report:
+    """Prints markdown lines and keeps them for ``--out``."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+        if self.out is not None:
+            self.out.write_text("\n".join(self.lines) + "\n")
+
+
+# --- timing -------------------------------------------------------------------------------
+
+
+class Clock:
+    """Elapsed seconds of a callable: CUDA events after a synchronize, or perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        self.sync()
+        if not self.cuda:
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+def build(shape: Shape, device: torch.device) -> nn.Module:
+    """Random-init float32 model of ``shape`` on ``device`` (seeded, no download)."""
+    if shape.kind == "gpt":
+        model: nn.Module = zoo.tiny_gpt(
+            vocab=shape.vocab, block_size=shape.T, n_layer=shape.layers, n_head=shape.heads,
+            n_embd=shape.d, tie_weights=True, dtype=torch.float32,
+        )
+    else:
+        config = LlamaConfig(vocab_size=shape.vocab, dim=shape.d, n_layers=shape.layers,
+                             n_heads=shape.heads, hidden_dim=shape.hidden, max_seq_len=shape.T)
+        model = tiny_llama(config, dtype=torch.float32)
+    return model.to(device).train()
+
+
+def batch_of(shape: Shape, device: torch.device, B: int | None = None) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, shape.vocab, (B or shape.B, shape.T + 1), generator=gen)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (B, T) each
+
+
+def _row_ce(x: torch.Tensor, head: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(x).float(), y, reduction="none")  # (rows,)
+
+
+def token_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy ``(B, T)``; the Llama's head runs chunked."""
+    if hasattr(model, "hidden"):
+        return chunked_linear_loss(model.hidden(x), model.lm_head, y, _row_ce, reduction="none")
+    return zoo.per_token_ce(model(x), y)  # (B, T)
+
+
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Any, Any], rec: Any, amp: bool
+) -> None:
+    """Forward (bf16 autocast when ``amp``), backward (recorded when ``rec``), SGD step."""
+    x, y = batch
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+        losses = token_losses(model, x, y)  # (B, T)
+    if rec is None:
+        losses.mean(1).mean().backward()
+    else:
+        rec.backward(losses)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def block_of(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: Any, rec: Any, amp: bool, n: int
+) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(n):
+            train_step(model, opt, batch, rec, amp)
+        if rec is not None:
+            rec.flush()
+
+    return run
+
+
+# --- sections -----------------------------------------------------------------------------
+
+
+def section_tests(say: Report, args: argparse.Namespace) -> None:
+    files = sorted(str(p) for p in (ROOT / "tests").glob("test_*.py")
+                   if "pytest.mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEsxX", "--tb=short",
+           "-p", "no:cacheprovider", *files]
+    say("## GPU tests")
+    say()
+    say(f"`pytest -m gpu` over {', '.join(Path(f).name for f in files)}")
+    say()
+    # run from elsewhere so that the installed gradlog is imported, not the source folder
+    done = subprocess.run(cmd, cwd=args.workdir, capture_output=True, text=True, check=False)
+    print(done.stdout[-20000:], done.stderr[-5000:], flush=True)
+    if args.out is not None:  # the whole pytest output beside the tables
+        args.out.with_suffix(".pytest.txt").write_text(done.stdout + done.stderr)
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else done.stderr.strip().splitlines()[-1:]
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "XFAIL", "XPASS"))]
+    say(f"result (exit {done.returncode}): `{summary}`")
+    for ln in failed[:40]:
+        say(f"- `{ln[:300]}`")
+    say()
+
+
+def section_forms(say: Report, args: argparse.Namespace, device: torch.device) -> None:
+    clock = Clock(device)
+    for shape in args.shapes:
+        say(f"## Compute: {shape.label} (vocab {shape.vocab}, d {shape.d}, {shape.layers} "
+            f"layers, T {shape.T}, B {shape.B}{', bf16 autocast' if args.amp else ''})")
+        say()
+        plain_model = build(shape, device)
+        model = copy.deepcopy(plain_model)
+        n_params = sum(p.numel() for p in model.parameters())
+        full = 4 * shape.B * n_params
+        say(f"{n_params / 1e6:.1f}M parameters; full float32 records {fmt_bytes(full)} per step; "
+            f"{args.reps} paired reps of {args.block} steps each (rows storing over "
+            f"{fmt_bytes(HEAVY)} per step: {max(2, args.reps - 2)} reps of 1 step)")
+        say()
+        say("| form | batch_grad | stored per step | plain ms | recorded ms "
+            "| recorded / plain (median) | min-max |")
+        say("|---|---|---|---|---|---|---|")
+        batch = batch_of(shape, device)
+        plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for key in args.forms:
+            label, options = FORMS[key]
+            for batch_grad in ("autograd", "sum"):
+                if label == "full" and shape.kind == "llama" and not args.cpu:
+                    say(f"| {label} | {batch_grad} | {fmt_bytes(full)} | - | - | - | not run: "
+                        "see the Writer table |")
+                    continue
+                try:
+                    row = _form_row(args, clock, device, plain_model, model, plain_opt, opt,
+                                    batch, options(full), batch_grad)
+                except Exception as e:  # a failure is a result: report it, go on
+                    traceback.print_exc()
+                    row = f"- | - | - | ERROR {type(e).__name__}: {str(e)[:200]} | - "
+                say(f"| {label} | {batch_grad} | {row} |")
+        say()
+        del plain_model, model, plain_opt, opt
+        _free(device)
+
+
+def _form_row(
+    args: argparse.Namespace, clock: Clock, device: torch.device, plain_model: nn.Module,
+    model: nn.Module, plain_opt: Any, opt: Any, batch: Any, options: dict[str, Any],
+    batch_grad: str,
+) -> str:
+    root = Path(tempfile.mkdtemp(prefix="gpu_suite_", dir=args.workdir))
+    try:
+        with gradlog.GradRecorder(model, root / "run.gradlog", check_every=0, durable=False,
+                                  batch_grad=batch_grad, **options) as rec:
+            for _ in range(args.warmup):  # the first plans the forms and checks a datum
+                clock(block_of(plain_model, plain_opt, batch, None, args.amp, 1))
+                clock(block_of(model, opt, batch, rec, args.amp, 1))
+            stored = rec.bytes_per_record * batch[0].shape[0]
+            heavy = stored > HEAVY  # seconds per step: single steps, fewer repetitions
+            n, reps = (1, max(2, args.reps - 2)) if heavy else (args.block, args.reps)
+            plain = block_of(plain_model, plain_opt, batch, None, args.amp, n)
+            recorded = block_of(model, opt, batch, rec, args.amp, n)
+            ratios, tp, tr = [], [], []
+            for _ in range(reps):
+                a = clock(plain)
+                b = clock(recorded)
+                ratios.append(b / a)
+                tp.append(a / n)
+                tr.append(b / n)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return (f"{fmt_bytes(stored)} | {statistics.median(tp) * 1e3:.1f} | "
+            f"{statistics.median(tr) * 1e3:.1f} | **{statistics.median(ratios):.3f}** | "
+            f"{min(ratios):.3f}-{max(ratios):.3f}")
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _fs_of(path: Path) -> str:
+    """The file system type of ``path`` (from /proc/mounts), for the record."""
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if str(path.resolve()).startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, kind = parts[1], f"{parts[2]} on {parts[1]}"
+    except OSError:
+        pass
+    return kind
+
+
+def section_writer(say: Report, args: argparse.Namespace, device: torch.device) -> None:
+    shape = args.shapes[0]
+    B = max(1, shape.B // 2)
+    clock = Clock(device)
+    say(f"## Writer: {shape.label}, B {B}, form full float32 to local disk (durable=True)")
+    say()
+    plain_model = build(shape, device)
+    model = copy.deepcopy(plain_model)
+    batch = batch_of(shape, device, B)
+    payload = 4 * B * sum(p.numel() for p in model.parameters())
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    root = Path(tempfile.mkdtemp(prefix="gpu_suite_w_", dir=args.workdir))
+    try:
+        plain = block_of(plain_model, plain_opt, batch, None, args.amp, 1)
+        clock(plain)
+        compute = statistics.median(clock(plain) for _ in range(max(3, args.reps)))
+        d2h = _d2h_seconds(payload, device, clock)
+        disk = _disk_seconds(payload, root, reps=2)
+        steps = args.writer_steps
+        with gradlog.GradRecorder(model, root / "run.gradlog", check_every=0,
+                                  durable=True) as rec:
+            clock(block_of(model, opt, batch, rec, args.amp, 1))  # plans, first write
+            recorded = clock(block_of(model, opt, batch, rec, args.amp, steps)) / steps
+        bound = max(compute, d2h, disk)
+        say(f"records per step {fmt_bytes(payload)}; folder: {_fs_of(root)}")
+        say()
+        say("| what | per step | note |")
+        say("|---|---|---|")
+        say(f"| plain step (compute) | {compute * 1e3:.1f} ms | median |")
+        say(f"| device -> pinned host copy of the records | {d2h * 1e3:.1f} ms | "
+            f"{payload / d2h / 1e9:.1f} GB/s |")
+        say(f"| raw `tofile` + `fsync`, same bytes, same folder | {disk * 1e3:.1f} ms | "
+            f"{payload / disk / 1e9:.2f} GB/s |")
+        say(f"| recorded step, full, steady state over {steps} steps | {recorded * 1e3:.1f} ms "
+            f"| {payload / recorded / 1e9:.2f} GB/s of records |")
+        say(f"| **recorded / max(compute, D2H, disk)** | **{recorded / bound:.3f}** | target "
+            "<= 1.10 |")
+        say()
+    except Exception as e:
+        traceback.print_exc()
+        say(f"ERROR {type(e).__name__}: {str(e)[:300]}")
+        say()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        del plain_model, model, plain_opt, opt
+        _free(device)
+
+
+def _d2h_seconds(nbytes: int, device: torch.device, clock: Clock) -> float:
+    """Median time of one device -> pinned host copy of ``nbytes``."""
+    cuda = device.type == "cuda"
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty(nbytes // 4, pin_memory=cuda)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=cuda)
+
+    clock(copy)
+    return statistics.median(clock(copy) for _ in range(3))
+
+
+def _disk_seconds(nbytes: int, root: Path, reps: int) -> float:
+    """Median time to write ``nbytes`` with ``tofile`` and ``fsync`` them, in ``root``."""
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    times = []
+    for i in range(reps):
+        path = root / f"raw{i}.bin"
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            data.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - t)
+        path.unlink()
+    return statistics.median(times)
+
+
+def section_head(say: Report, args: argparse.Namespace, device: torch.device) -> None:
+    s = CPU_HEAD if args.cpu else GPU_HEAD
+    B, T, d, V = s["B"], s["T"], s["d"], s["V"]
+    say(f"## Chunked head: B {B}, T {T}, d {d}, V {V}, bf16 autocast, float32 weights")
+    say()
+    say("| method | peak extra memory | vs naive | median ms |")
+    say("|---|---|---|---|")
+    clock = Clock(device)
+    gen = torch.Generator().manual_seed(0)
+    head = nn.Linear(d, V, bias=False).to(device)
+    x = torch.randn(B, T, d, generator=gen).to(device).requires_grad_()  # (B, T, d)
+    y = torch.randint(0, V, (B, T), generator=gen).to(device)  # (B, T)
+    y[:, : T // 16] = -100  # a prompt without loss
+    mask = y != -100  # (B, T)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def zero() -> None:
+        x.grad = None
+        head.zero_grad(set_to_none=True)
+
+    def naive() -> None:
+        zero()
+        with amp:
+            loss = F.cross_entropy(head(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+
+    def chunked() -> None:
+        zero()
+        with amp:
+            loss = chunked_linear_loss(x, head, y, _row_ce)
+        loss.backward()
+
+    def chunked_none() -> None:
+        zero()
+        with amp:
+            losses = chunked_linear_loss(x, head, y, _row_ce, reduction="none")  # (B, T)
+        (losses.sum() / mask.sum()).backward()
+
+    methods: dict[str, Callable[[], Any]] = {
+        "naive (all logits)": naive,
+        "chunked_linear_loss, mean": chunked,
+        "chunked_linear_loss, reduction=none": chunked_none,
+    }
+    root = Path(tempfile.mkdtemp(prefix="gpu_suite_h_", dir=args.workdir))
+    base: int | None = None
+    try:
+        for label, fn in methods.items():
+            base = _head_row(say, label, fn, clock, device, args, base)
+        with _recorded_head(head, root) as rec:
+
+            def recorded() -> None:
+                zero()
+                with amp:
+                    losses = chunked_linear_loss(x, head, y, _row_ce, reduction="none")
+                rec.backward(losses, mask=mask)
+                rec.flush()
+
+            _head_row(say, "chunked, none, recorded (hooks, form norm)", recorded, clock,
+                      device, args, base)
+    except Exception as e:
+        traceback.print_exc()
+        say(f"| ERROR | {type(e).__name__}: {str(e)[:300]} | | |")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    say()
+
+
+@contextmanager
+def _recorded_head(head: nn.Module, root: Path) -> Iterator[Any]:
+    with gradlog.GradRecorder(head, root / "head.gradlog", form="norm", check_every=0,
+                              durable=False) as rec:
+        yield rec
+
+
+def _head_row(
+    say: Report, label: str, fn: Callable[[], Any], clock: Clock, device: torch.device,
+    args: argparse.Namespace, base: int | None,
+) -> int | None:
+    try:
+        fn()  # warm-up (kernels, allocator, the recorder's plan)
+        peak: int | None = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+        ms = statistics.median(clock(fn) for _ in range(max(1, min(args.reps, 3)))) * 1e3
+    except Exception as e:
+        traceback.print_exc()
+        say(f"| {label} | ERROR {type(e).__name__}: {str(e)[:200]} | | |")
+        return base
+    rel = "-" if peak is None or not base else f"{peak / base:.3f}"
+    say(f"| {label} | {'-' if peak is None else fmt_bytes(peak)} | {rel} | {ms:.1f} |")
+    return base if base is not None else peak
+
+
+# --- main ---------------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--no-tests", action="store_true", help="skip the pytest section")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--reps", type=int, default=None, help="paired repetitions per row")
+    parser.add_argument("--block", type=int, default=None, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed blocks per row")
+    parser.add_argument("--writer-steps", type=int, default=None, help="steps of the Writer row")
+    parser.add_argument("--shapes", default=None, help="comma-separated: gpt,llama")
+    parser.add_argument("--forms", default=",".join(FORMS),
+                        help=f"comma-separated subset of {list(FORMS)}")
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="folder for temporary stores (default: the current folder)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        args.cpu = True
+    small = args.cpu
+    args.reps = args.reps or (1 if small else 5)
+    args.block = args.block or (1 if small else 3)
+    args.warmup = args.warmup if args.warmup is not None else 1
+    args.writer_steps = args.writer_steps or (2 if small else 4)
+    args.amp = True
+    kinds = (args.shapes or "gpt,llama").split(",")
+    args.shapes = [s for s in (CPU_SHAPES if small else GPU_SHAPES) if s.kind in kinds]
+    args.workdir = (args.workdir or Path.cwd()).resolve()
+    wanted = [s for s in args.sections.split(",") if s]
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if args.no_tests and "tests" in wanted:
+        wanted.remove("tests")
+    args.sections = wanted
+    args.forms = [f for f in args.forms.split(",") if f]
+    if set(args.forms) - set(FORMS):
+        parser.error(f"unknown forms {sorted(set(args.forms) - set(FORMS))}; from {list(FORMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    device = torch.device("cpu" if args.cpu else "cuda")
+    say = Report(args.out)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
+    cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
+    say(f"# GPU suite, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    say()
+    say(f"device: {name or device.type}{' (--cpu: tiny shapes)' if args.cpu else ''}; "
+        f"torch {torch.__version__}{cuda}; python {platform.python_version()}; "
+        f"gradlog {gradlog.__version__}")
+    say(f"command: `python tests/benchmarks/gpu_suite.py {' '.join(argv or sys.argv[1:])}`")
+    say()
+    t0 = time.perf_counter()
+    for section in args.sections:
+        t = time.perf_counter()
+        if section == "tests":
+            section_tests(say, args)
+        elif section == "forms":
+            section_forms(say, args, device)
+        elif section == "writer":
+            section_writer(say, args, device)
+        elif section == "head":
+            section_head(say, args, device)
+        print(f"[{section}: {time.perf_counter() - t:.0f} s]", flush=True)
+    say(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
