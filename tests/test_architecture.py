@@ -31,9 +31,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gradlog.config", "gradlog.planning"),
     ("gradlog.analysis",),
     ("gradlog.run",),
-    ("gradlog.recorder", "gradlog.recording"),
-    ("gradlog.integrations", "gradlog.demo", "gradlog.testing"),
-    ("gradlog.cli", "gradlog", "gradlog.__main__"),
+    ("gradlog.recording",),
+    ("gradlog.recorder",),
+    ("gradlog.integrations", "gradlog.demo"),
+    ("gradlog.testing",),
+    ("gradlog",),
+    ("gradlog.cli",),
+    ("gradlog.__main__",),
 )
 """Bottom first. A module imports from its own unit and from strictly lower layers only."""
 

@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from gradlog.cli.main import app
 from torch import nn
 from typer.testing import CliRunner
 
 import gradlog
+from gradlog.cli.main import app
 
 runner = CliRunner()
 

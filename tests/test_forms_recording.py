@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gradlog.cli.main import app
 from typer.testing import CliRunner
 
 import gradlog
 from gradlog import errors
 from gradlog.analysis.influence import record_influence
+from gradlog.cli.main import app
 from gradlog.forms import ProjectionForm, form_from_spec
 from gradlog.store.verify import verify
 from gradlog.testing.schemas import validate_store

@@ -18,12 +18,12 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-from gradlog.cli.main import app
 from torch import nn
 from typer.testing import CliRunner
 
 import gradlog
 import gradlog.store.writer as writer_module
+from gradlog.cli.main import app
 from gradlog.errors import GradlogError, StoreFormatError, StoreWriteError
 from gradlog.store.fs import ObjectPath, store_path
 from gradlog.store.verify import verify
