@@ -205,7 +205,7 @@ def append_step(writer: StoreWriter, grads: Grads, step: int) -> None:
         losses=np.ones(batch),
         weights=np.full(batch, 1 / batch),
         lr=1e-3,
-        grads=grads,
+        grads={n: g.numpy() for n, g in grads.items()},  # the writer takes host numpy arrays
         norms=norms,
     )
     writer.commit(
@@ -433,14 +433,14 @@ def recorder_loop(size: str, steps: int, backend: str, path: Path, fill: int = 2
 def overlap(size: str, steps: int, backend: str, tmp: Path, grads: Grads) -> dict[str, float]:
     """Seconds per step: the recorder with a null writer (compute: per-datum gradients,
     norms, AdamW), the writer alone, and the real recorder (both, overlapped)."""
-    import gradlog.recorder as recorder_module
+    import gradlog.recording.handoff as handoff  # where the recorder opens its writer
 
-    real = recorder_module.StoreWriter
-    recorder_module.StoreWriter = NullWriter  # type: ignore[misc,assignment]
+    real = handoff.StoreWriter
+    handoff.StoreWriter = NullWriter  # type: ignore[misc,assignment]
     try:
         compute = recorder_loop(size, steps, backend, tmp / "null.gradlog")["steady"]
     finally:
-        recorder_module.StoreWriter = real  # type: ignore[misc]
+        handoff.StoreWriter = real  # type: ignore[misc]
     write = payload_bytes(grads) / (gradlog_write([grads], steps, tmp / "w.gradlog") * 1e6)
     shutil.rmtree(tmp / "w.gradlog")
     recorded = recorder_loop(size, steps, backend, tmp / "o.gradlog")
