@@ -23,9 +23,21 @@ def fail(error: Exception) -> NoReturn:
     raise typer.Exit(code=1)
 
 
+class LiteralTable(Table):
+    """A rich table whose title and cells are shown as they are: stored strings (parameter
+    names such as ``[red]head.weight``, paths, class names) are never read as markup, so a
+    name shows, and can be copied into ``-p``, exactly as it was recorded."""
+
+    def __init__(self, *args: Any, title: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, title=None if title is None else escape(title), **kwargs)
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        super().add_row(*(escape(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
+
 def table(title: str, columns: Sequence[str], *, left: Container[str] = ()) -> Table:
-    """A rich table with these columns: those in ``left`` left-justified, numbers right."""
-    view = Table(title=title)
+    """A table with these columns: those in ``left`` left-justified, numbers right."""
+    view = LiteralTable(title=title)
     for column in columns:
         view.add_column(column, justify="left" if column in left else "right")
     return view

@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from gradlog.cli._args import (
     DatumOpt,
@@ -23,6 +22,7 @@ from gradlog.cli._args import (
     with_gradients,
 )
 from gradlog.cli._render import (
+    LiteralTable,
     console,
     echo_json,
     human_bytes,
@@ -70,7 +70,7 @@ def info(run_path: RunArg, as_json: JsonOpt = False) -> None:
 
 def _print_info(summary: dict[str, Any]) -> None:
     """``info``'s two tables: the run, and its parameters with their bytes per record."""
-    head = Table(title=f"gradlog run {summary['path']}", show_header=False)
+    head = LiteralTable(title=f"gradlog run {summary['path']}", show_header=False)
     head.add_row("format", f"gradlog v{summary['format_version']} "
                            f"(written by gradlog {summary['gradlog_version']})")
     head.add_row("created", str(summary["created"]))

@@ -218,3 +218,27 @@ def test_public_errors_are_top_level() -> None:
         assert getattr(gradlog, name) is getattr(errors, name)
         assert name in gradlog.__all__
     assert issubclass(gradlog.NonFiniteLossError, gradlog.InputError)
+
+
+def test_stored_names_are_shown_literally(tmp_path: Path) -> None:
+    """Module keys that look like rich markup are printed as recorded, never styled or
+    parsed (a crash, or ``[red]head.weight`` shown as a red ``head.weight`` that ``-p`` would
+    not find)."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential()
+    model.add_module("[red]head", nn.Linear(3, 2))
+    model.add_module("emb[/]", nn.Linear(2, 1))
+    out = tmp_path / "[bold]run.gradlog"
+    with gradlog.GradRecorder(model, out) as rec:
+        x = torch.randn(4, 3)
+        rec.backward(model(x).square().sum(1), step=0)
+    for command in (["info"], ["ls"], ["show", "--step", "0"], ["norms"]):
+        result = runner.invoke(app, [*command, str(out)], terminal_width=200)
+        assert result.exit_code == 0, (command, result.output)
+        assert "[red]head.weight" in result.output, (command, result.output)
+        if command != ["info"]:
+            assert "emb[/].weight" in result.output, (command, result.output)
+    result = runner.invoke(app, ["info", str(out)], terminal_width=200)
+    assert "[bold]run.gradlog" in result.output
