@@ -25,7 +25,7 @@ from gradlog.forms import Form
 from gradlog.losses import per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.recording.encoding import FormEncoder
-from gradlog.recording.inputs import lr_value
+from gradlog.recording.inputs import check_mask, lr_value
 from gradlog.recording.pipeline import StepPipeline
 from gradlog.store.writer import StoreWriter
 
@@ -200,6 +200,7 @@ class GradRecorder:
         """
         pipeline = self._require_open()
         backend, lifecycle = pipeline.backend, pipeline.lifecycle
+        check_mask(mask)  # before anything of this call is noted
         lifecycle.note_attempt(step)
         reduced = self._reduce(losses, mask)
         pipeline.check_losses(reduced, datum_ids)
@@ -235,6 +236,7 @@ class GradRecorder:
         """
         pipeline = self._require_open()
         backend, lifecycle = pipeline.backend, pipeline.lifecycle
+        check_mask(mask)  # before anything of this call is noted
         lifecycle.note_attempt(step)
         lr = None if lr is None else lr_value(lr, "lr")
         step = lifecycle.resolve(step)

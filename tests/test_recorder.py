@@ -358,6 +358,36 @@ def test_masked_tokens_do_not_count(tmp_path: Any) -> None:
     np.testing.assert_allclose(np.asarray(run.datums.column("loss")), expected.numpy())
 
 
+@pytest.mark.parametrize("entry", ["backward", "step"])
+def test_a_mask_that_is_not_0_1_is_refused_before_anything(tmp_path: Any, entry: str) -> None:
+    """A mask value such as 0.5 selects, never weights: refused with the fix, nothing recorded
+    and p.grad untouched; bool and 0/1 float masks record alike."""
+    model = tiny_gpt()
+    x, y, mask = gpt_batch(4, 6)
+    soft = mask.to(torch.float32) * 0.5
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return per_token_ce(m(batch[0]), batch[1])  # (B, T)
+
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, dtype="float64") as rec:
+        with pytest.raises(gradlog.InputError, match=r"mask holds 0\.5 .* bool mask"):
+            if entry == "backward":
+                rec.backward(loss_fn(model, (x, y)), mask=soft)
+            else:
+                rec.step(loss_fn, (x, y), mask=soft)
+        assert all(p.grad is None for p in model.parameters())
+        with pytest.raises(gradlog.InputError, match="bool"):
+            rec.backward(loss_fn(model, (x, y)), mask=[[1, 0]])  # type: ignore[arg-type]
+        rec.backward(loss_fn(model, (x, y)), mask=mask, step=0)
+        model.zero_grad()
+        rec.backward(loss_fn(model, (x, y)), mask=mask.to(torch.float32), step=1)
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    np.testing.assert_array_equal(run.grads("head.weight", step=0),
+                                  run.grads("head.weight", step=1))
+
+
 @pytest.mark.parametrize("backend", ["loop", "vmap"])
 def test_tokens_counted_alike_by_both_entry_points(tmp_path: Any, backend: str) -> None:
     model = tiny_gpt()

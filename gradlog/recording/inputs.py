@@ -18,6 +18,7 @@ from gradlog.grads import batch_size, material_shape
 __all__ = [
     "LossChecks",
     "check_grad_shapes",
+    "check_mask",
     "datum_ids_array",
     "lr_value",
     "on_step_of",
@@ -163,6 +164,33 @@ def check_grad_shapes(
                 ". A broadcast batch dimension (e.g. position ids of shape [1, T]) was "
                 "taken for a datum; please report this with the model."
             )
+
+
+def check_mask(mask: Any) -> None:
+    """Refuse a token mask that is not bool or 0/1: a value such as 0.5 would count its token
+    fully (the mask selects tokens, it does not weight them), which no caller means.
+
+    Raises:
+        InputError: ``mask`` is not a tensor, or holds a value other than 0 and 1.
+    """
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise InputError(
+            f"mask must be a bool (or 0/1) tensor of the per-token losses' shape (B, T), got "
+            f"{type(mask).__name__}."
+        )
+    if mask.dtype == torch.bool:
+        return
+    other = (mask != 0) & (mask != 1)  # (B, T)
+    if bool(other.any()):
+        value = mask[other].flatten()[0].item()
+        raise InputError(
+            f"mask holds {value!r} (and {int(other.sum())} values in all) other than 0 and 1; "
+            "it selects the tokens that count, it does not weight them. Pass a bool mask "
+            "(e.g. labels != -100); to weight tokens, multiply the per-token losses by the "
+            "weights before GradRecorder.backward."
+        )
 
 
 def tokens_of(mask: torch.Tensor | None, batch: int, per_datum: int) -> int:
