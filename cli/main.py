@@ -17,6 +17,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from gradlog._version import __version__
 from gradlog.cli import analyze, inspection, record
 from gradlog.cli._render import fail
 from gradlog.errors import GradlogError
@@ -40,7 +41,24 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gradlog {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True,
+        help="Print gradlog's version and exit.",
+    ),
+) -> None:
+    """Record the gradient of every datum at every training step; inspect the records."""
 # in this order in `gradlog --help`
 app.command(cls=record.TrainCommand)(record.train)
 app.command()(inspection.info)

@@ -242,3 +242,12 @@ def test_stored_names_are_shown_literally(tmp_path: Path) -> None:
             assert "emb[/].weight" in result.output, (command, result.output)
     result = runner.invoke(app, ["info", str(out)], terminal_width=200)
     assert "[bold]run.gradlog" in result.output
+
+
+def test_version_and_short_help() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"gradlog {gradlog.__version__}"
+    assert runner.invoke(app, ["-V"]).output == result.output
+    for command in (["-h"], ["info", "-h"], ["train", "-h"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0 and "Usage:" in result.output, (command, result.output)
