@@ -52,6 +52,27 @@ def selector(text: str | None, what: str) -> Any:
         ) from None
 
 
+def records_of(run: Run, step: str | None, datum: str | None) -> tuple[Any, Any]:
+    """The parsed ``--step`` and ``--datum`` selections of a command that reads records.
+
+    Raises:
+        InputError: a selection is malformed.
+        SelectionError: together they select no record (``--step 5:2``), naming what the run
+            has, so an empty table never passes for an answer.
+    """
+    steps, datums = selector(step, "step"), selector(datum, "datum")
+    if (step is not None or datum is not None) and run.records(steps, datums).num_rows == 0:
+        given = " and ".join(f"--{w} {t}" for w, t in (("step", step), ("datum", datum)) if t)
+        known = run.steps.column("step").to_pylist()
+        span = f"steps {known[0]}..{known[-1]} ({len(known)} committed)" if known else "no steps"
+        raise SelectionError(
+            f"{given} selects no record of this run, which has {span} and "
+            f"{run.datums.num_rows} records. Pick steps and datums it has (gradlog ls RUN "
+            "lists them; A:B is a half-open range, so its start must be below its end)."
+        )
+    return steps, datums
+
+
 def scan_args(max_memory: str | None, *, bar: bool = True) -> ScanArgs:
     """The library's scan keywords of a command: its --max-memory, and a progress bar when
     ``bar`` and stderr is a terminal."""

@@ -17,8 +17,8 @@ from gradlog.cli._args import (
     RunArg,
     StepOpt,
     open_run,
+    records_of,
     scan_args,
-    selector,
     with_gradients,
 )
 from gradlog.cli._render import (
@@ -157,9 +157,9 @@ def show(
     """Statistics of a slice of gradients: shape, norm, mean, std, min, max."""
     run = open_run(run_path)
     names = with_gradients(run, params)
+    steps, datums = records_of(run, step, datum)
     scan = scan_args(max_memory, bar=False)  # one scan per parameter: no bar for each
-    results = [run.stats(name, selector(step, "step"), selector(datum, "datum"), **scan)
-               for name in names]
+    results = [run.stats(name, steps, datums, **scan) for name in names]
     if as_json:
         echo_json(results)
         return
@@ -186,7 +186,7 @@ def norms(
 ) -> None:
     """Exact per-record gradient norms (step, datum_id, row, param, norm)."""
     run = open_run(run_path)
-    found = run.norms(params or None, selector(step, "step"), selector(datum, "datum"))
+    found = run.norms(params or None, *records_of(run, step, datum))
     found = found.sort_by([("row", "ascending"), ("param", "ascending")])
     if out is not None:
         _write_norms(found, out)

@@ -251,3 +251,11 @@ def test_version_and_short_help() -> None:
     for command in (["-h"], ["info", "-h"], ["train", "-h"]):
         result = runner.invoke(app, command)
         assert result.exit_code == 0 and "Usage:" in result.output, (command, result.output)
+
+
+@pytest.mark.parametrize("command", ["show", "norms"])
+def test_an_empty_selection_is_an_error(trained: Path, command: str) -> None:
+    result = runner.invoke(app, [command, str(trained), "--step", "2:1"])
+    assert result.exit_code == 1
+    assert "--step 2:1 selects no record" in result.output and "steps 0..2" in result.output
+    assert runner.invoke(app, [command, str(trained), "--step", "1:2"]).exit_code == 0
