@@ -545,3 +545,24 @@ def test_default_datum_ids_count_the_data_of_skipped_steps(tmp_path: Any) -> Non
         run = gradlog.open(path)
         ids[every] = run.records(step=2).column("datum_id").to_pylist()
     assert ids[1] == ids[2]
+
+
+@pytest.mark.parametrize(
+    ("ids", "step", "match"),
+    [
+        (np.array([2**63, 1, 2, 3], dtype=np.uint64), 0, r"datum_ids must be <= 2\*\*63 - 1"),
+        (np.array([0, 1, 2, 3], dtype=np.uint64), 2**63, r"step must be >= 0 and <= 2\*\*63 - 1"),
+    ],
+)
+def test_integers_beyond_int64_are_refused_at_the_call(
+    tmp_path: Any, ids: np.ndarray, step: int, match: str
+) -> None:
+    """uint64 datum ids >= 2**63 were stored as negative ids, steps >= 2**63 failed later in
+    the writer: both are refused when given, with nothing recorded."""
+    model = mlp()
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path) as rec:
+        with pytest.raises(gradlog.InputError, match=match):
+            rec.backward(_losses(model), datum_ids=ids, step=step)
+        rec.backward(_losses(model), datum_ids=np.array([0, 1, 2, 3], dtype=np.uint64), step=0)
+    assert gradlog.open(path).datums.column("datum_id").to_pylist() == [0, 1, 2, 3]

@@ -16,6 +16,7 @@ from gradlog.errors import GradlogError, InputError, NonFiniteLossError, Unsuppo
 from gradlog.grads import batch_size, material_shape
 
 __all__ = [
+    "INT64_MAX",
     "LossChecks",
     "check_grad_shapes",
     "check_mask",
@@ -27,6 +28,10 @@ __all__ = [
 ]
 
 _COUPLING_LAYERS = (nn.modules.batchnorm._BatchNorm,)
+
+
+INT64_MAX = 2**63 - 1
+"""The largest step or datum id: the store keeps them as int64."""
 
 
 def datum_ids_array(datum_ids: Any, batch: int) -> np.ndarray:
@@ -50,6 +55,11 @@ def datum_ids_array(datum_ids: Any, batch: int) -> np.ndarray:
     if ids.size and int(ids.min()) < 0:
         raise InputError(
             f"datum_ids must be >= 0 (each datum's index in your dataset), got {int(ids.min())}."
+        )
+    if ids.size and int(ids.max()) > INT64_MAX:  # uint64 ids would wrap to negative int64
+        raise InputError(
+            f"datum_ids must be <= 2**63 - 1 (the store keeps them as int64), got "
+            f"{int(ids.max())}. Map your ids into that range (e.g. your dataset's row index)."
         )
     if len(ids) != batch:
         raise InputError(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gradlog.errors import InputError
-from gradlog.recording.inputs import datum_ids_array
+from gradlog.recording.inputs import INT64_MAX, datum_ids_array
 from gradlog.recording.state import PendingStep
 
 __all__ = ["StepLifecycle"]
@@ -88,8 +88,11 @@ class StepLifecycle:
     def _begin(self, step: int) -> int:
         """``step`` checked against the steps before it; the pending step committed when
         ``step`` is a new one."""
-        if step < 0:
-            raise InputError(f"step must be >= 0, got {step}.")
+        if not 0 <= step <= INT64_MAX:
+            raise InputError(
+                f"step must be >= 0 and <= 2**63 - 1 (the store keeps steps as int64), got "
+                f"{step}."
+            )
         if self._committed_through is not None and step <= self._committed_through:
             raise InputError(
                 f"step {step} is already committed in the resumed store (its last committed "
