@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from gradlog.errors import InputError
@@ -155,14 +154,15 @@ def array_specs(form: Form) -> dict[str, dict[str, Any]]:
 
 def encode(
     forms: Mapping[str, Form], materials: Mapping[str, Material]
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, np.ndarray]]:
-    """Each parameter's arrays for the writer and its exact float64 norms ``(B,)``.
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Each parameter's arrays for the writer and its exact float64 norms ``(B,)``, both on
+    the material's device (staging brings them to the host without a sync per parameter).
 
     Raises:
         InputError: a batch does not fit its planned form (more tokens than provisioned).
     """
     arrays: dict[str, dict[str, torch.Tensor]] = {}
-    norms: dict[str, np.ndarray] = {}
+    norms: dict[str, torch.Tensor] = {}
     for name, material in materials.items():
         form = forms[name]
         if material_shape(material) != form.shape:
@@ -189,7 +189,7 @@ def encode(
                 f"recorded backward; {fix}"
             ) from None
         arrays[name] = {k: v.detach() for k, v in enc.items()}
-        norms[name] = sq.clamp_min(0).sqrt().cpu().numpy()
+        norms[name] = sq.clamp_min(0).sqrt()  # (B,) float64
     return arrays, norms
 
 

@@ -172,4 +172,5 @@ class FormEncoder:
         """Each parameter's arrays, staged for the writer, and its exact float64 norms."""
         assert self.forms is not None
         arrays, norms = planning.encode(self.forms, grads)
-        return stage(arrays, self._dtypes), norms
+        staged = stage(arrays, self._dtypes, norms)
+        return staged, staged.norms

@@ -35,17 +35,20 @@ def to_storage_torch(tensor: torch.Tensor, dtype: StorageDtype) -> torch.Tensor:
 
 
 class Staged(NamedTuple):
-    """Arrays on their way to the writer.
+    """Arrays and norms on their way to the writer.
 
     Attributes:
         arrays: Parameter -> array name -> host array (float32, or already in its storage
             array dtype). Those copied from a CUDA device are valid only once :attr:`ready`
             has synchronized.
+        norms: Parameter -> its records' exact norms ``(B,)`` float64 on the host, valid
+            (like ``arrays``) once :attr:`ready` has synchronized.
         ready: A ``torch.cuda.Event`` recorded after the last device copy (its
-            ``synchronize()`` waits for them), or None when every array is ready.
+            ``synchronize()`` waits for them), or None when everything is ready.
     """
 
     arrays: dict[str, dict[str, np.ndarray]]
+    norms: dict[str, np.ndarray]
     ready: Any
 
 
@@ -58,14 +61,28 @@ def _as_array(stored: torch.Tensor, dtype: StorageDtype) -> np.ndarray:
 def stage(
     encoded: Mapping[str, Mapping[str, torch.Tensor]],
     dtypes: Mapping[str, Mapping[str, StorageDtype]],
+    norms: Mapping[str, torch.Tensor],
 ) -> Staged:
-    """Bring each array to host memory (see the module doc for where it is rounded).
+    """Bring each array and each parameter's norms to host memory (see the module doc for
+    where arrays are rounded). CUDA tensors go through pinned buffers without blocking, all
+    behind one event: the training thread never waits for the device here.
 
     Args:
         encoded: Parameter -> its form's arrays ``(B, ...)`` (:func:`gradlog.planning.encode`).
         dtypes: Parameter -> array name -> its storage dtype.
+        norms: Parameter -> its records' exact norms ``(B,)`` float64, on any device.
     """
     event = None
+    host_norms: dict[str, np.ndarray] = {}
+    for name, sq in norms.items():
+        if sq.is_cuda:  # one pinned copy per parameter, no sync (was a blocking .cpu() each)
+            host = torch.empty(sq.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(sq.detach(), non_blocking=True)
+            if event is None:
+                event = torch.cuda.Event()
+            host_norms[name] = host.numpy()
+        else:
+            host_norms[name] = sq.detach().to(torch.float64).numpy()
     arrays: dict[str, dict[str, np.ndarray]] = {}
     for name, tensors in encoded.items():
         arrays[name] = {}
@@ -87,7 +104,7 @@ def stage(
                 arrays[name][key] = to_host(tensor, dtype)
     if event is not None:
         event.record()  # after every copy, on the current stream
-    return Staged(arrays, event)
+    return Staged(arrays, host_norms, event)
 
 
 def to_host(tensor: torch.Tensor, dtype: StorageDtype) -> np.ndarray:
