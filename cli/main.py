@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from gradlog._version import __version__
-from gradlog.cli import analyze, inspection, record
+from gradlog.cli import analyze, inspection, record, store_admin
 from gradlog.cli._render import fail
 from gradlog.errors import GradlogError
 
@@ -69,6 +69,7 @@ app.command()(analyze.influence)
 app.command()(analyze.export)
 app.command()(analyze.plot)
 app.command()(inspection.verify)
+app.command()(store_admin.unlock)
 
 
 def main() -> None:

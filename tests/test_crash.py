@@ -162,7 +162,17 @@ def _run(
     proc.join(300)
     if proc.exitcode not in (0, -signal.SIGKILL):
         raise AssertionError(f"the worker failed with exit code {proc.exitcode} (see stderr)")
+    if proc.exitcode == -signal.SIGKILL:
+        _log_kill(path, f"operation {crash_at}{' of a resume' if resume else ''}")
     return int(proc.exitcode)
+
+
+def _log_kill(path: Path, where: str) -> None:
+    """With GRADLOG_KILL_LOG set, note each kill (tests/benchmarks/RELIABILITY.md counts)."""
+    log = os.environ.get("GRADLOG_KILL_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{path.parent.name}\t{where}\n")
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +274,8 @@ def test_kill_9_after_a_random_delay(tmp_path: Path, reference: Path, seed: int)
     with contextlib.suppress(ProcessLookupError):  # if it finished first, all of it is there
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(60)
+    if proc.exitcode == -signal.SIGKILL:
+        _log_kill(path, "a random delay")
     _assert_prefix_of_reference(path, reference)
     assert _run(tmp_path, path, resume=True) == 0
     assert _assert_prefix_of_reference(path, reference) == list(range(STEPS))
@@ -312,3 +324,34 @@ def test_kill_9_in_the_first_step_of_a_compact_form_run_then_resume(
     assert _run(tmp_path, path, resume=True, form="topk") == 0
     assert _assert_prefix_of_reference(path, topk_reference) == list(range(STEPS))
     assert not verify(path).notes
+
+
+def _crash_twice(tmp: Path, reference: Path, first_at: int, second_at: int) -> None:
+    """Killed while recording, then killed again while resuming, then resumed to the end:
+    no step committed before a kill is ever lost, and the end is the reference run."""
+    path = tmp / "crash.gradlog"
+    if _run(tmp, path, crash_at=first_at) == 0:
+        return  # past the end of the run: nothing to recover
+    before = _assert_prefix_of_reference(path, reference)
+    killed = _run(tmp, path, crash_at=second_at, resume=True)  # the dead writer's lease too
+    during = _assert_prefix_of_reference(path, reference)
+    assert during[: len(before)] == before, "a committed step was lost by a resume"
+    if killed == 0:
+        assert during == list(range(STEPS))
+        return
+    assert _run(tmp, path, resume=True) == 0
+    assert _assert_prefix_of_reference(path, reference) == list(range(STEPS))
+    assert not verify(path).notes
+
+
+def test_kill_9_mid_resume_then_resume_again(tmp_path: Path, reference: Path) -> None:
+    _crash_twice(tmp_path, reference, 31, 14)  # the resumed run dies at its first commit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(8))
+def test_kill_9_at_random_points_of_a_run_and_of_its_resume(
+    tmp_path: Path, reference: Path, seed: int
+) -> None:
+    rng = random.Random(100 + seed)
+    _crash_twice(tmp_path, reference, rng.randint(1, 130), rng.randint(1, 90))

@@ -540,7 +540,8 @@ def test_validate_store_detects_a_broken_index_and_arrays(tmp_store: Path) -> No
 def test_validate_store_detects_a_misnamed_part(tmp_store: Path, source: str, target: str) -> None:
     _train(tmp_store, CALLS[:2])
     (tmp_store / source).rename(tmp_store / target)
-    with pytest.raises(ValidationError):
+    # a committed step's index part gone from its name: the reader refuses the store at open
+    with pytest.raises((ValidationError, errors.StoreCorruptError)):
         validate_store(tmp_store)
 
 

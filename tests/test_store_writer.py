@@ -9,6 +9,7 @@ come from a naive per-datum ``torch.autograd.grad`` loop, never from gradlog.
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import os
@@ -454,6 +455,8 @@ def test_resume_with_nothing_committed_plans_forms_and_arrays_afresh(
     first.set_forms(_planned(crashed))
     _append(first, crashed, batch=8)
     first.flush()  # written, never committed: a crash
+    del first  # dropped without close: its lease is stale, as a dead process's
+    gc.collect()
     again = writer_module.StoreWriter(tmp_store, attrs=_writer_attrs(), specs=specs,
                                       durable=False, resume=True)
     assert again.last_step is None and again.planned_specs is None

@@ -68,8 +68,9 @@ class StoreRef:
         return cls(str(path), run.attrs.get("created"), run.attrs.get("config_hash"))
 
     def open(self) -> StoreReader:
-        """The store, opened in the task's process (root JSON only: the index is not read)."""
-        run = StoreReader(self.path)
+        """The store, opened in the task's process (root JSON only: the index is not read;
+        the client cross-checked it when it opened the run)."""
+        run = StoreReader(self.path, cross_check=False)
         if (run.attrs.get("created"), run.attrs.get("config_hash")) != (
             self.created,
             self.config_hash,

@@ -1,5 +1,6 @@
 """The store a recording writes: its writer (under torch.distributed rank 0 creates or
-resumes the store before the other ranks join), root attributes and parameter specs."""
+resumes the store, and holds its writer lease, before the other ranks join), root attributes
+and parameter specs."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def open_writer(
             compression=config.compression,
             rank=0 if dist is None else dist.rank,
             world_size=1 if dist is None else dist.world_size,
+            break_lease=options.break_lease,
         )
 
     if dist is None:

@@ -172,12 +172,12 @@ class ShardLayout:
         row_shape = tuple(shape[1:])
         if math.prod(row_shape) > _MAX_ELEMENTS or shape[0] > _MAX_ELEMENTS:
             raise bad(f"shape {shape!r} is impossibly large")
-        try:
-            dtype = np.dtype(str(meta.get("data_type")))
-        except TypeError:
-            raise bad(f"data_type {meta.get('data_type')!r} is unknown") from None
-        if dtype.name not in ("float16", "float32", "float64", "uint16", "int64"):
-            raise bad(f"data_type {meta.get('data_type')!r} is not a storage type")
+        data_type = meta.get("data_type")
+        # a name of the closed set before numpy parses it (a crafted dict or format string
+        # made np.dtype raise a bare ValueError)
+        if data_type not in ("float16", "float32", "float64", "uint16", "int64"):
+            raise bad(f"data_type {data_type!r} is not a storage type")
+        dtype = np.dtype(str(data_type))
         grid = meta.get("chunk_grid", {})
         config_grid = grid.get("configuration", {}) if isinstance(grid, dict) else {}
         raw_outer = config_grid.get("chunk_shape") if isinstance(config_grid, dict) else None

@@ -19,6 +19,7 @@ from typing import Any
 from gradlog.store import format as fmt
 from gradlog.store.durability import Files
 from gradlog.store.fs import StorePath
+from gradlog.store.lease import Lease
 from gradlog.store.ranks import merge_rows, rank_part, wait_for_ranks
 
 __all__ = ["CommitLog"]
@@ -39,6 +40,8 @@ class CommitLog:
         rank, world_size: This writer's rank among ``world_size`` (rank 0 commits).
         rank_timeout_s: How long rank 0 waits for the other ranks' parts of a step.
         last_committed: The last step committed before this writer started (resume).
+        lease: The writer's lease (rank 0): verified, and renewed when due, before each
+            commit marker is written (:mod:`gradlog.store.lease`); None on other ranks.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class CommitLog:
         world_size: int,
         rank_timeout_s: float,
         last_committed: int | None,
+        lease: Lease | None = None,
     ) -> None:
         self.root = root
         self.files = files
@@ -59,6 +63,7 @@ class CommitLog:
         self.world_size = world_size
         self.rank_timeout_s = rank_timeout_s
         self.last_committed = last_committed  # the last step whose marker was written
+        self.lease = lease
         self._schema = fmt.steps_schema()
         self.write_seconds = 0.0  # writer-thread time of the step being written
         self._unsynced: set[StorePath] = set()  # written since the last sync (fsync fallback)
@@ -93,6 +98,8 @@ class CommitLog:
             if self.world_size > 1:
                 others = wait_for_ranks(self.root, step, self.world_size, self.rank_timeout_s)
                 row.update(merge_rows(row, others))
+            if self.lease is not None:  # a writer that lost its lease never commits
+                self.lease.check(f"the commit of step {step}")
         self.files.write_parquet(pa.Table.from_pylist([row], schema=self._schema), marker)
         self._unsynced_markers.append(marker)
         self.last_committed = step

@@ -250,7 +250,17 @@ def write_buffers(path: StorePath, buffers: list[Any]) -> int:
 
 
 def _writev_file(path: Path, buffers: list[Any]) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+    # O_NOFOLLOW: a shard name that is a symbolic link (a crafted store) is never followed
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise StoreFormatError(
+                f"{path} is a symbolic link; gradlog never writes through a link out of a "
+                "store. Copy the store without links and resume the copy."
+            ) from e
+        raise
     try:
         views = [memoryview(b).cast("B") for b in buffers]
         total = 0
@@ -280,6 +290,7 @@ def write_bytes_atomic(path: StorePath, data: bytes) -> None:
         path.write_bytes(data)
         return
     tmp = path.with_name("." + path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a link left in its place is removed, never followed
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -296,6 +307,7 @@ def write_parquet_atomic(table: Any, path: StorePath, *, durable: bool = False) 
         path.write_bytes(sink.getvalue().to_pybytes())
         return
     tmp = path.with_name("." + path.name + ".tmp")  # dot files are ignored by readers
+    tmp.unlink(missing_ok=True)  # a link left in its place is removed, never followed
     pq.write_table(table, tmp, compression="zstd")
     if durable:
         fsync_path(tmp)

@@ -25,7 +25,13 @@ from gradlog.store import fs as sfs
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import StorageDtype
 from gradlog.store.fs import StorePath
-from gradlog.store.probes import PROBE_INDEX_DIR, PROBES_GROUP, parse_probe_part_name
+from gradlog.store.lease import LEASE_FILE
+from gradlog.store.probes import (
+    PROBE_INDEX_DIR,
+    PROBES_GROUP,
+    parse_probe_part_name,
+    probe_array_path,
+)
 from gradlog.store.ranks import RANKS_DIR
 from gradlog.store.reader import StoreReader
 
@@ -37,6 +43,8 @@ __all__ = [
     "is_store",
     "open_to_resume",
     "read_layouts",
+    "refuse_foreign",
+    "refuse_links",
     "remove_arrays",
 ]
 
@@ -61,48 +69,77 @@ def inside(root: StorePath, path: StorePath) -> bool:
 
 def _group_json(attributes: Mapping[str, Any]) -> bytes:
     """A Zarr v3 group's ``zarr.json`` (what zarr-python writes for one)."""
-    meta = {"attributes": dict(attributes), "zarr_format": 3, "consolidated_metadata": None,
-            "node_type": "group"}
+    meta = {"attributes": dict(attributes), "zarr_format": 3, "node_type": "group"}
     return json.dumps(meta, indent=2).encode("utf-8")
 
 
 # -- creation -----------------------------------------------------------------------------------
+def _entries(path: StorePath) -> list[str]:
+    """What ``path`` holds besides the writer lease (and its temporaries)."""
+    if not path.is_dir():
+        return []
+    return [e for e in sfs.listdir(path)
+            if e != LEASE_FILE and not e.startswith("." + LEASE_FILE)]
+
+
+def refuse_foreign(path: StorePath) -> None:
+    """Refuse ``path`` before any write when it holds something that is not a gradlog
+    store (a writer never puts its lease, or anything else, into a foreign directory).
+
+    Raises:
+        StoreExistsError: ``path`` is a file, or a directory with entries but no store.
+    """
+    if not path.exists():
+        return
+    if isinstance(path, Path) and not path.is_dir():
+        raise StoreExistsError(
+            f"{path} exists and is a file, not a gradlog store; refusing to write into or "
+            "delete it. Choose another path."
+        )
+    if _entries(path) and not is_store(path):
+        raise StoreExistsError(
+            f"{path} exists and is not a gradlog store; refusing to write into "
+            "or delete it. Choose another path."
+        )
+
+
 def create(path: StorePath, root_attrs: Mapping[str, Any], overwrite: bool) -> None:
     """Create an empty store at ``path`` with ``root_attrs`` (replacing a gradlog store there
-    with ``overwrite``).
+    with ``overwrite``). The caller holds the store's writer lease
+    (:mod:`gradlog.store.lease`), which is kept.
 
     Raises:
         StoreExistsError: ``path`` holds something else, a store without ``overwrite``, or a
             symbolic link to a store.
     """
-    import zarr
-
-    if path.exists():
-        empty_dir = path.is_dir() and not any(path.iterdir())
-        if not empty_dir:
-            if not is_store(path):
-                raise StoreExistsError(
-                    f"{path} exists and is not a gradlog store; refusing to write into "
-                    "or delete it. Choose another path."
-                )
-            if not overwrite:
-                raise StoreExistsError(
-                    f"{path} already holds a gradlog run. Pass overwrite=True (CLI: "
-                    "--overwrite) to replace it, resume=True to continue it, or choose "
-                    "another path."
-                )
-            if path.is_symlink():
-                raise StoreExistsError(
-                    f"{path} is a symbolic link; refusing to delete what it points "
-                    "to. Pass the store's real path."
-                )
-            sfs.remove_tree(path)
-    if sfs.is_object(path):  # a group is its zarr.json; one PUT each
-        sfs.write_bytes_atomic(path / "zarr.json", _group_json(root_attrs))
-        sfs.write_bytes_atomic(path / fmt.GRADS_GROUP / "zarr.json", _group_json({}))
-    else:
-        group = zarr.open_group(str(path), mode="w", zarr_format=3, attributes=dict(root_attrs))
-        group.create_group(fmt.GRADS_GROUP)
+    refuse_foreign(path)
+    if _entries(path):  # a gradlog store (refuse_foreign let nothing else through)
+        if not overwrite:
+            raise StoreExistsError(
+                f"{path} already holds a gradlog run. Pass overwrite=True (CLI: "
+                "--overwrite) to replace it, resume=True to continue it, or choose "
+                "another path."
+            )
+        if path.is_symlink():
+            raise StoreExistsError(
+                f"{path} is a symbolic link; refusing to delete what it points "
+                "to. Pass the store's real path."
+            )
+        for entry in _entries(path):  # all but the lease this writer holds; zarr.json last
+            if entry == "zarr.json":
+                continue  # replaced below: the path stays a store until it is a new one
+            target = path / entry
+            if isinstance(target, Path) and (target.is_symlink() or not target.is_dir()):
+                target.unlink()  # a link is removed, never followed
+            elif target.is_dir():
+                sfs.remove_tree(target)
+            else:
+                target.unlink()
+    # a group is its zarr.json (written whole, atomically; zarr's mode="w" would first clear
+    # the directory, lease included)
+    sfs.write_bytes_atomic(path / "zarr.json", _group_json(root_attrs))
+    (path / fmt.GRADS_GROUP).mkdir(exist_ok=True)
+    sfs.write_bytes_atomic(path / fmt.GRADS_GROUP / "zarr.json", _group_json({}))
     (path / fmt.INDEX_DIR).mkdir()
     (path / fmt.STEPS_DIR).mkdir()
 
@@ -152,6 +189,9 @@ def open_to_resume(
         StoreResumeError: another format version, configuration or set of parameters, or a
             part of the store that is a symbolic link or leaves it.
     """
+    fixed = [fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP, PROBES_GROUP, PROBE_INDEX_DIR,
+             RANKS_DIR]
+    refuse_links(path, fixed)  # before reading: nothing is read through a link either
     store = StoreReader(path)
     where = str(path)
     if store.format_version != fmt.FORMAT_VERSION:
@@ -174,14 +214,38 @@ def open_to_resume(
                 f"{where}: parameter {name!r} is stored as {stored[name]}, this recorder "
                 f"has {dict(spec)}; resume with the same model and dtype."
             )
-    for sub in (fmt.INDEX_DIR, fmt.STEPS_DIR, fmt.GRADS_GROUP, PROBES_GROUP, PROBE_INDEX_DIR):
-        target = path / sub
-        if target.is_symlink() or not inside(path, target):
-            raise StoreResumeError(
-                f"{target} is a symbolic link or leaves the store; resume=True never writes "
-                "outside the store. Copy the store without links and resume the copy."
-            )
+    subs: list[str] = []
+    for name, spec in fmt.normalised_specs(store.attrs).items():  # arrays the writer fills
+        subs.extend(str(entry["path"]) for entry in spec["arrays"].values())
+        subs.append(probe_array_path(name))
+    refuse_links(path, subs)
     return Committed(stored, store.steps, store.datums)
+
+
+def refuse_links(path: StorePath, rels: list[str]) -> None:
+    """Refuse to write into ``path`` if any of the relative paths ``rels``, or a directory
+    on the way to one, is a symbolic link or resolves outside the store (a crafted or copied
+    store must not make the writer create, truncate or delete files elsewhere).
+
+    Raises:
+        StoreResumeError: naming the link.
+    """
+    if not isinstance(path, Path):
+        return  # object stores have no links; ObjectPath refuses '..' (gradlog.store.fs)
+    seen: set[Path] = set()
+    for rel in rels:
+        target = path
+        for part in Path(rel).parts:
+            target = target / part
+            if target in seen:
+                continue
+            seen.add(target)
+            if target.is_symlink() or (target.exists() and not inside(path, target)):
+                raise StoreResumeError(
+                    f"{target} is a symbolic link or leaves the store; resume=True never "
+                    "writes outside the store. Copy the store without links (cp -rL, or "
+                    "rsync -L) and resume the copy."
+                )
 
 
 def _check_same_config(stored: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradlog.errors import NotAStoreError, SelectionError, StoreFormatError
+from gradlog.store import consistency
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
@@ -177,11 +178,19 @@ class StoreReader:
         attrs: The root attributes as stored (format, versions, config, parameter specs).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | StorePath) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | StorePath, *, cross_check: bool = True
+    ) -> None:
         """Open the store at ``path`` (a directory or an fsspec URL such as
-        ``s3://bucket/run.gradlog``); see :func:`gradlog.open` for the errors raised."""
+        ``s3://bucket/run.gradlog``); see :func:`gradlog.open` for the errors raised.
+
+        ``cross_check``: check now (and at :meth:`refresh`) that every committed step's index
+        parts are there (``StoreCorruptError`` otherwise); ``gradlog verify`` opens without
+        it and reports each problem itself."""
         self.path: StorePath = sfs.store_path(path)
+        self._cross_check = cross_check
         self._read_attrs()
+        self._check_index_parts()
 
     def _read_attrs(self) -> None:
         """(Re)read the root attributes, and forget what was opened from the old ones."""
@@ -258,6 +267,8 @@ class StoreReader:
         committed = self.steps.column("step")  # first: it may re-read the root attributes
         table = _read_parts(self.path / fmt.INDEX_DIR, fmt.index_schema(self.param_names))
         table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(committed)))
+        if self._cross_check:
+            consistency.check_record_counts(self.path, self.steps, table)
         return table.sort_by("row")
 
     def refresh(self) -> Self:
@@ -267,7 +278,18 @@ class StoreReader:
         self._read_attrs()
         for name in ("steps", "datums", "probes"):
             self.__dict__.pop(name, None)
+        self._check_index_parts()
         return self
+
+    def _check_index_parts(self) -> None:
+        """Every committed step's index parts are there (:mod:`gradlog.store.consistency`).
+
+        Raises:
+            StoreCorruptError: naming the missing parts.
+        """
+        if self._cross_check:  # read here, not cached: a run opened before its first commit
+            steps = _read_parts(self.path / fmt.STEPS_DIR, fmt.steps_schema())  # sees later
+            consistency.check_index_parts(self.path, steps)
 
     @property
     def nbytes(self) -> int:

@@ -13,6 +13,7 @@ A call's shards are written first, then its index part: the step's commit
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class RecordArrays:
         self.rank = rank
         self.layouts: dict[str, ShardLayout] = {}
         self.capacity = 0  # rows the arrays' metadata currently declare
+        self.notices: collections.deque[str] = collections.deque()  # for the caller's thread
         self.rows_per_shard = 0  # c, from the first batch (or the stored arrays)
 
     def continue_layouts(self, layouts: Mapping[str, ShardLayout], capacity: int) -> None:
@@ -145,6 +147,7 @@ class RecordArrays:
         t0 = time.perf_counter()
         if ready is not None:
             ready.synchronize()
+        self._note_nonfinite(index)
         stop = start + batch
         if round_end > self.capacity:
             first = _FIRST_SHARDS * self.rows_per_shard
@@ -182,6 +185,27 @@ class RecordArrays:
         self.files.write_parquet(table, part)
         self.log.wrote(part)
         self.log.write_seconds += time.perf_counter() - t0
+
+    def _note_nonfinite(self, index: CallIndex) -> None:
+        """Note records whose gradient has a non-finite entry: their exact norm is NaN or
+        inf (a norm is finite exactly when every entry is), so the check costs one pass over
+        ``B`` norms per parameter, on this thread, after the device copies landed (no device
+        sync on the training thread). They are stored as computed, flagged by that norm, and
+        the writer warns on the caller's thread (:attr:`notices`)."""
+        bad = {name: ~np.isfinite(n) for name, n in index.norms.items()}
+        bad = {name: mask for name, mask in bad.items() if mask.any()}
+        if not bad:
+            return
+        rows = np.logical_or.reduce(list(bad.values()))
+        ids = index.datum_ids[rows].tolist()
+        self.notices.append(
+            f"step {index.step} (micro-batch {index.micro}): the per-datum gradients of datum "
+            f"id(s) {ids[:20]}{' ...' if len(ids) > 20 else ''} hold NaN or inf in "
+            f"parameter(s) {sorted(bad)[:10]}{' ...' if len(bad) > 10 else ''}, though their "
+            "losses are finite. They are stored as computed, flagged by a non-finite norm "
+            "in the index (run.datums 'norm/<param>', run.norms()); p.grad summed them too. "
+            "Usual causes: sqrt or log at 0, a division by zero, an overflow in the loss."
+        )
 
     def _stored_rows(self, key: str, values: np.ndarray) -> np.ndarray:
         """One array's rows as a C-contiguous array of its array dtype."""

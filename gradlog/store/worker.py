@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradlog.errors import StoreWriteError
+from gradlog.errors import GradlogError, StoreLockedError, StoreWriteError
 from gradlog.store.fs import StorePath
 
 __all__ = ["Task", "Worker", "drainer", "failure"]
@@ -99,6 +99,7 @@ class Worker:
                 self._tasks.popleft()
                 self._queued -= task.nbytes
                 self._cond.notify_all()
+            del task  # not kept while waiting: a writer dropped unclosed can be collected
 
 
 def drainer(*workers: Worker | None) -> Callable[[], None]:
@@ -114,15 +115,19 @@ def drainer(*workers: Worker | None) -> Callable[[], None]:
     return drain
 
 
-def failure(worker: Worker, path: StorePath, last_committed: int | None) -> StoreWriteError:
+def failure(worker: Worker, path: StorePath, last_committed: int | None) -> GradlogError:
     """The error the caller sees for ``worker``'s failure: what failed, which steps are
-    committed, and how to continue (``worker.error`` must be set)."""
+    committed, and how to continue (``worker.error`` must be set): a
+    :class:`~gradlog.errors.StoreLockedError` when the writer lost its lease, else a
+    :class:`~gradlog.errors.StoreWriteError`."""
     error = worker.error
     committed = (
         f"Steps up to {last_committed} are committed and intact"
         if last_committed is not None
         else "No step was committed"
     )
+    if isinstance(error, StoreLockedError):
+        return StoreLockedError(f"{error} ({committed}; {worker.failed_task} was not.)")
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         fix = (
             "Free disk space (or record less: params=..., dtype='bfloat16', every=N), then "

@@ -38,6 +38,7 @@ import atexit
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from gradlog.errors import GradlogError, StoreExistsError, StoreWriteError
-from gradlog.store import durability, opening
+from gradlog.errors import (
+    GradlogError,
+    NonFiniteGradientWarning,
+    StoreExistsError,
+    StoreWriteError,
+)
+from gradlog.store import durability, lease, opening
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.commit import CommitLog
@@ -182,6 +188,13 @@ class StoreWriter:
             (:mod:`gradlog.store.ranks`): rank 0 creates or resumes the store and commits
             steps; every other rank joins it once rank 0 is done (never creates, deletes or
             rewrites metadata) and writes its own rows, index parts and rank parts.
+        break_lease: Take over the store's writer lease when its holder runs on another
+            host and has not renewed it for its TTL (:mod:`gradlog.store.lease`). A lease
+            whose holder is provably gone (this host, process not running) is taken over
+            anyway; a live holder's never.
+
+    Raises:
+        StoreLockedError: another writer holds the store (rank 0; the message names it).
     """
 
 
@@ -198,6 +211,7 @@ class StoreWriter:
         compression: str | None = None,
         rank: int = 0,
         world_size: int = 1,
+        break_lease: bool = False,
     ) -> None:
         if overwrite and resume:
             raise StoreExistsError(
@@ -218,9 +232,33 @@ class StoreWriter:
         self._compression = compression
         # the primitives as this module holds them when the writer starts (fault tests)
         self._files = Files(_write_file, _write_parquet_atomic, _write_json_atomic, _syncfs)
+        self._lease: lease.Lease | None = None
+        if rank == 0:  # one writer per store; the other ranks write under rank 0's lease
+            opening.refuse_foreign(self.path)  # no lease is put into a foreign directory
+            action = "resume=True" if resume else "overwrite=True" if overwrite else "creating it"
+            self._lease = lease.acquire(self.path, action=action, break_expired=break_lease)
+        try:
+            self._open(attrs, specs, overwrite, resume, queue_bytes, durable, compression)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
+
+    def _open(
+        self,
+        attrs: Mapping[str, Any],
+        specs: Mapping[str, ParamSpec],
+        overwrite: bool,
+        resume: bool,
+        queue_bytes: int | None,
+        durable: bool,
+        compression: str | None,
+    ) -> None:
+        """Create or resume the store (under the lease) and start the threads."""
+        rank, world_size = self.rank, self.world_size
         self._log = CommitLog(
             self.path, self._files, durable=durable, rank=rank, world_size=world_size,
-            rank_timeout_s=RANK_COMMIT_TIMEOUT_S, last_committed=None,
+            rank_timeout_s=RANK_COMMIT_TIMEOUT_S, last_committed=None, lease=self._lease,
         )
         self._use_specs(specs)
         self.planned_specs: dict[str, dict[str, Any]] | None = None  # stored forms (resume)
@@ -321,6 +359,9 @@ class StoreWriter:
 
     # -- the public, synchronous API ----------------------------------------------------------
     def _raise_if_failed(self) -> None:
+        notices = self._arrays.notices
+        while notices:  # the writer thread's findings, as warnings on the caller's thread
+            warnings.warn(notices.popleft(), NonFiniteGradientWarning, stacklevel=3)
         worker = self._worker
         if worker.error is None and self._syncer is not None and self._syncer.error is not None:
             worker = self._syncer
@@ -487,12 +528,18 @@ class StoreWriter:
             return
         self._closed = True
         atexit.unregister(self._drain_at_exit)
-        self._worker.join()
-        if self._syncer is not None:
-            self._syncer.join()
-        self._raise_if_failed()
-        arrays = self._arrays
-        if arrays.layouts and arrays.capacity != self.n_rows and self.rank == 0:
-            arrays.set_rows(self.n_rows)
-            arrays.remove_shards_past(self.n_rows)
-        self._log.sync_all()  # the last commit markers, the trimmed metadata
+        try:
+            self._worker.join()
+            if self._syncer is not None:
+                self._syncer.join()
+            self._raise_if_failed()
+            arrays = self._arrays
+            if arrays.layouts and arrays.capacity != self.n_rows and self.rank == 0:
+                if self._lease is not None:  # trimming deletes: only under this lease
+                    self._lease.check("trimming the arrays at close")
+                arrays.set_rows(self.n_rows)
+                arrays.remove_shards_past(self.n_rows)
+            self._log.sync_all()  # the last commit markers, the trimmed metadata
+        finally:
+            if self._lease is not None:
+                self._lease.release()
