@@ -14,6 +14,7 @@ from gradlog.cli._args import (
     ParamsOpt,
     RunArg,
     StepOpt,
+    StorageOpt,
     open_run,
     scan_args,
     selector,
@@ -30,10 +31,19 @@ _SIDES = (("proponent", "proponents (training on them lowered the probe's loss)"
 def influence(
     run_path: RunArg,
     probe: Annotated[int | None, typer.Option(help="Id of a probe recorded with the run.")] = None,
+    probes: Annotated[str | None, typer.Option(
+        help="Many probes in one pass: 'all', ids 1,5,9 or A:B (ids A..B-1); the "
+             "datums x probes matrix goes to --out, or a summary is printed.")] = None,
     self_: Annotated[
         bool, typer.Option("--self", help="Rank data by self-influence instead.")
     ] = False,
     top: Annotated[int, typer.Option(min=1, help="Proponents and opponents to list.")] = 10,
+    kind: Annotated[str | None, typer.Option(
+        help="Score: tracin, optimizer (Adam's preconditioner and momentum, from the "
+             "recorded optimizer state) or cosine; default: optimizer when the run kept "
+             "its optimizer's state, else tracin.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="With --probes: write the matrix (.parquet, .csv or .npz).")] = None,
     params: ParamsOpt = None,
     weighted: Annotated[
         bool, typer.Option(help="Include each record's weight w_b (first-order loss change).")
@@ -43,30 +53,103 @@ def influence(
     ] = None,
     max_memory: MemoryOpt = None,
     as_json: JsonOpt = False,
+    storage: StorageOpt = None,
 ) -> None:
-    """TracIn over the recorded steps: the training data that most helped (proponents) and
-    hurt (opponents) a probe; score = sum_t lr_t <g_t(datum), g_t(probe)>."""
-    run = open_run(run_path)
-    if self_ == (probe is not None):
+    """Influence over the recorded steps: the training data that most helped (proponents) and
+    hurt (opponents) a probe; tracin: score = sum_t lr_t <g_t(datum), g_t(probe)>; optimizer:
+    sum_t lr_t c <P_t g_t(datum), g_t(probe)> with Adam's preconditioner P_t."""
+    run = open_run(run_path, storage)
+    if sum((self_, probe is not None, probes is not None)) != 1:
         ids = run.probe_ids
         known = (f"recorded probes: {', '.join(map(str, ids[:20]))}" if ids
                  else "this run has no probes")
-        raise InputError(f"pass exactly one of --probe ID ({known}) or --self.")
+        raise InputError(f"pass exactly one of --probe ID, --probes IDS ({known}) or --self.")
+    if out is not None and probes is None:
+        raise InputError("--out writes the matrix of --probes; pass --probes (e.g. --probes all).")
+    if probes is not None:
+        _influence_matrix(run, probes, kind=kind, out=out, params=params, weighted=weighted,
+                          lr=lr, max_memory=max_memory, as_json=as_json)
+        return
     if probe is None:
         found = run.self_influence(top=top, params=params, weighted=weighted, lr=lr)
     else:
-        found = run.influence(probe, top=top, params=with_gradients(run, params),
+        found = run.influence(probe, top=top, kind=kind, params=with_gradients(run, params),
                               weighted=weighted, lr=lr, **scan_args(max_memory))
     rows = found.to_pylist()
+    score_kind = (found.schema.metadata or {}).get(b"score_kind", b"").decode() or None
     if as_json:
-        echo_json({"probe": probe, "self": self_, "weighted": weighted, "rows": rows})
+        echo_json({"probe": probe, "self": self_, "weighted": weighted, "kind": score_kind,
+                   "rows": rows})
         return
     if probe is None:
         title = f"self-influence sum_t lr_t{' w' if weighted else ''} ||g_t||^2"
         _print_ranking(title, [{**r, "rank": i} for i, r in enumerate(rows, 1)])
         return
-    for kind, title in _SIDES:
-        _print_ranking(f"probe {probe}: {title}", [r for r in rows if r["kind"] == kind])
+    for side, title in _SIDES:
+        _print_ranking(f"probe {probe} ({score_kind}): {title}",
+                       [r for r in rows if r["kind"] == side])
+
+
+_MATRIX_FORMATS = ("parquet", "csv", "npz")
+
+
+def _influence_matrix(
+    run: Any, probes: str, *, kind: str | None, out: Path | None, params: Any,
+    weighted: bool, lr: float | None, max_memory: str | None, as_json: bool,
+) -> None:
+    """``--probes``: the datums x probes matrix, to ``--out`` or summarised."""
+    if out is not None and out.suffix.lstrip(".").lower() not in _MATRIX_FORMATS:
+        raise InputError(f"--out {out}: name the file .parquet, .csv or .npz.")
+    chosen = None if probes.strip() == "all" else selector(probes, "probes")
+    if isinstance(chosen, slice):
+        ids = run.probe_ids
+        lo = chosen.start if chosen.start is not None else min(ids, default=0)
+        hi = chosen.stop if chosen.stop is not None else max(ids, default=-1) + 1
+        chosen = [i for i in ids if lo <= i < hi]
+    elif isinstance(chosen, int):
+        chosen = [chosen]
+    matrix = run.influence_matrix(chosen, kind=kind, params=with_gradients(run, params),
+                                  weighted=weighted, lr=lr, **scan_args(max_memory))
+    if out is not None:
+        _write_matrix(matrix, out)
+    if as_json:
+        echo_json({"kind": matrix.kind, "datum_ids": matrix.datum_ids.tolist(),
+                   "probe_ids": matrix.probe_ids.tolist(), "weighted": weighted,
+                   **({"out": str(out)} if out is not None else
+                      {"scores": matrix.scores.tolist()})})
+        return
+    if out is not None:
+        console.print(f"wrote {matrix.scores.shape[0]} datums x {matrix.scores.shape[1]} probes "
+                      f"({matrix.kind}) to {out}")
+        return
+    view = table(f"{matrix.kind} influence: top datum per probe",
+                 ("probe", "proponent", "score", "opponent", "score"))
+    for j, p in enumerate(matrix.probe_ids.tolist()):
+        col = matrix.scores[:, j]
+        hi, lo = int(col.argmax()), int(col.argmin())
+        view.add_row(str(p), str(matrix.datum_ids[hi]), num(float(col[hi]), 6),
+                     str(matrix.datum_ids[lo]), num(float(col[lo]), 6))
+    console.print(view)
+
+
+def _write_matrix(matrix: Any, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix == "npz":
+        import numpy as np
+
+        np.savez(out, datum_ids=matrix.datum_ids, probe_ids=matrix.probe_ids,
+                 scores=matrix.scores, kind=np.array(matrix.kind))
+        return
+    tbl = matrix.to_table()
+    if suffix == "csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(tbl, out)
+        return
+    import pyarrow.parquet as pq
+
+    pq.write_table(tbl, out)
 
 
 def _print_ranking(title: str, rows: list[dict[str, Any]]) -> None:
@@ -88,6 +171,7 @@ def export(
     datum: DatumOpt = None,
     max_memory: MemoryOpt = None,
     as_json: JsonOpt = False,
+    storage: StorageOpt = None,
 ) -> None:
     """Export records and their gradients to one parquet or npz file."""
     from gradlog.analysis.export import FORMATS
@@ -99,7 +183,7 @@ def export(
             f"--format {format} contradicts --out {out} (a .{suffix} name): drop --format, "
             f"or name the file .{format}."
         )
-    run = open_run(run_path)
+    run = open_run(run_path, storage)
     names = with_gradients(run, params)
     summary = run.export(out, format=format, params=names, step=selector(step, "step"),
                          datum=selector(datum, "datum"), **scan_args(max_memory))
@@ -114,12 +198,15 @@ def plot(
     run_path: RunArg,
     out: Annotated[Path, typer.Option(help="Image to write (.png, .svg, .pdf).")],
     params: ParamsOpt = None,
-    datums: Annotated[int, typer.Option(min=1, help="Trajectories to draw.")] = 8,
+    datums: Annotated[int, typer.Option(
+        min=1, help="Outlying data to name and draw the trajectories of.")] = 5,
     width: Annotated[int, typer.Option(min=100, help="Width in pixels.")] = 1200,
     height: Annotated[int, typer.Option(min=100, help="Height in pixels.")] = 500,
+    storage: StorageOpt = None,
 ) -> None:
-    """Plot per-datum gradient-norm trajectories and a steps x data heatmap."""
-    run = open_run(run_path)
+    """Plot gradient norms: their range per step (median, quartiles, extremes) with the
+    outlying data's trajectories named, norm against loss, and a steps x data heatmap."""
+    run = open_run(run_path, storage)
     out.parent.mkdir(parents=True, exist_ok=True)
     run.plot(out, params=params, datums=datums, width=width, height=height)
     console.print(f"wrote {out} ({width}x{height} pixels)")

@@ -33,6 +33,7 @@ class Run(StoreReader):
     # -- analyses ---------------------------------------------------------------------------
     similarity = analysis.similarity
     influence = analysis.influence
+    influence_matrix = analysis.influence_matrix
     self_influence = analysis.self_influence
     movers = analysis.movers
     stats = analysis.stats

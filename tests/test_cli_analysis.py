@@ -181,6 +181,48 @@ def test_influence_errors(store: Path, tmp_path: Path) -> None:
     assert "too small" in _error("influence", str(store), "--probe", "5", "--max-memory", "1kB")
 
 
+def test_influence_many_probes(store: Path, tmp_path: Path) -> None:
+    """--probes: the datums x probes matrix equals one probe at a time, in every format."""
+    run = gradlog.open(store)
+    out = tmp_path / "m.parquet"
+    text = _text("influence", str(store), "--probes", "all", "--kind", "cosine", "--out", str(out))
+    assert "wrote 24 datums x 2 probes (cosine)" in text
+    table = pq.read_table(out)
+    assert table.column_names == ["datum_id", "probe_5", "probe_8"]
+    assert table.schema.metadata[b"score_kind"] == b"cosine"
+    for p in (5, 8):
+        one = run.influence(p, top=None, kind="cosine")
+        want = dict(zip(one.column("datum_id").to_pylist(), one.column("score").to_pylist()))
+        got = dict(zip(table.column("datum_id").to_pylist(),
+                       table.column(f"probe_{p}").to_pylist()))
+        assert got.keys() == want.keys()
+        for d, w in want.items():
+            assert got[d] == pytest.approx(w, rel=1e-5, abs=1e-9)  # float32 products
+    csv = tmp_path / "m.csv"
+    _ok("influence", str(store), "--probes", "8", "--out", str(csv))
+    assert pcsv.read_csv(csv).column_names == ["datum_id", "probe_8"]
+    data = json.loads(_ok("influence", str(store), "--probes", "5:9", "--json"))
+    assert data["probe_ids"] == [5, 8] and data["kind"] == "tracin"  # plain SGD: tracin
+    assert len(data["scores"]) == 24 and len(data["scores"][0]) == 2
+    assert "top datum per probe" in _text("influence", str(store), "--probes", "5,8")
+    npz = np.load(_out_npz(store, tmp_path))
+    assert npz["scores"].shape == (24, 2) and str(npz["kind"]) == "tracin"
+    assert "exactly one of" in _error("influence", str(store), "--probes", "all", "--probe", "5")
+    assert "--out writes the matrix" in _error("influence", str(store), "--probe", "5", "--out",
+                                              str(out))
+    assert "name the file .parquet" in _error("influence", str(store), "--probes", "all",
+                                             "--out", str(tmp_path / "m.txt"))
+    bare = _record(tmp_path / "bare.gradlog", lr=False)  # no optimizer: no optimizer state
+    assert "kind='optimizer' needs" in _error("influence", str(bare), "--probe", "5", "--kind",
+                                             "optimizer", "--lr", "0.1")
+
+
+def _out_npz(store: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "m.npz"
+    _ok("influence", str(store), "--probes", "all", "--out", str(out))
+    return out
+
+
 def test_export(store: Path, tmp_path: Path) -> None:
     run = gradlog.open(store)
     summary = json.loads(
@@ -201,7 +243,7 @@ def test_export(store: Path, tmp_path: Path) -> None:
     )
     assert "wrote 48 records x 1 parameters" in text
     table = pq.read_table(tmp_path / "e.data")
-    assert table.column_names[-1] == "grad/2.bias" and table.num_rows == 48
+    assert table.column_names[-1] == "grads/2.bias" and table.num_rows == 48
     assert "is not one of ['parquet', 'npz']" in _error("export", str(store), "--out", "e.h5")
     assert "datum 77 has no record" in _error(
         "export", str(store), "--out", str(tmp_path / "x.npz"), "-d", "77"

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["SCHEMAS", "load_schema", "violation"]
 
-SCHEMAS = ("root", "index", "steps")
+SCHEMAS = ("root", "index", "steps", "optimizer")
 """Names of the JSON Schemas in ``gradlog.schemas`` (file ``<name>.schema.json``)."""
 
 

@@ -31,8 +31,18 @@ What is measured.
   rebuilding them. The table gives both times, the speed-up and the largest absolute
   difference of the scores, also relative to the largest score.
 
+- **Many probes** (``--matrix-only``, or ``--matrix-data`` > 0 after the rest): a store of
+  ``--matrix-data`` training data (each recorded once, batches of ``--matrix-batch``) and
+  ``--matrix-probes`` probes recorded at every step (hooks backend, AdamW, float32, an MLP of
+  width ``--matrix-width``), then ``run.influence_matrix()`` (every datum x every probe, one
+  pass, ``kind="tracin"`` and ``kind="optimizer"``) against the raw sequential read of the
+  same array files (training and probe gradients), page cache dropped before each,
+  alternated ``--reps`` times; medians and the ratio (acceptance: >= 0.7). The scan's peak
+  traced memory (tracemalloc, a separate untimed run) is shown against ``max_memory``.
+
 Usage::
 
+    python tests/benchmarks/bench_query.py --matrix-only --reps 3   # 1,000 data x 100 probes
     python tests/benchmarks/bench_query.py --gib 1 --reps 3
     python tests/benchmarks/bench_query.py --forms-only            # widths 128 and 512, ~1-2 min
     python tests/benchmarks/bench_query.py --forms-only --forms-widths 256 --tokens 32
@@ -184,6 +194,84 @@ def forms_rows(root: Path, args: argparse.Namespace, width: int) -> None:
     print(f"| {width} | stores: {note} | | | | | | |")
 
 
+def record_matrix(path: Path, args: argparse.Namespace) -> gradlog.Run:
+    """``--matrix-data`` training data, each once, and ``--matrix-probes`` probes per step."""
+    torch.manual_seed(0)
+    width = args.matrix_width
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 16))
+    gen = torch.Generator().manual_seed(1)
+    n = args.matrix_data
+    x, y = torch.randn(n, width, generator=gen), torch.randint(0, 16, (n,), generator=gen)
+    probes = (torch.randn(args.matrix_probes, width, generator=gen),
+              torch.randint(0, 16, (args.matrix_probes,), generator=gen))
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1], reduction="none")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with gradlog.GradRecorder(model, path, optimizer=opt, overwrite=True,
+                              probes=(loss_fn, probes), check_every=0) as rec:
+        for idx in torch.randperm(n, generator=gen).split(args.matrix_batch):
+            rec.backward(loss_fn(model, (x[idx], y[idx])), datum_ids=idx)
+            opt.step()
+            opt.zero_grad()
+    return gradlog.open(path)
+
+
+def matrix_table(root: Path, args: argparse.Namespace) -> None:
+    """Many probes in one pass against the raw read of the same files (module doc)."""
+    import tracemalloc
+    import warnings
+
+    path = root / "matrix.gradlog"
+    t0 = time.perf_counter()
+    run = record_matrix(path, args)
+    t_record = time.perf_counter() - t0
+    files = array_files(path)
+    on_disk = sum(f.stat().st_size for f in files)
+    opt_bytes = sum(f.stat().st_size for f in (path / "optimizer").glob("*.npz"))
+    cap = args.max_memory or "256MiB"
+    warnings.simplefilter("ignore")
+    for kind in ("tracin", "optimizer"):  # warm imports
+        run.influence_matrix(kind=kind, max_memory=cap)
+    raw: list[float] = []
+    scans: dict[str, list[float]] = {"tracin": [], "optimizer": []}
+    for _ in range(args.reps):  # alternated: raw, tracin, raw, optimizer, ...
+        for kind in scans:
+            drop_cache(files)
+            n, dt = raw_read(files)
+            raw.append(n / dt)
+            drop_cache(files)
+            fresh = gradlog.open(path)
+            t = time.perf_counter()
+            m = fresh.influence_matrix(kind=kind, max_memory=cap)
+            scans[kind].append(on_disk / (time.perf_counter() - t))
+    tracemalloc.start()
+    m = gradlog.open(path).influence_matrix(kind="optimizer", max_memory=cap)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    raw_bw = statistics.median(raw)
+    mb = 1e6
+    print(f"# bench_query --matrix  {datetime.datetime.now().isoformat('T', 'seconds')}  "
+          f"{platform.node()}  {os.cpu_count()} CPUs  gradlog {gradlog.__version__}")
+    print(f"store: {run.datums.num_rows} training records x {m.scores.shape[1]} probes at each "
+          f"of {run.steps.num_rows} steps ({run.probes.num_rows} probe records), width "
+          f"{args.matrix_width}, {on_disk / mb:.0f} MB of array files, optimizer state "
+          f"{opt_bytes / mb:.1f} MB (recorded in {t_record:.1f} s); scan cap {cap}")
+    print()
+    print("| measurement | MB/s (median) | runs | / raw |")
+    print("|---|---:|---|---:|")
+    print(f"| raw sequential read of the array files | {raw_bw / mb:.0f} | "
+          f"{', '.join(f'{v / mb:.0f}' for v in raw)} | 1.00 |")
+    for kind, values in scans.items():
+        med = statistics.median(values)
+        print(f"| influence_matrix, kind={kind} (file bytes / s) | {med / mb:.0f} | "
+              f"{', '.join(f'{v / mb:.0f}' for v in values)} | **{med / raw_bw:.2f}** |")
+    print()
+    print(f"peak traced memory of influence_matrix: {peak / 2**20:.0f} MiB (max_memory {cap}; "
+          f"result {m.scores.nbytes / 2**20:.2f} MiB)")
+
+
 def array_files(path: Path) -> list[Path]:
     roots = [path / "grads", path / "probes" / "grads"]
     return sorted(f for r in roots if r.is_dir() for f in r.rglob("*") if f.is_file())
@@ -245,11 +333,19 @@ def main() -> None:
                         help="form of the factored store: auto (factors where smaller), factors")
     parser.add_argument("--forms-reps", type=int, default=3, help="repeats of a form query")
     parser.add_argument("--forms-only", action="store_true", help="only the form table")
+    parser.add_argument("--matrix-only", action="store_true", help="only the many-probes table")
+    parser.add_argument("--matrix-data", type=int, default=1000, help="0: no many-probes table")
+    parser.add_argument("--matrix-probes", type=int, default=100)
+    parser.add_argument("--matrix-batch", type=int, default=100)
+    parser.add_argument("--matrix-width", type=int, default=256)
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_query-", dir=args.dir))
     path = root / "bench.gradlog"
     try:
+        if args.matrix_only:
+            matrix_table(root, args)
+            return
         if args.forms_only:
             print(f"# bench_query --forms-only  {datetime.datetime.now().isoformat('T', 'seconds')}"
                   f"  {platform.node()}  {os.cpu_count()} CPUs  gradlog {gradlog.__version__}")
@@ -347,6 +443,8 @@ def main() -> None:
             print(f"| {name} | {cold * 1e3:.1f} | {warm * 1e3:.1f} |")
         if args.forms_steps > 0:
             forms_table(root, args)
+        if args.matrix_data > 0:
+            matrix_table(root, args)
     finally:
         if args.keep:
             print(f"store kept at {path}")
