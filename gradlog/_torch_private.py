@@ -28,31 +28,40 @@ import torch
 from torch import nn
 
 __all__ = [
+    "DispatchMode",
     "autograd_node_forward_class",
+    "autograd_node_nll_target",
     "autograd_node_output_dtypes",
     "autograd_node_output_shape",
     "autograd_node_saved_alpha",
     "autograd_node_shapes_known",
+    "autograd_node_view_input_sizes",
     "backward_keeps_graph",
     "conv_reversed_padding",
     "cuda_devices",
     "dropout_rate",
+    "force_eager",
     "foreach_div_",
     "foreach_mul_",
     "forked_rng",
+    "fsdp_reduces_grads",
     "global_module_backward_hooks_on",
     "in_autograd_backward",
     "in_checkpoint_recompute",
     "is_functorch_wrapped",
+    "linear_ops",
     "module_has_backward_hooks",
     "rng_states",
+    "saved_tensor_hooks_kind",
     "saved_tensor_hooks_on",
     "set_rng_states",
+    "storage_key",
     "storage_use_count",
     "tensor_hook_count",
     "tensor_hooks",
     "tensor_post_accumulate_hooks",
     "tensor_version",
+    "tree_leaves",
     "view_base",
 ]
 
@@ -114,6 +123,58 @@ def saved_tensor_hooks_on() -> bool:
     if hooks is None:
         return True
     return bool(hooks and hooks[0] is not None)
+
+
+def saved_tensor_hooks_kind() -> str:
+    """Which saved-tensor hooks are in force: ``"none"``; ``"checkpoint"``, torch's own
+    non-reentrant activation checkpointing (its unpacking recomputes per backward, so a
+    graph may be differentiated several times); ``"selective"``, selective activation
+    checkpointing (its cached activations are used up by the first backward); ``"other"``,
+    hooks gradlog does not know (offloading, the user's own) or a torch that cannot say.
+
+    Private API: ``torch._C._autograd._top_saved_tensors_default_hooks``, the pack hook's
+    ``__qualname__`` (``_checkpoint_hook.__init__.<locals>.pack_hook``) and
+    ``torch.utils._python_dispatch._get_current_dispatch_mode_stack`` (selective
+    checkpointing's ``_CachingTorchDispatchMode``). Fallback: ``"other"``.
+    """
+    hooks = _top_saved_tensor_hooks()
+    if hooks is None:
+        return "other"
+    if not hooks or hooks[0] is None:
+        return "none"
+    if not getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
+        return "other"
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = _get_current_dispatch_mode_stack()
+    except (ImportError, RuntimeError):
+        return "other"
+    if any(type(m).__name__ == "_CachingTorchDispatchMode" for m in modes):
+        return "selective"
+    return "checkpoint"
+
+
+def force_eager() -> Callable[[], None] | None:
+    """Make ``torch.compile``'d code run eagerly (no tracing, no recompiles) until the
+    returned function is called; None when this torch cannot (torch < 2.6) or when called
+    inside a compiled region.
+
+    Public API since torch 2.6: ``torch.compiler.set_stance("force_eager")``, whose return
+    value restores the prior stance on ``__exit__``.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        stance = set_stance("force_eager")
+    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
+        return None
+
+    def restore() -> None:
+        stance.__exit__(None, None, None)
+
+    return restore
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -228,6 +289,35 @@ def autograd_node_saved_alpha(node: Any) -> float:
     Private API: ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1).
     """
     return float(getattr(node, "_saved_alpha", 1.0))
+
+
+def autograd_node_view_input_sizes(node: Any) -> tuple[int, ...] | None:
+    """The input shape a ``view``/``reshape`` autograd node saved (what it reshaped).
+
+    Private API: ``ViewBackward0._saved_self_sym_sizes`` (also ``UnsafeViewBackward0``,
+    ``ReshapeAliasBackward0``). Fallback: None (the caller then cannot tell; it checks less).
+    """
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    try:
+        return None if sizes is None else tuple(int(n) for n in sizes)
+    except (TypeError, ValueError):  # symbolic sizes
+        return None
+
+
+def autograd_node_nll_target(node: Any) -> tuple[torch.Tensor, int] | None:
+    """``(target, ignore_index)`` an ``nll_loss`` autograd node saved (``cross_entropy``'s).
+
+    Private API: ``NllLossBackward0``/``NllLoss2DBackward0`` ``_saved_target`` and
+    ``_saved_ignore_index`` (some torch versions return the index as an unsigned 64-bit
+    value: -100 reads 2**64 - 100). Fallback: None (the caller then checks less).
+    """
+    if not type(node).__name__.startswith("NllLoss"):
+        return None
+    target = getattr(node, "_saved_target", None)
+    ignore = getattr(node, "_saved_ignore_index", None)
+    if not isinstance(target, torch.Tensor) or not isinstance(ignore, int):
+        return None
+    return target, ignore - 2**64 if ignore >= 2**63 else ignore
 
 
 def autograd_node_forward_class(node: Any) -> type | None:
@@ -350,3 +440,49 @@ def forked_rng(cuda: Iterable[int] = (),
     with torch.random.fork_rng(devices=devices):
         set_rng_states(states)
         yield
+
+
+def fsdp_reduces_grads(module: nn.Module) -> bool | None:
+    """Whether FSDP2 modules under ``module`` reduce-scatter gradients in this backward
+    (False after ``set_requires_gradient_sync(False)``: ``p.grad`` is then left unchanged
+    and the gradients accumulate unsharded). Reads ``FSDPParamGroup.reduce_grads`` of the
+    first module with a parameter group; None when that private state is missing."""
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = getattr(get_state(), "_fsdp_param_group", None)
+        except Exception:  # another torch's state layout
+            return None
+        if group is not None and hasattr(group, "reduce_grads"):
+            return bool(group.reduce_grads)
+    return None
+
+
+DispatchMode: type = torch.utils._python_dispatch.TorchDispatchMode
+"""Base of a mode seeing every operator below autograd (the backward's too). Private API:
+``torch.utils._python_dispatch.TorchDispatchMode`` (present throughout 2.4-2.13)."""
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples, lists and dicts (private API ``torch.utils._pytree``;
+    the same traversal ``__torch_dispatch__`` arguments need)."""
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity for ``t``'s storage, unique while the storage lives, also on ``meta``.
+
+    Private API: ``UntypedStorage._cdata``. Fallback: ``data_ptr()`` (the same on CPU and
+    CUDA; not unique on meta, where counts then merge storages)."""
+    storage = t.untyped_storage()
+    key = getattr(storage, "_cdata", None)
+    return int(key) if key is not None else int(storage.data_ptr())
+
+
+def linear_ops() -> frozenset[Any]:
+    """The callables ``__torch_function__`` may see for a linear layer: ``F.linear`` and
+    its C binding (private ``torch._C._nn.linear``; absent: ``F.linear`` only)."""
+    binding = getattr(getattr(torch._C, "_nn", None), "linear", None)
+    return frozenset({torch.nn.functional.linear} | ({binding} if binding is not None else set()))

@@ -1,9 +1,35 @@
-"""From what the caller gives (per-datum or per-token losses) to one loss per datum."""
+"""From what the caller gives (per-datum or per-token losses) to one loss per datum.
+
+Two shapes are easy to get wrong and would record wrong gradients without an error, so they
+are checked from the losses' autograd graph (a few nodes below the losses, before any
+backward):
+
+- per-token losses flattened to ``(B*T,)`` (``F.cross_entropy(logits.view(-1, V),
+  labels.view(-1), reduction="none")``, as language-model code often writes it) would make
+  every token a datum: refused, naming the shape and the ``view(B, T)`` that fixes it;
+- per-token losses ``(B, T)`` of ``cross_entropy``/``nll_loss`` whose labels hold
+  ``ignore_index`` (``-100`` padding), reduced by ``mean`` without a ``mask`` that drops those
+  positions, would count the padded positions (loss 0) in each datum's mean (a half-padded
+  sequence would get half its gradient): refused, naming ``mask=labels != -100``. The labels
+  are read from the loss's own graph, so this is exact; per-token losses of other origins
+  that hold exact zeros get a warning instead (they may be ignored labels, or true zeros).
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
+from gradlog._torch_private import (
+    autograd_node_nll_target,
+    autograd_node_output_shape,
+    autograd_node_shapes_known,
+    autograd_node_view_input_sizes,
+    is_functorch_wrapped,
+)
 from gradlog.errors import InputError
 
 __all__ = ["per_datum_losses"]
@@ -30,6 +56,7 @@ def per_datum_losses(
                 "mask applies to per-token losses of shape (B, T); these losses have shape "
                 f"{tuple(losses.shape)}. Drop mask, or pass per-token losses (reduction='none')."
             )
+        _refuse_flattened(losses)
         return losses
     if losses.dim() != 2:
         raise InputError(
@@ -37,16 +64,109 @@ def per_datum_losses(
             f"{tuple(losses.shape)}. Compute the loss with reduction='none' and reshape it to "
             "(B, T), e.g. F.cross_entropy(logits.transpose(1, 2), y, reduction='none')."
         )
-    if mask is None:
-        return losses.mean(1) if token_reduction == "mean" else losses.sum(1)
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(losses.shape):
+    if mask is not None and (
+            not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(losses.shape)):
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise InputError(
             f"mask must be a tensor of the losses' shape {tuple(losses.shape)}, got {shape}."
         )
+    if token_reduction == "mean":
+        _refuse_ignored_in_mean(losses, mask)
+    if mask is None:
+        return losses.mean(1) if token_reduction == "mean" else losses.sum(1)
     keep = mask.to(device=losses.device) != 0  # (B, T)
     total = torch.where(keep, losses, torch.zeros_like(losses)).sum(1)  # (B,)
     if token_reduction == "sum":
         return total
     count = keep.sum(1).clamp_min(1).to(losses.dtype)  # (B,)
     return total / count
+
+
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+_ORDER_KEEPING = (*_VIEWS, "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+                  "SqueezeBackward3", "UnsqueezeBackward0", "CloneBackward0", "ToCopyBackward0")
+
+
+def _graph(losses: torch.Tensor) -> bool:
+    """Whether the losses' autograd graph can be read (not under torch.func, not detached)."""
+    return losses.grad_fn is not None and not is_functorch_wrapped(losses)
+
+
+def _below(root: Any, depth: int, through: tuple[str, ...] | None = None) -> Iterator[Any]:
+    """Autograd nodes within ``depth`` steps below ``root`` (walking on only through node
+    types in ``through``, when given)."""
+    level, seen = [root], {id(root)}
+    for _ in range(depth):
+        following = []
+        for node in level:
+            yield node
+            if through is not None and type(node).__name__ not in through:
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    following.append(child)
+        level = following
+
+
+def _refuse_flattened(losses: torch.Tensor) -> None:
+    """Refuse ``(B*T,)`` losses reshaped from a ``(B, T, ...)`` tensor a few ops above them
+    (per-token losses of flattened logits): each token would be taken for a datum."""
+    n = int(losses.shape[0])
+    if n < 4 or not _graph(losses) or not autograd_node_shapes_known(losses.grad_fn):
+        return
+    for node in _below(losses.grad_fn, 6):
+        if type(node).__name__ not in _VIEWS:
+            continue
+        sizes = autograd_node_view_input_sizes(node)
+        out = autograd_node_output_shape(node)
+        if sizes is None or len(sizes) < 2 or not out or out[0] != n:
+            continue
+        b, t = sizes[0], sizes[1]
+        if b > 1 and t > 1 and b * t == n:
+            raise InputError(
+                f"losses have shape ({n},), computed from a tensor of shape {sizes} flattened "
+                f"to {out}: {b} datums of {t} tokens each, flattened into {n} rows. gradlog "
+                f"takes one loss per datum (B,) or per token (B, T), so each row would count "
+                f"as a datum. Pass the per-token losses as (B, T): losses.view({b}, {t}), with "
+                f"mask=(labels != -100).view({b}, {t}) when labels hold ignore_index padding "
+                "(or reduce each datum's tokens yourself to (B,))."
+            )
+
+
+def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Refuse per-token losses whose ignored labels (``ignore_index``, loss 0) a ``mean`` over
+    each datum's tokens would count; warn on exact zeros of losses of unknown origin."""
+    if not _graph(losses):
+        return
+    found = None
+    for node in _below(losses.grad_fn, 4, _ORDER_KEEPING):
+        found = autograd_node_nll_target(node)
+        if found is not None:
+            break
+    if found is not None and found[0].numel() == losses.numel():
+        target, ignore = found  # the losses' own labels, in the losses' element order
+        ignored = (target.reshape(losses.shape) == ignore).to(losses.device)  # (B, T)
+        if mask is not None:
+            ignored = ignored & (mask.to(losses.device) != 0)
+        count = int(ignored.sum())
+        if count:
+            where = "the mask keeps" if mask is not None else "with no mask="
+            raise InputError(
+                f"per-token losses of shape {tuple(losses.shape)} come from cross_entropy/"
+                f"nll_loss with ignore_index={ignore}, and {where} {count} positions whose "
+                f"labels are {ignore} (their loss is 0): token_reduction='mean' would count "
+                "them in each datum's mean (a half-padded sequence would get half its "
+                f"gradient). Pass mask=(labels != {ignore}) (the tokens that count), or "
+                "token_reduction='sum'."
+            )
+        return
+    if mask is None and bool((losses.detach() == 0).any()):
+        warnings.warn(
+            f"per-token losses of shape {tuple(losses.shape)} hold exact zeros and no mask= "
+            "was passed: token_reduction='mean' counts those positions in each datum's mean. "
+            "If they are ignored labels (padding, a prompt), pass mask= with the tokens that "
+            "count (e.g. labels != -100).",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -173,3 +173,96 @@ def test_selected_params_only(tmp_path: Any) -> None:
         (n.startswith("blocks.") and ".mlp." in n) or n == "head.weight" for n in names
     )
     assert "head.weight" in names
+
+
+# -- dropout inside a module the torch.func fallback re-runs ------------------------------------
+
+class _NoisyBlock(torch.nn.Module):
+    """Own parameters (no rule: the torch.func fallback) around nn.Dropout and nn.Dropout2d,
+    one of them called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.shift = torch.nn.Parameter(torch.zeros(4, 3, 3))
+        self.drop, self.drop2d = torch.nn.Dropout(0.3), torch.nn.Dropout2d(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 4, 3, 3)
+        y = self.drop2d(x * self.scale.view(4, 1, 1)) + self.shift
+        return self.drop(torch.tanh(self.drop(y)) * self.scale.view(4, 1, 1))
+
+
+class _NoisyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _NoisyBlock(), torch.nn.Linear(36, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(x)).flatten(1))  # type: ignore[no-any-return]
+
+
+def test_dropout_masks_are_replayed_in_the_torch_func_fallback() -> None:
+    """The block was refused ("cannot reproduce the batch's masks"); now each datum's re-run
+    applies its rows of the masks the batch drew (the loop oracle differentiates through the
+    same masks: both forwards start from one RNG state)."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _NoisyNet().double().train()
+    x = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 1, 0])
+    described = assert_like_loop(
+        model, lambda: F.cross_entropy(model(x), y, reduction="none"))
+    assert described["fallback"] == ["block"]
+
+
+def test_dropout_replay_leaves_the_training_rng_stream_unchanged(tmp_path: Any) -> None:
+    def run(record: bool) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _NoisyNet().double().train()
+            x = torch.randn(5, 4, 3, 3, dtype=torch.float64)
+            y = torch.tensor([0, 1, 2, 1, 0])
+            if record:
+                with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+                    rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+            else:
+                F.cross_entropy(model(x), y, reduction="none").mean().backward()
+            return torch.rand(3)  # the next draw of training's stream
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_dropout_in_a_fallback_module_called_twice_on_one_input_is_refused() -> None:
+    """Two calls on the same tensors drew different masks, and a rule cannot tell which
+    call's backward it computes: refused, never the other call's masks."""
+    from gradlog.errors import BackendError
+    from gradlog.testing.oracle import backend_grads
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        block = _NoisyBlock().double().train()
+    x = torch.randn(3, 4, 3, 3, dtype=torch.float64)
+    with pytest.raises(BackendError, match="more than once on the same inputs"):
+        backend_grads(block, lambda: (block(x) * block(x)).sum((1, 2, 3)))
+
+
+def test_a_functional_dropout_in_a_fallback_module_is_refused() -> None:
+    """F.dropout in the module's own forward cannot be replayed: refused, not recorded with
+    other masks."""
+    from gradlog.errors import BackendError
+    from gradlog.testing.oracle import backend_grads
+
+    class Functional(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x * self.scale, 0.5, self.training)
+
+    model = Functional().double().train()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(BackendError, match="random"):
+        backend_grads(model, lambda: model(x).sum(1))

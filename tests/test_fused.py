@@ -206,6 +206,7 @@ def test_the_default_keeps_its_config_hash() -> None:
 
 
 @pytest.mark.parametrize("form", ["factors", "norm"])
+@pytest.mark.filterwarnings("ignore:.*factors pay off below:UserWarning")  # (tiny test layers)
 def test_compact_forms_keep_the_ordinary_batch_product(tmp_path: Path, form: str) -> None:
     """Factored material forms no per-datum gradient to sum: those layers fall back to the
     ordinary batch product inside FusedLinear; records and p.grad stay exact."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradlog.backends import BACKENDS
-from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.errors import BackendError
 from gradlog.params import select_params
 from gradlog.rules import RULES, Capture, find_rule, register_rule
 
@@ -412,23 +412,19 @@ def test_recurrent(o: dict[str, Any], seed: int) -> None:
     assert_like_loop(rnn, forward, rule="rnn")
 
 
-def test_rnn_refuses_packed_sequences_before_the_backward() -> None:
+def test_rnn_on_packed_sequences_matches_loop() -> None:
+    """Packed sequences were refused ("not supported yet"); the rule groups datums by length
+    (more cases: tests/test_opacus_shapes.py)."""
     rnn = built(lambda: nn.GRU(2, 3, batch_first=True), 0)
     x = randn(3, 4, 2, seed=0)
-    packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 2, 1]), batch_first=True)
-    be = BACKENDS["hooks"](
-        rnn, select_params(rnn, ["*"]), batch_reduction="mean", randomness="different"
-    )
-    be.attach()
-    try:
+
+    def forward() -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 2, 1]), batch_first=True)
         out, _ = rnn(packed)
         padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
-        losses = datum_loss(padded)
-        with pytest.raises(UnsupportedLayerError, match=r"PackedSequence.*backend='loop'"):
-            be.backward(losses, losses.mean())
-    finally:
-        be.detach()
-    assert all(p.grad is None for p in rnn.parameters())  # refused before the backward
+        return datum_loss(padded)
+
+    assert_like_loop(rnn, forward, rule="rnn")
 
 
 # -- the registry ----------------------------------------------------------------------------

@@ -84,3 +84,42 @@ def test_a_batch_tensor_that_requires_grad_is_refused(tmp_path: Path) -> None:
     with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec, \
             pytest.raises(InputError, match="requires grad"):
         rec.step(_losses, batch)
+
+
+class _LoRALike(nn.Module):
+    """``base(x) + B(A(x))`` with B zero (LoRA at step 0): A's per-datum gradients are all
+    exactly 0, yet the loss depends on A; a projection read only through a zero gate likewise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(3, 2)
+        self.lora_A, self.lora_B = nn.Linear(3, 4, bias=False), nn.Linear(4, 2, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.proj = nn.Linear(3, 2)
+        self.register_buffer("gate", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x)) + self.gate * self.proj(x)
+
+
+def test_a_used_parameter_with_all_zero_gradients_gets_a_zero_grad(tmp_path: Path) -> None:
+    """It was taken as unused: .grad left None (so AdamW skipped its weight decay, unlike a
+    plain backward), then refused "the loss does not depend on it"."""
+    model = _LoRALike().double()
+    plain = copy.deepcopy(model)
+    _losses(plain, _batch()).mean().backward()
+    assert torch.equal(plain.lora_A.weight.grad, torch.zeros(4, 3, dtype=D64))  # autograd's
+    calls: list[int] = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec:
+        rec.step(_losses, _batch())
+        rec.step(_losses, _batch())
+    assert len(calls) == 3  # 2 vmapped forwards, 1 probe: the graph's verdict is kept
+    for name, p in plain.named_parameters():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, 2 * p.grad)  # two steps accumulated, no zero_grad
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert set(run.param_names) >= {"lora_A.weight", "proj.weight"}
+    assert not run.grads("lora_A.weight", step=1).any()
+    assert run.grads("lora_B.weight", step=1).any()

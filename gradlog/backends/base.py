@@ -150,6 +150,10 @@ class Backend(abc.ABC):
         ``batch_grad="sum"``); none by default."""
         return frozenset()
 
+    datum_check_due: bool = False
+    """Set by the recorder on its self-checked batches (``check_every``): a backend that can
+    check one datum's own gradient (the hooks backend) does so on them as well."""
+
     def attach(self) -> None:  # noqa: B027 - optional hook for backends that install hooks
         """Called when recording starts."""
 

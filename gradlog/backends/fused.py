@@ -13,7 +13,7 @@ Nothing else changes: autograd still accumulates ``p.grad`` (tied weights, gradi
 accumulation and DDP's reducer hooks behave as usual), the input and bias gradients are the
 ordinary ones, and a backward gradlog does not record (``torch.autograd.grad`` for probes, a
 user's own ``loss.backward()``) gets the batch matmul ``G^T A`` computed here instead. The
-forward is not repeated: like :class:`gradlog.sparse._CompactLinear`, the function takes the
+forward is not repeated: like :class:`gradlog.sparse.compact.CompactLinear`, the function takes the
 output the module already computed, outside autograd's view of its inputs.
 """
 

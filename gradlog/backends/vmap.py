@@ -15,9 +15,14 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from gradlog._torch_private import tensor_hooks, tensor_post_accumulate_hooks
+from gradlog._torch_private import (
+    cuda_devices,
+    forked_rng,
+    tensor_hooks,
+    tensor_post_accumulate_hooks,
+)
 from gradlog._tree import flatten
-from gradlog.backends.base import Backend, LossFn, PerDatumGrads
+from gradlog.backends.base import Backend, LossFn, PerDatumGrads, graph_nodes
 from gradlog.errors import BackendError, InputError
 from gradlog.params import check_differentiable
 
@@ -41,6 +46,11 @@ class VmapBackend(Backend):
 
     name = "vmap"
     needs_loss_fn = True
+
+    def __init__(self, model: nn.Module, params: Mapping[str, nn.Parameter], *,
+                 batch_reduction: str, randomness: str) -> None:
+        super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
+        self._connected: dict[str, bool] = {}  # parameter name -> the loss depends on it
 
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
         raise BackendError(
@@ -98,7 +108,9 @@ class VmapBackend(Backend):
                     f"loss_fn on a batch of one datum returned {loss.numel()} losses: a "
                     "per-datum value of the batch is not a tensor with the batch first (a "
                     "Python list of weights, or a tensor in loss_fn's closure), so every datum "
-                    "saw all of them. Put per-datum values in the batch as tensors (B, ...)."
+                    "saw all of them: put per-datum values in the batch as tensors (B, ...). "
+                    "Or per-token losses were flattened to (B*T,) (logits.view(-1, V)): return "
+                    "them as (B, T), with mask= for padded tokens."
                 )
             return loss[0]
 
@@ -129,14 +141,16 @@ class VmapBackend(Backend):
 
         # p.grad of every trainable parameter from the same per-datum gradients, as autograd
         # would accumulate it: the parameter's gradient hooks first, then accumulation, then
-        # its post-accumulate hooks. A parameter whose every per-datum gradient is exactly 0
-        # and that has no .grad yet is taken as unused by the loss and keeps .grad None, as
-        # after an ordinary backward (optimizers then skip it: no weight decay, no moments);
-        # vmap has no graph to tell it from a used parameter whose gradient is exactly 0 (a
-        # layer whose units are all dead), which an ordinary backward gives zeros.
+        # its post-accumulate hooks. A parameter the loss does not depend on keeps .grad None,
+        # as after an ordinary backward (optimizers then skip it: no weight decay, no
+        # moments); one whose per-datum gradients are all exactly 0 while the loss depends on
+        # it (LoRA A while LoRA B is 0, a projection whose outputs the loss never reads, dead
+        # units) gets a zero .grad, as autograd gives. vmap has no graph to tell the two
+        # apart, so for the all-zero ones the graph of an ordinary forward says (_used_by).
         fresh = [n for n, p in trainable.items() if p.grad is None]
         nonzero = torch.stack([grads[n].any() for n in fresh]).tolist() if fresh else []
-        unused = {n for n, used in zip(fresh, nonzero) if not used}  # (one device sync)
+        zero = [n for n, used in zip(fresh, nonzero) if not used]  # (one device sync)
+        unused = set(zero) - self._used_by(loss_fn, batch, reduce, mask, zero, trainable)
         for name, p in trainable.items():
             g = grads[name]  # (B, *shape)
             if name in unused:
@@ -155,6 +169,27 @@ class VmapBackend(Backend):
 
         by_id = {id(p): n for n, p in trainable.items()}
         return losses.detach(), {n: grads[by_id[id(p)]] for n, p in self.params.items()}
+
+    def _used_by(self, loss_fn: LossFn, batch: Any,
+                 reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+                 mask: torch.Tensor | None, names: list[str],
+                 trainable: Mapping[str, torch.Tensor]) -> set[str]:
+        """Which of ``names`` the batch's losses depend on: the parameters an ordinary
+        forward's autograd graph reaches. Settled once per parameter (the first time its
+        per-datum gradients are all 0, by one forward of that batch with the global RNG
+        forked, so training's random stream is unchanged) and remembered."""
+        todo = [n for n in names if n not in self._connected]
+        if todo:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            with forked_rng(cuda_devices(tensors)), torch.enable_grad():
+                root = reduce(loss_fn(self.model, batch), mask).sum().grad_fn
+                reached = {id(v) for v in (getattr(node, "variable", None)
+                                           for node in graph_nodes(root))
+                           if isinstance(v, torch.Tensor)}
+                del root  # (frees the graph)
+            for n in todo:
+                self._connected[n] = id(trainable[n]) in reached
+        return {n for n in names if self._connected[n]}
 
 
 def _from_checkpoint(error: BaseException) -> bool:

@@ -8,7 +8,16 @@ folder explains how to write a rule.
 
 from __future__ import annotations
 
-from gradlog.rules import attention, conv, embedding, group_norm, layer_norm, linear, rnn
+from gradlog.rules import (
+    attention,
+    conv,
+    embedding,
+    embedding_bag,
+    group_norm,
+    layer_norm,
+    linear,
+    rnn,
+)
 from gradlog.rules.base import (
     RULES,
     Capture,
@@ -20,6 +29,7 @@ from gradlog.rules.base import (
     register_rule,
 )
 from gradlog.rules.func import GENERIC, LeafSpec, active_randomness, func_grads
+from gradlog.rules.randomness import track_dropout
 
 __all__ = [
     "GENERIC",
@@ -34,7 +44,8 @@ __all__ = [
     "func_grads",
     "own_params",
     "register_rule",
+    "track_dropout",
 ]
 
 # The family modules register their rules on import.
-del attention, conv, embedding, group_norm, layer_norm, linear, rnn
+del attention, conv, embedding, embedding_bag, group_norm, layer_norm, linear, rnn

@@ -63,6 +63,9 @@ class Capture:
         factored: Attribute paths whose per-datum gradients the rule may return as
             :class:`gradlog.forms.Factors` instead of dense (their form keeps factors or
             projects from them); rules without factors ignore it.
+        batch_dim: Where the call had its batch before the backend moved it first in
+            ``args``, ``kwargs`` and ``grads`` (0 for most calls; 1 for a sequence-first
+            ``(T, B, D)`` tensor). Rules that re-run the call use it to put it back.
     """
 
     args: tuple[Any, ...]
@@ -74,6 +77,7 @@ class Capture:
     alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = field(
         default=None, repr=False, compare=False)
     factored: frozenset[str] = frozenset()
+    batch_dim: int = 0
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:

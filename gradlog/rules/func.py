@@ -7,12 +7,14 @@ product, i.e. its parameter gradient. Only this module re-runs, never the whole 
 ``vmap`` cannot batch the module (an op without a batching rule, data-dependent control
 flow), the module falls back, once and for good, to one small ``autograd.grad`` per datum.
 
-Re-running cannot reproduce dropout masks drawn during the batch's forward, so modules with
-active dropout are refused (:func:`active_randomness`).
+A re-run draws no masks of its own: the masks the batch's forward drew in the module's
+``nn.Dropout`` submodules are noted then (:mod:`gradlog.rules.randomness`) and applied, each
+datum its own rows; modules with other random draws are refused (:func:`active_randomness`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 import weakref
@@ -24,10 +26,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gradlog._torch_private import dropout_rate
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, widen
+from gradlog.rules.randomness import masks_of, replay, unreplayed
 
 __all__ = ["GENERIC", "LeafSpec", "active_randomness", "flatten", "func_grads", "generic"]
 
@@ -52,23 +54,10 @@ class LeafSpec:
 
 
 def active_randomness(module: nn.Module) -> list[str]:
-    """Names of submodules (``""``: the module itself) that draw dropout masks in this mode."""
-    found = []
-    for name, m in module.named_modules():
-        if not m.training:
-            continue
-        rate = dropout_rate(m)
-        if rate is not None:
-            p = rate
-        elif isinstance(m, nn.RNNBase):
-            p = m.dropout if m.num_layers > 1 else 0.0  # dropout acts between layers only
-        elif isinstance(m, nn.MultiheadAttention):
-            p = m.dropout
-        else:
-            continue
-        if p > 0:
-            found.append(name)
-    return found
+    """Names of submodules (``""``: the module itself) that draw dropout masks in this mode
+    which a re-run cannot reproduce (the masks of dropouts :mod:`.randomness` tracks are
+    replayed, so they are not listed)."""
+    return unreplayed(module)
 
 
 def infer_specs(leaves: Sequence[Any], batch_size: int) -> list[LeafSpec | None]:
@@ -136,10 +125,33 @@ def func_grads(
         return {
             k: torch.zeros((B, *p.shape), dtype=p.dtype, device=p.device) for k, p in params.items()
         }
-    diff = {k: p.detach() for k, p in params.items()}
-    fixed = {
-        k: p.detach() for k, p in module.named_parameters(remove_duplicate=False) if k not in diff
-    }
+    # One parameter may be registered under several names (opacus' DPLSTM keeps each cell
+    # weight under a top-level alias): functional_call refuses two values for tied names, and
+    # replaces every alias of a name it is given, so each tensor is passed once, by the first
+    # of its names, and its aliases are left out of the constants.
+    diff: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for k, p in params.items():
+        if id(p) not in seen:
+            seen[id(p)] = k
+            diff[k] = p.detach()
+    fixed: dict[str, torch.Tensor] = {}
+    for k, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen[id(p)] = k
+            fixed[k] = p.detach()
+
+    # Dropout masks the batch's forward drew in this call (see .randomness): each datum's
+    # rows go in as batched inputs after the call's own, and its dropouts apply them.
+    masks = masks_of(module, (tuple(cap.args), dict(cap.kwargs))) or []
+    for m in masks:
+        if m.dim() == 0 or m.shape[0] != B:
+            raise BackendError(
+                f"a dropout inside {type(module).__name__} drew a mask of shape "
+                f"{tuple(m.shape)}, with no batch dimension of size B={B} first, so it cannot "
+                "be split by datum. Set that dropout to 0 or use backend='loop'."
+            )
+    dims: list[int] = [s.dim for _, s in batched if s.dim is not None] + [0] * len(masks)
 
     def call(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]) -> list[Any]:
         full = list(leaves)
@@ -147,7 +159,9 @@ def func_grads(
             assert spec.dim is not None
             full[i] = x.unsqueeze(spec.dim) if spec.unsqueeze else x
         a, kw = rebuild(full)
-        out = functional_call(module, {**fixed, **p}, tuple(a), kw)
+        with replay(module, [m.unsqueeze(0) for m in xs[len(batched):]]) if masks else (
+                contextlib.nullcontext()):
+            out = functional_call(module, {**fixed, **p}, tuple(a), kw)
         return flatten(out)[0]
 
     def dot(
@@ -159,13 +173,13 @@ def func_grads(
             total = total + (outputs[j] * g.unsqueeze(d)).sum()  # <out_j, G_j,b>
         return total
 
-    xs = [leaves[i] for i, _ in batched]
+    xs = [leaves[i] for i, _ in batched] + [widen(m, wide) for m in masks]
     gs = [g for _, _, g in outs]
     if module not in _LOOPED:
         try:
             per_datum = vmap(
                 grad(dot),
-                in_dims=(None, [s.dim for _, s in batched], [d for _, d, _ in outs]),
+                in_dims=(None, dims, [d for _, d, _ in outs]),
                 randomness="error",
             )
             with warnings.catch_warnings():
@@ -188,7 +202,7 @@ def func_grads(
                 type(module).__name__,
                 str(e).splitlines()[0][:200],
             )
-    return _loop(diff, xs, gs, batched, outs, call, B)
+    return _loop(diff, xs, gs, dims, outs, call, B)
 
 
 def _widest(params: Any) -> torch.dtype | None:
@@ -201,7 +215,7 @@ def _loop(
     diff: dict[str, torch.Tensor],
     xs: list[torch.Tensor],
     gs: list[torch.Tensor],
-    batched: list[tuple[int, LeafSpec]],
+    dims: list[int],
     outs: list[tuple[int, int, torch.Tensor]],
     call: Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], list[Any]],
     B: int,
@@ -209,7 +223,7 @@ def _loop(
     """One ``autograd.grad`` per datum over a re-run of the module alone."""
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in diff}
     for b in range(B):
-        xb = [x.select(s.dim, b) for x, (_, s) in zip(xs, batched) if s.dim is not None]
+        xb = [x.select(d, b) for x, d in zip(xs, dims)]
         ps = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
         with torch.enable_grad():
             outputs = call(ps, xb)

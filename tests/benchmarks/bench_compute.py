@@ -106,18 +106,30 @@ def methods(
 
     out["plain fwd+bwd"] = (none, plain, none)
 
+    compiled = torch.compile(model)  # (compiles at its first call: a warm-up round)
+
+    def plain_compiled() -> Any:
+        compiled.zero_grad(set_to_none=True)
+        token_losses(compiled, (x, y)).mean(1).mean().backward()
+
+    out["plain fwd+bwd, torch.compile"] = (none, plain_compiled, none)
+
     def reduce(raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return per_datum_losses(raw, mask, "mean")
 
     variants: list[tuple[str, str, dict[str, Any]]] = [
         ("gradlog hooks", "hooks", {}),
+        ("gradlog hooks, torch.compile", "hooks", {}),
         ("gradlog hooks, batch_grad=sum", "hooks", {"batch_grad": "sum"}),
         ("gradlog vmap", "vmap", {}),
         ("gradlog loop", "loop", {}),
     ]
     for label, name, options in variants:
+        # the compiled row records torch.compile(model): its paired plain step is the
+        # compiled model's too (time_methods), so the ratio is recorded / plain, compiled
         backend = BACKENDS[name](
-            model, params, batch_reduction="mean", randomness="different", **options
+            compiled if "torch.compile" in label else model, params, batch_reduction="mean",
+            randomness="different", **options
         )
         if backend.needs_loss_fn:
 
@@ -127,8 +139,8 @@ def methods(
         else:
 
             def step(be: Any = backend) -> Any:
-                model.zero_grad(set_to_none=True)
-                losses = reduce(token_losses(model, (x, y)), None)  # (B,)
+                be.model.zero_grad(set_to_none=True)
+                losses = reduce(token_losses(be.model, (x, y)), None)  # (B,)
                 return be.backward(losses, losses.mean())
 
         out[label] = (backend.attach, step, backend.detach)
@@ -208,7 +220,8 @@ def time_methods(size: str, names: list[str], reps: int, loop_reps: int) -> dict
     plains: dict[str, Step] = {}
     for name in names:
         tables[name] = methods(*build(size))
-        plains[name] = methods(*build(size))["plain fwd+bwd"][1]  # type: ignore[index]
+        plain = "plain fwd+bwd, torch.compile" if "torch.compile" in name else "plain fwd+bwd"
+        plains[name] = methods(*build(size))[plain][1]  # type: ignore[index]
     rows: dict[str, dict[str, list[float]]] = {
         n: {"ratio": [], "plain": [], "method": []} for n in names}
     out: dict[str, Any] = {}

@@ -50,16 +50,17 @@ additions, subtractions or expands, it takes each datum's gradient from the cons
 output gradient instead (per datum: the shared input with that datum's gradient). Other
 consumers are refused with an error before ``p.grad`` is touched.
 
-Chunked heads. :func:`gradlog.memory.chunked_linear_loss` calls the head on chunks of
-flattened ``(B*T, d)`` rows, during the backward; its ``current_chunk()`` says which rows, so
-the backend lays each chunk out as ``(datums, T, d)`` for row-wise rules (Linear) and adds
-the result into those datums' gradients.
+Chunked heads (:func:`gradlog.memory.chunked_linear_loss`): each chunk of ``(B*T, d)`` rows,
+laid out as ``(datums, T, d)`` by its ``current_chunk()``, adds into those datums' gradients.
 
-Checks. A parameter that received a gradient without any hooked call seeing its use is an
-error (it was used outside its module's forward, e.g. ``F.linear(x, self.emb.weight)`` in a
-parent). On every backward a spot check compares ``sum_b w_b g_b`` with the gradient autograd
-accumulated at a few random entries per parameter (partial uses, wrong rules); the recorder's
-full self-check runs every ``check_every`` steps.
+Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured
+per op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
+:mod:`gradlog.rules.ops`), which also runs a ``torch.compile``'d forward eagerly.
+
+Checks. A parameter that received a gradient without any hooked call or op seeing its use
+is an error (used outside the model's forward, e.g. in the loss code). On every backward a
+spot check compares ``sum_b w_b g_b`` with autograd's gradient at a few random entries per
+parameter (partial uses, wrong rules); the recorder's self-check runs every ``check_every``.
 
 Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint``
 recomputes a segment during the backward. With ``use_reentrant=False`` the original call
@@ -93,7 +94,7 @@ from gradlog._torch_private import (
     in_autograd_backward,
     in_checkpoint_recompute,
     rng_states,
-    saved_tensor_hooks_on,
+    saved_tensor_hooks_kind,
 )
 from gradlog._tree import leaves
 from gradlog.backends.base import Backend, PerDatumGrads
@@ -110,13 +111,15 @@ from gradlog.backends.hooks.layout import (
     locate_batch,
     shared_outputs,
 )
+from gradlog.backends.hooks.operations import OpCapture
 from gradlog.backends.hooks.pool import _BASELINE, BufferPool
 from gradlog.backends.hooks.precision import autocast_dtype, narrow_dtype, no_autocast
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
 from gradlog.params import check_differentiable
-from gradlog.rules import active_randomness
+from gradlog.rules import active_randomness, track_dropout
 from gradlog.rules.base import Capture, RuleResult
+from gradlog.rules.ops import GENERIC_BATCH_DIM
 
 __all__ = ["BATCH_GRADS", "REUSES_BUFFERS", "HooksBackend"]
 
@@ -160,7 +163,9 @@ class HooksBackend(Backend):
         self._datum_checked: set[checks.Layout] = set()  # layouts checked
         self._probing = False  # inside the datum check's backward (_datum_probe)
         self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
-        self._saved_tensor_hooks = False  # a call ran under saved-tensor hooks (checkpoints)
+        self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (checks.HOOK_KINDS)
+        self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
+        self._ops: OpCapture | None = None
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -168,6 +173,12 @@ class HooksBackend(Backend):
         """Hook every module that owns (or whose rule covers) a recorded parameter."""
         if self._handles:
             return
+        if getattr(self.model, "_compiled_call_impl", None) is not None:
+            raise UnsupportedLayerError(
+                "the model was compiled in place (model.compile()), which compiles gradlog's "
+                "hooks with it: dynamo would trace them and recompile at every step. Use "
+                "torch.compile(model), a wrapper whose recorded forwards gradlog runs "
+                "eagerly and which records exactly what the eager model records.")
         if any(p.device.type == "cpu" for p in self.params.values()):
             keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
         self._entries = plan_entries(self.model, self.params, self.batch_grad)
@@ -175,9 +186,20 @@ class HooksBackend(Backend):
             name for name, m in self.model.named_modules()
             if getattr(m, "batch_first", True) is False
         ]
-        for entry in self._entries:
+        for entry in self._entries:  # (pre-hooks before the user's: prune's)
+            self._handles.append(entry.module.register_forward_pre_hook(
+                functools.partial(self._on_enter, entry), prepend=True))
             hook = functools.partial(self._on_forward, entry)
-            self._handles.append(entry.module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(entry.module.register_forward_hook(
+                hook, with_kwargs=True, always_call=True))
+            if entry.rule.uses_torch_func:  # its re-run replays the batch's dropout masks
+                self._handles.extend(track_dropout(entry.module))
+        # uses of recorded parameters that no hooked module call covers (see .operations)
+        self._ops = OpCapture(self.model, self.params, self._capture, self._inside,
+                              self._capturing)
+        self._handles.append(self.model.register_forward_pre_hook(self._ops.enter, prepend=True))
+        self._handles.append(self.model.register_forward_hook(self._ops.leave,
+                                                              always_call=True))
         for name, p in self.params.items():
             self._handles.append(p.register_hook(functools.partial(self._on_param_grad, name)))
 
@@ -192,6 +214,8 @@ class HooksBackend(Backend):
                 call.release()
         self._live = []
         self._entries = []
+        self._inside.clear()
+        self._ops = None
         self._pool = BufferPool()  # let go of buffers kept for reuse
 
     @property
@@ -210,17 +234,37 @@ class HooksBackend(Backend):
                 for e in self._entries
             ],
             "fallback": [e.name for e in self._entries if e.fallback],
+            "ops": sorted({f"{e.name}: {e.rule.name}"
+                           for e in (self._ops.entries.values() if self._ops else ())}),
             "batch_grad": self.batch_grad,
             "fused": [e.name for e in self._entries if e.fused],
         }
 
     # -- capture (forward) ------------------------------------------------------------------
+    def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
+        inside = self._inside
+        for key in entry.param_ids:
+            inside[key] = inside.get(key, 0) + 1
+
+    def _capturing(self) -> bool:
+        """Whether an op seen now is captured (not while rules run, nor without grad)."""
+        return not self._recomputing and torch.is_grad_enabled()
+
     def _on_forward(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any], output: Any) -> Any:
-        if self._recomputing or not torch.is_grad_enabled():
+        inside = self._inside  # (always called, also when the forward raised)
+        for key in entry.param_ids:
+            inside[key] = inside.get(key, 1) - 1
+        if output is None or self._recomputing or not torch.is_grad_enabled():
             return None
         if not any(p.requires_grad for p in entry.params):
             return None
+        return self._capture(entry, module, args, kwargs, output)
+
+    def _capture(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], output: Any) -> Any:
+        """Capture a call of a module or op; returns the output to hand on (None: as is)."""
         link: FusedLink | None = None
         if entry.fused and not kwargs and current_chunk() is None and not isinstance(
                 getattr(output, "grad_fn", None), torch.autograd.function.BackwardCFunction):
@@ -269,8 +313,10 @@ class HooksBackend(Backend):
         narrow = autocast_dtype(entry.params[0].device.type)
         if narrow is not None:  # (the datum check's tolerance)
             self._autocast.add(narrow)
-        if not self._saved_tensor_hooks and saved_tensor_hooks_on():  # (when it runs)
-            self._saved_tensor_hooks = True
+        if self._saved_tensor_hooks != "other":  # (when the datum check runs)
+            kind = saved_tensor_hooks_kind()
+            if checks.HOOK_KINDS.index(kind) > checks.HOOK_KINDS.index(self._saved_tensor_hooks):
+                self._saved_tensor_hooks = kind
         chunk = current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
@@ -345,7 +391,7 @@ class HooksBackend(Backend):
                 call.release()
             self._reset(0)
             self._autocast = set()  # (what the next forward runs under)
-            self._saved_tensor_hooks = False
+            self._saved_tensor_hooks = "none"
             self._pool.release()
 
     def _model_tensors(self) -> list[torch.Tensor]:
@@ -353,11 +399,13 @@ class HooksBackend(Backend):
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _wants_datum_check(self, B: int) -> bool:
-        """See :func:`checks.wants_datum_check`; never for one datum or under DDP."""
+        """See :func:`checks.wants_datum_check`; also on self-checked batches (a loss that
+        starts coupling data later); never for one datum or under DDP."""
         if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
             return False
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
-        return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params)
+        return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params,
+                                        self.datum_check_due)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
@@ -479,14 +527,18 @@ class HooksBackend(Backend):
                 expanded=expanded,
                 alloc=self._pool.empty,
                 factored=self._results.factored(entry) if rows is None else frozenset(),
+                batch_dim=call.bd,
             )
             self._recomputing = True
             grad_mode = torch.is_grad_enabled()  # off already in a backward without create_graph
             try:
                 if grad_mode:
                     torch.set_grad_enabled(False)
+                rule = entry.rule
+                if entry.fallback and not entry.op and call.bd and not expanded:
+                    rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
                 with no_autocast(entry.params[0].device.type):
-                    result = entry.rule.compute(entry.module, cap, entry.wanted)
+                    result = rule.compute(entry.module, cap, entry.wanted)
             finally:
                 self._recomputing = False
                 if grad_mode:
@@ -519,18 +571,21 @@ class HooksBackend(Backend):
         self._live = [weakref.ref(c) for c in live]
         for call, found in shared_outputs(live, batch_loss, B, self._sequence_first):
             self._touched.append(call)
-            for node, slot in found:
+            for node, slot, chain, at in found:
                 hook = functools.partial(self._on_consumer_grad, call,
-                                         consumer_factor(node, slot))
+                                         consumer_factor(node, slot), chain, at)
                 self._consumer_handles.append(node.register_prehook(hook))
 
-    def _on_consumer_grad(self, call: Call, factor: float,
+    def _on_consumer_grad(self, call: Call, factor: float, chain: tuple[Any, ...],
+                          at: tuple[int, ...],
                           grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         g = grad_outputs[0] if grad_outputs else None
         if not self._armed or g is None or call.args is None or self._error is not None:
             return
         try:
-            per, args, kwargs, expand = consumer_inputs(call, g, self._batch)
+            per, args, kwargs, expand = consumer_inputs(call, g, self._batch, chain, at)
+            if call.entry.op and call.entry.fallback:  # a per-op vjp: re-run on its own inputs
+                args, kwargs, expand = call.args, call.kwargs, True
         except BackendError as e:
             self._error = (call.entry, e)
             return

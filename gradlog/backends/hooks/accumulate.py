@@ -82,9 +82,15 @@ class Accumulator:
                     acc = self._zeros(name, p)
                 V = p.shape[0]
                 datum = torch.arange(first, first + n, device=index.device).unsqueeze(1)  # (n, 1)
-                flat = (index + datum * V).reshape(-1)  # (n*N,) rows of acc viewed (B*V, -1)
-                acc.view(B * V, -1).index_add_(
-                    0, flat, values.reshape(flat.numel(), -1).to(p.dtype), alpha=value.scale)
+                # index -1 is padding (Rows' contract): add a zero into the datum's row 0 instead
+                # of into the previous datum's last row; where, not a product, as padding may
+                # hold NaN
+                pad = index < 0  # (n, N)
+                flat = (index.clamp(min=0) + datum * V).reshape(-1)  # (n*N,) rows of (B*V, -1)
+                kept = values.reshape(flat.numel(), -1).to(p.dtype)  # (n*N, D)
+                kept = torch.where(pad.reshape(-1, 1), torch.zeros((), dtype=p.dtype,
+                                                                   device=kept.device), kept)
+                acc.view(B * V, -1).index_add_(0, flat, kept, alpha=value.scale)
             else:
                 if tuple(value.shape) != (n, *p.shape):
                     raise BackendError(

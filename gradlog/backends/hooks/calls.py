@@ -37,13 +37,20 @@ class Entry:
     fallback: bool
     fused: bool = False  # batch_grad="sum": the weight gradient is the sum of the records
     hook_base: bool = False  # see Rule.views_own_result and graph.hook_target
+    op: str = ""  # an op call seen by operations.OpCapture (module: the root), not a module's
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:
         return frozenset(self.names)
 
+    @functools.cached_property
+    def param_ids(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self.params)
+
     @property
     def label(self) -> str:
+        if self.op:
+            return f"op {self.name} (in the forward of {type(self.module).__name__})"
         return f"{type(self.module).__name__} {self.name or '(the model)'!r}"
 
 
@@ -138,11 +145,19 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
             if names:
                 entries.append(_entry(params, batch_grad, module, mname, rule, names,
                                       fallback=False))
+        # A parameter this module also holds under an alias of a submodule's (opacus' DPLSTM
+        # registers each cell weight again at the top) is computed where it is used: by the
+        # submodule that holds it (a re-run of this module as well would count it twice).
         rest = {
             attr: by_id[id(p)]
             for attr, p in module.named_parameters(recurse=False)
             if id(p) in by_id and (id(module), attr) not in taken and attr not in names
         }
+        if rest:
+            below = {id(p) for n, p in module.named_parameters(remove_duplicate=False)
+                     if "." in n}
+            rest = {attr: name for attr, name in rest.items()
+                    if id(module.get_parameter(attr)) not in below}
         if rest:
             entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
                                   fallback=True))

@@ -31,6 +31,7 @@ from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.grads import entries
 
 __all__ = [
+    "HOOK_KINDS",
     "Layout",
     "SpotCheck",
     "check_coverage",
@@ -125,11 +126,10 @@ class SpotCheck:
         raise BackendError(
             f"the per-datum gradients of {bad} do not add up to their gradient in this "
             "backward (spot check of a few entries: sum_b w_b g_b != the gradient autograd "
-            "accumulated): part of their use was not seen by gradlog's hooks, e.g. a "
-            "parameter also used by hand in a parent's forward (F.linear(x, self.emb.weight)),"
-            " or a rule is wrong. p.grad is complete. Call the owning module for every use, "
-            "register a rule covering the parameter for the module whose forward uses it, or "
-            "use backend='loop'."
+            "accumulated): part of their use was not seen by gradlog, e.g. a parameter "
+            "also used outside the model's forward (in the loss code: op-level capture "
+            "sees only the root module's forward), or a rule is wrong. p.grad is complete. "
+            "Move that use into the model's forward, or use backend='loop'."
         )
 
 
@@ -147,13 +147,15 @@ def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rt
 
 
 def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
-                      model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
+                      model: nn.Module, params: Mapping[str, nn.Parameter],
+                      due: bool = False) -> bool:
     """Check one datum on the first backward, and again whenever a forward has a layout
     not checked yet that shapes alone cannot settle: a layer output with several leading
     dimensions of size B (a sequence-first tensor whose length equals the batch size), or
     a module called more than once (reuse, or once per datum by hand). A wrong split
     between datums still sums to ``p.grad``; one datum's own backward sees it. ``checked``
-    (the layouts checked so far) is updated."""
+    (the layouts checked so far) is updated. ``due``: the recorder self-checks this batch
+    (``check_every``): check a datum too, so a loss that starts coupling data is caught."""
     uses: dict[int, int] = {}
     for c in calls:
         uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
@@ -164,13 +166,13 @@ def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
         at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
         if len(at) > 1 or uses[id(c.entry)] > 1:
             unsure.add((c.entry.name, uses[id(c.entry)], at if len(at) > 1 else ()))
-    if checked and unsure <= checked:
+    if checked and unsure <= checked and not due:
         return False
     checked |= unsure | {("", 0, ())}
-    return not _foreign_backward_hooks(model, params)
+    return not foreign_backward_hooks(model, params)
 
 
-def _foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
+def foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
     """Backward hooks of the user's own (on parameters or modules) would fire again in
     the datum check's extra backward, with side effects (gradient statistics): then no
     check. (Hooks on activations cannot be seen; README says so.)"""
@@ -183,26 +185,36 @@ def _foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]
     return any(module_has_backward_hooks(m) for m in model.modules())
 
 
+HOOK_KINDS = ("none", "checkpoint", "selective", "other")
+"""Saved-tensor hooks a forward's calls ran under (:func:`gradlog._torch_private.
+saved_tensor_hooks_kind`), from harmless to unknown; a forward counts as its last kind."""
+
+
 def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
                      params: Mapping[str, nn.Parameter],
-                     saved_tensor_hooks: bool) -> tuple[str | None, bool]:
+                     saved_tensor_hooks: str) -> tuple[str | None, bool]:
     """When the datum's own backward runs, and whether the graph holds autograd Functions
     gradlog does not know.
 
     ``"before"`` the batch's (then freed before the batch's backward allocates its per-datum
     gradients: no extra peak memory), or ``"after"`` it, on the kept graph, when a backward
     may use up state or draw random numbers (an autograd Function of the user's or a
-    library's, saved-tensor hooks such as selective activation checkpointing): the batch's
-    backward then runs first, exactly as without gradlog, and the check is skipped if
-    autograd refuses the second backward. None: no check (a reentrant checkpoint refuses
-    ``autograd.grad``); the flag is then False.
+    library's, selective activation checkpointing, saved-tensor hooks gradlog does not
+    know): the batch's backward then runs first, exactly as without gradlog, and the check
+    is skipped if autograd refuses the second backward. The datum's backward then runs
+    while the per-datum gradients are held, so its own peak adds to the step's. Plain
+    non-reentrant checkpointing (``saved_tensor_hooks == "checkpoint"``) recomputes its
+    segments for every backward and restores their random state, so its check runs
+    before (issue 20: it ran after, and step 1 peaked at 2.9x a plain step). None: no
+    check (a reentrant checkpoint refuses ``autograd.grad``); the flag is then False.
     """
     if losses.grad_fn is None or not any(p.numel() for p in params.values()):
         return None, False
     foreign = foreign_functions(batch_loss.grad_fn)
     if foreign is None:
         return None, False
-    return ("after" if foreign or saved_tensor_hooks else "before"), foreign
+    late = foreign or saved_tensor_hooks in ("selective", "other")
+    return ("after" if late else "before"), foreign
 
 
 def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
@@ -328,8 +340,8 @@ def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
     owners = {n: [e.label for e in entries_ if n in e.names.values()] for n in missed}
     raise BackendError(
         f"parameter(s) {missed} received a gradient, but no hooked module call used them "
-        f"(owners: {owners}): they were used outside the forward of the module that owns "
-        "them, e.g. F.linear(x, self.embed.weight) in a parent. Call the owning module "
-        "instead, register a rule covering them for the module whose forward uses them "
-        "(gradlog.rules.register_rule(..., covers=...)), or use backend='loop'."
+        f"(owners: {owners}) and no op of the model's forward took them: they were used "
+        "outside the model's forward (e.g. F.linear(x, model.embed.weight) in the loss "
+        "code; op-level capture sees only the root module's forward). Move that use into "
+        "the model's forward, or use backend='loop'."
     )

@@ -26,16 +26,28 @@ if TYPE_CHECKING:
 __all__ = [
     "PASS_THROUGH",
     "TAG",
+    "VIEW_NODES",
     "alias_outputs",
     "consumer_factor",
+    "consumers_through_views",
     "find_consumers",
     "foreign_functions",
     "hook_target",
+    "through_views",
 ]
 
 TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
 """Autograd nodes through which a shared output's per-datum gradient is the consumer's."""
+VIEW_NODES = frozenset({
+    "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "SqueezeBackward2", "SqueezeBackward3", "ViewBackward0", "UnsafeViewBackward0",
+    "TransposeBackward0", "TransposeBackward1", "TBackward0", "ReshapeAliasBackward0",
+    "CloneBackward0", "AliasBackward0",
+})
+"""Autograd nodes of shape-only ops (one input, one output) that a shared output may pass
+through before the op that broadcasts it over the batch (T5's relative attention bias:
+``bias(T, T, H).permute(2, 0, 1).unsqueeze(0)`` then added to ``(B, H, T, T)`` scores)."""
 
 
 def alias_outputs(output: Any, inputs: list[tuple[torch.Tensor, int]]) -> Any:
@@ -149,3 +161,48 @@ def consumer_factor(node: Any, slot: int) -> float:
     if kind == "SubBackward0" and slot == 1:
         return -alpha
     return 1.0
+
+
+Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)
+
+
+def consumers_through_views(root: Any, found: list[tuple[Any, int]]
+                            ) -> list[tuple[Any, int, Chain]] | None:
+    """The consumers of a call's output past any chain of view nodes (:data:`VIEW_NODES`):
+    each (node, input slot, the view nodes between, first to last). ``found`` are the
+    direct consumers (:func:`find_consumers`). None when a view node's output has no
+    consumer in the graph from ``root`` (it cannot be followed). A walk of the whole
+    graph: only for outputs that would otherwise be refused."""
+    parents: dict[int, list[tuple[Any, int]]] = {}
+    keep = []  # node wrappers alive, so their ids stay unique
+    for node in graph_nodes(root):
+        keep.append(node)
+        for slot, (child, _) in enumerate(node.next_functions):
+            if child is not None and type(child).__name__ in VIEW_NODES:
+                parents.setdefault(id(child), []).append((node, slot))
+    out: list[tuple[Any, int, Chain]] = []
+    stack: list[tuple[Any, int, Chain]] = [(node, slot, ()) for node, slot in found]
+    while stack:
+        node, slot, chain = stack.pop()
+        if type(node).__name__ not in VIEW_NODES:
+            out.append((node, slot, chain))
+            continue
+        up = parents.get(id(node))
+        if not up or len(chain) > 64:
+            return None
+        stack.extend((parent, s, (*chain, node)) for parent, s in up)
+    return out
+
+
+def through_views(chain: Chain, per: torch.Tensor) -> torch.Tensor:
+    """Per-datum gradients ``(B, *shape)`` at the end of a chain of view nodes, as gradients
+    of its start: each node's own backward, per datum (``vmap`` over the batch)."""
+    from torch.func import vmap
+
+    def back(g: torch.Tensor) -> torch.Tensor:
+        for node in reversed(chain):
+            got = node(g)
+            g = got[0] if isinstance(got, tuple) else got
+        return g
+
+    return vmap(back)(per)

@@ -14,11 +14,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from gradlog._torch_private import autograd_node_output_shape, autograd_node_shapes_known
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Call, Entry
-from gradlog.backends.hooks.graph import PASS_THROUGH, find_consumers
+from gradlog.backends.hooks.graph import (
+    PASS_THROUGH,
+    VIEW_NODES,
+    Chain,
+    consumers_through_views,
+    find_consumers,
+    through_views,
+)
 from gradlog.errors import BackendError, UnsupportedLayerError
 
 __all__ = [
@@ -29,7 +37,9 @@ __all__ = [
     "shared_outputs",
 ]
 
-Consumers = list[tuple[Any, int]]  # (autograd node, input slot) consuming a call's output
+Consumers = list[tuple[Any, int, Chain, tuple[int, ...]]]
+"""(autograd node, input slot, view nodes between, shape at that slot) consuming a call's
+output (``Chain`` is empty when the node consumes the output itself)."""
 
 
 def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
@@ -42,6 +52,10 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
         sequence_first: The model's modules with ``batch_first=False``.
     """
     entry, shape = call.entry, call.out_shape
+    first = call.args[0] if call.args else None
+    if isinstance(first, PackedSequence):  # its batch: the sequences (the RNN rule splits it)
+        call.lead = int(first.batch_sizes[0]) if len(first.batch_sizes) else 0
+        return
     features = entry.rule.feature_dims
     if features is not None:
         leading = list(shape[: max(0, len(shape) - features(entry.module))])
@@ -55,6 +69,10 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
                 "a batch size different from the sequence length, batch_first=True "
                 "layers, or backend='loop'."
             )
+    elif entry.fallback and not entry.op and (len(shape) <= call.bd or shape[call.bd] != B):
+        at = [k for k, n in enumerate(shape) if n == B]
+        if len(at) == 1:  # a module without a rule on a sequence-first (T, B, D) layout
+            call.bd = at[0]
     call.lead = shape[call.bd] if len(shape) > call.bd else None
 
 
@@ -111,18 +129,31 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
         if shared and passing and first and call.hooked == 1:
             call.bd, call.lead = 0, B  # the consumer's gradient has the batch first
             call.via_consumers = True
-            yield call, found
+            yield call, [(node, slot, (), shape) for node, slot in found]
             continue
         if exact:
             locate_batch(call, B, sequence_first)
+        if (shared or call.lead != B) and first and call.hooked == 1:
+            chained = _through_views(found, batch_loss, shape)
+            if chained is not None:  # shared whole, broadcast after views (T5's bias)
+                call.bd, call.lead = 0, B
+                call.via_consumers = True
+                yield call, chained
+                continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
+            beyond = (consumers_through_views(batch_loss.grad_fn, found)
+                      if any(type(n).__name__ in VIEW_NODES for n, _ in found) else None)
+            if beyond:  # name what the views lead to
+                ops += [f"then {n}" for n in sorted({type(n).__name__ for n, _, _ in beyond})]
             raise BackendError(
                 f"the output of {entry.label} has shape {shape}, with no batch dimension "
                 f"of size B={B} of its own, and reaches the loss through {ops}. gradlog "
                 "takes per-datum gradients of a shared output only when additions, "
-                "subtractions or expands alone broadcast it over the batch (position "
-                "embeddings). Give the layer a batched input (e.g. "
+                "subtractions or expands alone broadcast it over the batch, directly or "
+                "after views and permutes (position embeddings, T5's relative attention "
+                "bias; with attention implementations that take the bias into a fused "
+                "kernel, such as SDPA, use the eager one). Give the layer a batched input (e.g. "
                 "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
                 "accepts (B, T, d); do not flatten to (B*T, d)), give one loss per row the "
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
@@ -130,11 +161,38 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
             )
 
 
+def _through_views(found: list[tuple[Any, int]], batch_loss: torch.Tensor,
+                   shape: tuple[int, ...]) -> Consumers | None:
+    """The consumers of a shared output past views and permutes, when every one of them
+    is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
+    batch (a new leading dimension, or a leading dimension of size 1), and the shapes are
+    known; else None. Views do not mix datums, so the output is then shared whole."""
+    if not all(type(n).__name__ in VIEW_NODES or type(n).__name__ in PASS_THROUGH
+               for n, _ in found):
+        return None
+    if not autograd_node_shapes_known(batch_loss.grad_fn):
+        return None
+    chained = consumers_through_views(batch_loss.grad_fn, found)
+    if not chained:
+        return None
+    out: Consumers = []
+    for node, slot, chain in chained:
+        at = autograd_node_output_shape(chain[-1]) if chain else shape  # what node received
+        wide = autograd_node_output_shape(node)
+        broadcast = len(at) < len(wide) or (len(at) == len(wide) and at[0] == 1 != wide[0])
+        if type(node).__name__ not in PASS_THROUGH or not broadcast:
+            return None
+        out.append((node, slot, chain, at))
+    return out
+
+
 def consumer_inputs(
-    call: Call, g: torch.Tensor, B: int
+    call: Call, g: torch.Tensor, B: int, chain: Chain = (), at: tuple[int, ...] = ()
 ) -> tuple[torch.Tensor, tuple[Any, ...] | None, dict[str, Any] | None, bool]:
     """A shared output's per-datum gradients from its consumer's output gradient ``g``, and
-    the call's inputs broadcast to match.
+    the call's inputs broadcast to match. With a ``chain`` of view nodes between the output
+    and the consumer (``at``: the shape the consumer received), the per-datum gradients at
+    the consumer are taken back through the views; the output is then shared whole.
 
     Returns:
         ``(per, args, kwargs, expanded)``: the per-datum output gradients ``(B, *shape)``,
@@ -143,7 +201,7 @@ def consumer_inputs(
     Raises:
         BackendError: The output is broadcast over the batch in more than one step.
     """
-    shape = tuple(call.out_shape)
+    shape = tuple(at) if chain else tuple(call.out_shape)
     extra = g.dim() - len(shape)
     if extra < 0 or g.dim() == 0 or g.shape[0] != B:
         raise BackendError(
@@ -159,6 +217,14 @@ def consumer_inputs(
             return t.expand(B, *t.shape[1:]) if t.dim() and t.shape[0] == 1 else t
     else:  # the output has no batch dimension: it is shared whole by every datum
         per = g.sum_to_size((B,) + (1,) * (extra - 1) + shape).reshape(B, *shape)
+        expand = True
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0).expand(B, *t.shape)
+    if chain:
+        if extra == 0:  # the consumer's input has a leading dimension of size 1
+            per = per.unsqueeze(1)  # (B, *shape)
+        per = through_views(chain, per.reshape(B, *shape))  # (B, *out_shape)
         expand = True
 
         def batched(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""Op-level capture: uses of recorded parameters that no hooked module call covers.
+
+Module hooks see a parameter only where its module's forward uses it. A parameter can also
+be used by hand elsewhere: a tied head in the parent's forward (``h @ self.wte.weight.T``,
+``F.linear(h, self.embed.weight)``), PEFT's LoRA embedding (``lora_embedding_A`` in a
+``ParameterDict`` that is never called, used through ``F.embedding`` in the LoRA layer's
+forward), a sequence bias repeated over the batch (``bias.repeat(1, B, 1)``).
+
+:class:`OpCapture` is a :class:`~torch.overrides.TorchFunctionMode`, pushed for the duration
+of the model's own forward (a forward pre-hook and an always-called forward hook on the
+root module). It sees every torch function call; a call that takes a recorded parameter, or
+a view of one made in the forward (``W.T``, ``W.view(...)``: :data:`VIEWS`, tracked as
+:class:`~gradlog.rules.ops.ParamUse`), while no call of a module whose hooks cover that
+parameter is running, becomes a call of an op rule (:mod:`gradlog.rules.ops`): captured
+like a module call (inputs kept, a hook on the output), computed in the backward. Closed
+forms for ``linear``, ``matmul`` and ``embedding``; any other op falls back to a per-op
+``torch.func`` vector-Jacobian product, never to a re-run of a whole module.
+
+Cost: one Python call per torch function in the forward (about 1-2 us each; a small GPT's
+forward makes ~75, so well under 1% of a step, measured in bench_compute.py), nothing in the
+backward. Uses outside the model's forward (in the loss code) are not seen: the coverage and
+spot checks refuse them, as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from gradlog._torch_private import force_eager
+from gradlog._tree import flatten
+from gradlog.backends.hooks.calls import Entry
+from gradlog.rules.ops import ParamUse, Step, op_kind, op_rule
+
+__all__ = ["VIEWS", "OpCapture"]
+
+_T: Any = torch.Tensor  # (its T/mT properties' getters are what __torch_function__ sees)
+VIEWS: frozenset[Any] = frozenset({
+    _T.T.__get__, _T.mT.__get__, _T.t, torch.t, _T.transpose, torch.transpose, _T.permute,
+    torch.permute, _T.view, _T.reshape, torch.reshape, _T.unsqueeze, torch.unsqueeze,
+    _T.squeeze, torch.squeeze, _T.contiguous, _T.to, _T.float, _T.double, _T.half,
+    _T.bfloat16, _T.__getitem__, _T.narrow, torch.narrow, _T.flatten, torch.flatten,
+    _T.unflatten, _T.clone, _T.movedim, torch.movedim, _T.swapaxes, _T.swapdims,
+})
+"""Ops whose output is a linear, shape-only function of their first argument: a recorded
+parameter passed through them stays tracked (others, e.g. ``expand``/``repeat``, are ops of
+their own, with a per-op rule)."""
+
+Capture = Callable[[Entry, nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
+
+
+class OpCapture(TorchFunctionMode):
+    """Sees the forward's torch calls that take recorded parameters (see module doc).
+
+    Args:
+        model: The root module (op entries are labelled with it).
+        params: The recorded parameters, by name.
+        capture: The backend's capture of a call (``HooksBackend._capture``).
+        inside: Parameter id -> number of running calls of modules covering it (kept by
+            the backend's module hooks).
+        active: Whether capture is on now (off while rules run, outside grad mode, ...).
+    """
+
+    def __init__(self, model: nn.Module, params: Mapping[str, nn.Parameter], capture: Capture,
+                 inside: dict[int, int], active: Callable[[], bool]) -> None:
+        super().__init__()
+        self.model = model
+        self.capture = capture
+        self.inside = inside
+        self.active = active
+        self.depth = 0
+        self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
+        self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
+        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse]] = {
+            id(p): (weakref.ref(p), ParamUse(n, p)) for n, p in params.items()
+        }
+
+    # -- pushed around the root module's forward ---------------------------------------------
+    def enter(self, *_: Any) -> None:
+        """Forward pre-hook of the root module. Under ``torch.compile`` the recorded forward
+        runs eagerly (see :func:`~gradlog._torch_private.force_eager`): dynamo would
+        otherwise trace gradlog's hooks and this mode, guard on the ids they look up and
+        recompile at every step (its recompile limit was hit by step 8)."""
+        if self.depth == 0:
+            self.restore = force_eager() if torch.is_grad_enabled() else None
+            self.__enter__()
+        self.depth += 1
+
+    def leave(self, *_: Any) -> None:
+        """Always-called forward hook of the root module."""
+        self.depth -= 1
+        if self.depth == 0:
+            self.__exit__(None, None, None)
+            if self.restore is not None:
+                self.restore()
+                self.restore = None
+
+    # -- the mode -----------------------------------------------------------------------------
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return out
+        uses = self._uses(args, kwargs)
+        if not uses or not self.active():
+            return out
+        if func in VIEWS and len(uses) == 1 and args and id(args[0]) in uses and not any(
+                isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            use = uses[id(args[0])]
+            step: Step = (func, tuple(args[1:]), dict(kwargs))
+            self._track(out, ParamUse(use.name, use.param, (*use.steps, step)))
+            return out
+        free = {k: u for k, u in uses.items() if not self.inside.get(id(u.param))}
+        if free:  # (a use inside a covering module's call is its rule's)
+            self.capture(self._entry(func, args, kwargs, free), self.model, args, kwargs, out)
+        return out
+
+    def _uses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, ParamUse]:
+        """The tracked tensors among the arguments (one level of lists: ``torch.cat``)."""
+        found: dict[int, ParamUse] = {}
+        tracked = self.tracked
+        for a in (*args, *kwargs.values()):
+            for t in (a if type(a) in (list, tuple) else (a,)):
+                hit = tracked.get(id(t))
+                if hit is not None and hit[0]() is t:
+                    found[id(t)] = hit[1]
+        return found
+
+    def _track(self, view: torch.Tensor, use: ParamUse) -> None:
+        key = id(view)
+
+        def drop(_: Any, key: int = key) -> None:
+            entry = self.tracked.get(key)
+            if entry is not None and entry[0]() is None:
+                del self.tracked[key]
+
+        self.tracked[key] = (weakref.ref(view, drop), use)
+
+    def _entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               uses: dict[int, ParamUse]) -> Entry:
+        """The entry of this op with these parameter uses (one per distinct layout)."""
+        kind, slots = op_kind(func, args, kwargs, uses)
+        leaves = flatten((args, kwargs))[0]
+        by_slot = {a: (k, uses[id(leaves[k])]) for a, k in slots.items()}
+        key = (func, kind, tuple((a, k, u.name, _steps_key(u.steps))
+                                 for a, (k, u) in sorted(by_slot.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            what = getattr(func, "__name__", str(func))
+            label = f"{what}({', '.join(sorted({u.name for _, u in by_slot.values()}))})"
+            rule = op_rule(func, kind, by_slot, label)
+            names = {a: u.name for a, (_, u) in by_slot.items()}
+            params = tuple(dict.fromkeys(u.param for _, u in by_slot.values()))
+            entry = Entry(self.model, label, rule, names, params, fallback=kind == "vjp",
+                          op=what)
+            self.entries[key] = entry
+        return entry
+
+
+def _steps_key(steps: tuple[Step, ...]) -> tuple[Any, ...]:
+    return tuple((id(f), repr(a), repr(sorted(k.items()))) for f, a, k in steps)

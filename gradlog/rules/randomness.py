@@ -1,0 +1,191 @@
+"""Dropout masks of a module that the ``torch.func`` fallback re-runs per datum.
+
+A re-run cannot draw the masks the batch's forward drew. So for each module the fallback
+computes, the hooks backend installs :func:`track_dropout` when recording starts: during
+every forward of that module, each of its dropout submodules (``nn.Dropout``,
+``Dropout1d/2d/3d``: multiplicative masks) notes the global RNG state before it draws and,
+after its call, rebuilds its scaled mask (the same draw, on a tensor of ones of the input's
+shape, dtype and strides, with the RNG forked so training's stream is unchanged). The masks
+of one call are kept with that call's input tensors. :func:`masks_of` hands them to
+:func:`gradlog.rules.func.func_grads`, which re-runs the module with its dropouts switched
+to eval mode and each output multiplied by that datum's row of its mask (:func:`replay`).
+
+Other random draws (``AlphaDropout``, a functional ``F.dropout`` or ``torch.rand`` in the
+module's own forward, drop-path, dropout inside ``nn.LSTM``/``MultiheadAttention``) are not
+replayed: those modules stay refused, never computed with other masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlog._torch_private import cuda_devices, dropout_rate, forked_rng, rng_states
+from gradlog._tree import leaves
+from gradlog.errors import BackendError
+
+__all__ = ["REPLAYABLE", "masks_of", "replay", "track_dropout", "tracked"]
+
+REPLAYABLE: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+                                           nn.Dropout3d)
+"""Dropout layers whose output is their input times a mask drawn by their own forward."""
+
+_TRACKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # dropouts whose masks are noted
+_MAX_FRAMES = 64  # calls kept per module whose backward has not come (yet)
+
+
+@dataclass
+class _Frame:
+    """The masks one call of a tracked module drew, with its input tensors (weakly)."""
+
+    inputs: list[weakref.ref[torch.Tensor]]
+    masks: list[torch.Tensor] = field(default_factory=list)
+    ambiguous: bool = False  # another call on the same inputs drew other masks
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.inputs)
+
+
+_FRAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], _Frame]] = (
+    weakref.WeakKeyDictionary())
+
+
+class _Replay:
+    """The masks the re-run's dropouts apply, in call order (None: not replaying)."""
+
+    masks: list[torch.Tensor] | None = None
+
+
+def _replayable(m: nn.Module) -> bool:
+    return type(m) in REPLAYABLE
+
+
+def _key(args: Any) -> tuple[int, ...]:
+    return tuple(id(t) for t in leaves(args) if isinstance(t, torch.Tensor))
+
+
+def tracked(module: nn.Module) -> bool:
+    """Whether ``module`` is a dropout whose masks :func:`track_dropout` notes."""
+    return module in _TRACKED
+
+
+def track_dropout(module: nn.Module) -> list[Any]:
+    """Note the masks drawn by ``module``'s dropout submodules in each of its forwards.
+
+    Returns:
+        The hook handles (remove them to stop); none when it has no such dropout.
+    """
+    drops = [m for m in module.modules() if _replayable(m)]
+    if not drops:
+        return []
+    current: list[_Frame | None] = [None]
+    states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _Replay.masks is not None or not torch.is_grad_enabled():
+            current[0] = None
+            return
+        frames = _FRAMES.setdefault(module, {})
+        for k in [k for k, f in frames.items() if not f.alive()]:
+            del frames[k]  # calls whose inputs are gone: their backward will not come
+        while len(frames) >= _MAX_FRAMES:
+            del frames[next(iter(frames))]
+        tensors = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        frame = _Frame([weakref.ref(t) for t in tensors])
+        key = _key((args, kwargs))
+        if key in frames:  # called again on the same inputs: whose masks are whose is unknown
+            frames[key].ambiguous = frame.ambiguous = True
+        frames[key] = frame
+        current[0] = frame
+
+    def before(m: nn.Module, args: tuple[Any, ...]) -> None:
+        if _Replay.masks is None and current[0] is not None and m.training:
+            x = args[0]
+            states[id(m)] = rng_states(cuda_devices([x]))
+
+    def after(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        if _Replay.masks is not None:  # the re-run: this datum's row of the batch's mask
+            if not _Replay.masks:
+                raise RuntimeError("a dropout ran more often in the re-run than in the forward")
+            return out * _Replay.masks.pop(0)
+        frame, state = current[0], states.pop(id(m), None)
+        if frame is None or state is None or not m.training:
+            return None
+        x = args[0]
+        with forked_rng(cuda_devices([x]), state), torch.no_grad():
+            mask = m.forward(torch.ones_like(x))  # the draw the call made, scaled 1/(1-p)
+        frame.masks.append(mask)
+        return None
+
+    handles = [module.register_forward_pre_hook(enter, with_kwargs=True)]
+    for m in drops:
+        handles.append(m.register_forward_pre_hook(before))
+        handles.append(m.register_forward_hook(after))
+        _TRACKED.add(m)
+    return handles
+
+
+def masks_of(module: nn.Module, args: Any) -> list[torch.Tensor] | None:
+    """The masks the call of ``module`` on ``args`` (its captured ``(args, kwargs)``) drew,
+    removed from the store; None when none were noted for it."""
+    frames = _FRAMES.get(module)
+    if not frames:
+        return None
+    frame = frames.pop(_key(args), None)
+    tensors = [t for t in leaves(args) if isinstance(t, torch.Tensor)]
+    if frame is not None and (len(frame.inputs) != len(tensors) or any(
+            r() is not t for r, t in zip(frame.inputs, tensors))):
+        frame = None  # (another call's, whose inputs' ids were reused: not this call's)
+    if frame is not None and frame.ambiguous:
+        raise BackendError(
+            f"{type(module).__name__} was called more than once on the same inputs in one "
+            "forward and its dropouts drew masks in each call: gradlog cannot tell which "
+            "call's backward is which, to replay its masks. Set those dropouts to 0 or use "
+            "backend='loop'."
+        )
+    return None if frame is None else frame.masks
+
+
+def unreplayed(module: nn.Module) -> list[str]:
+    """Names of ``module``'s submodules that draw random numbers in this mode and whose
+    draws are not noted (see the module doc)."""
+    found = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        rate = dropout_rate(m)
+        if rate is not None:
+            p = 0.0 if m in _TRACKED and _replayable(m) else rate
+        elif isinstance(m, nn.RNNBase):
+            p = m.dropout if m.num_layers > 1 else 0.0  # dropout acts between layers only
+        elif isinstance(m, nn.MultiheadAttention):
+            p = m.dropout
+        else:
+            continue
+        if p > 0:
+            found.append(name)
+    return found
+
+
+@contextlib.contextmanager
+def replay(module: nn.Module, masks: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Re-run ``module`` with its tracked dropouts applying ``masks`` in call order (each
+    already the datum's slice, shaped like the dropout's output) instead of drawing."""
+    drops = [m for m in module.modules() if m in _TRACKED and m.training]
+    for m in drops:
+        m.training = False  # (its forward is then the identity; the hook applies the mask)
+    _Replay.masks = list(masks)
+    try:
+        yield
+        if _Replay.masks:
+            raise RuntimeError("a dropout ran less often in the re-run than in the forward")
+    finally:
+        _Replay.masks = None
+        for m in drops:
+            m.training = True

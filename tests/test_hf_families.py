@@ -1,0 +1,207 @@
+"""Hugging Face families from small random-init configs, recorded by the default backend and
+compared with the ``loop`` oracle: padding masks, eager and SDPA attention, training mode with
+dropout (each forward starts from the same RNG state, so the oracle's batch draws the same
+masks and differentiates each datum through them).
+
+Tolerance: float64 parameters, but these models compute parts in float32 on purpose (Llama's
+RMSNorm and rotary embeddings upcast to float32 and back), so the two backends' sums agree to
+float32 rounding: 1e-4 relative, 1e-6 absolute (measured: at most 3e-5 relative).
+
+The default run covers one case per architecture kind; the full matrix is ``slow``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradlog.testing.oracle import assert_like_loop
+
+transformers = pytest.importorskip("transformers")
+
+D64 = torch.float64
+B, T, V = 3, 6, 40
+DROP = 0.1
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, T) and an attention mask with right padding (datums of 6, 4, 2 tokens)."""
+    ids = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[2, 2:] = 0
+    return ids, mask
+
+
+def _pixels(side: int) -> torch.Tensor:
+    return torch.randn(B, 3, side, side, generator=torch.Generator().manual_seed(2), dtype=D64)
+
+
+def _built(config: Any, cls: Any, attn: str) -> nn.Module:
+    config._attn_implementation = attn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(config).to(D64)
+    return model.train()  # type: ignore[no-any-return]
+
+
+def _causal(model: nn.Module) -> Callable[[], torch.Tensor]:
+    """Each sequence's mean next-token loss over its own labelled tokens: (B,)."""
+    ids, mask = _ids()
+    labels = ids.masked_fill(mask == 0, -100)[:, 1:]  # (B, T-1)
+    keep = labels != -100
+
+    def forward() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
+        per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
+
+    return forward
+
+
+def _classify(model: nn.Module, **inputs: Any) -> Callable[[], torch.Tensor]:
+    y = torch.tensor([0, 1, 1])
+    return lambda: F.cross_entropy(model(**inputs).logits, y, reduction="none")  # (B,)
+
+
+def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    t = transformers
+    common = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                  attention_dropout=DROP)
+    config, cls = {
+        "gpt2": (lambda: t.GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
+                                      n_positions=32, resid_pdrop=DROP, embd_pdrop=DROP,
+                                      attn_pdrop=DROP, bos_token_id=0, eos_token_id=0),
+                 t.GPT2LMHeadModel),
+        "llama": (lambda: t.LlamaConfig(**common), t.LlamaForCausalLM),
+        "qwen2": (lambda: t.Qwen2Config(**common), t.Qwen2ForCausalLM),
+        "mistral": (lambda: t.MistralConfig(**common), t.MistralForCausalLM),
+        "gemma": (lambda: t.GemmaConfig(**common, head_dim=8), t.GemmaForCausalLM),
+    }[kind]
+    model = _built(config(), cls, attn)
+    return model, _causal(model)
+
+
+def _encoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    t = transformers
+    ids, mask = _ids()
+    if kind == "bert":
+        model = _built(t.BertConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    max_position_embeddings=32, num_labels=2,
+                                    hidden_dropout_prob=DROP, attention_probs_dropout_prob=DROP),
+                       t.BertForSequenceClassification, attn)
+        return model, _classify(model, input_ids=ids, attention_mask=mask)
+    if kind == "distilbert":
+        model = _built(t.DistilBertConfig(vocab_size=V, dim=16, hidden_dim=32, n_layers=2,
+                                          n_heads=2, max_position_embeddings=32, num_labels=2,
+                                          dropout=DROP, attention_dropout=DROP),
+                       t.DistilBertForSequenceClassification, attn)
+        return model, _classify(model, input_ids=ids, attention_mask=mask)
+    if kind == "t5":
+        model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                  num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
+                                  relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                  pad_token_id=0),
+                       t.T5ForConditionalGeneration, attn)
+        labels = ids.masked_fill(mask == 0, -100)
+        keep = labels != -100
+
+        def forward() -> torch.Tensor:
+            logits = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+            per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
+
+        return model, forward
+    raise KeyError(kind)
+
+
+def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Callable[[], Any]]:
+    t = transformers
+    if kind == "vit":
+        model = _built(t.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                   intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_labels=2,
+                                   hidden_dropout_prob=dropout,
+                                   attention_probs_dropout_prob=DROP),
+                       t.ViTForImageClassification, attn)
+        return model, _classify(model, pixel_values=_pixels(8))
+    if kind == "convnext":
+        model = _built(t.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
+                                        num_stages=2, num_labels=2, image_size=16,
+                                        drop_path_rate=dropout),
+                       t.ConvNextForImageClassification, "eager")
+        return model, _classify(model, pixel_values=_pixels(16))
+    raise KeyError(kind)
+
+
+def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma"):
+        return _decoder(kind, attn)
+    if kind in ("bert", "distilbert", "t5"):
+        return _encoder(kind, attn)
+    return _vision(kind, attn)
+
+
+_T5_SDPA = pytest.mark.xfail(
+    strict=True,
+    reason="hooks backend (#16, op-level capture): T5's relative_attention_bias output (T, T, H) "
+    "is shared by the batch and reaches SDPA's attn_mask through a permute; refused as a "
+    "shared output",
+)
+_DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
+            ("t5", "eager")]
+_MATRIX = [
+    pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
+        "t5", "sdpa") else [])])
+    for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "bert", "distilbert", "t5",
+                 "vit", "convnext")
+    for attn in ("eager", "sdpa")
+    if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
+]
+
+
+@pytest.mark.parametrize(("kind", "attn"), [*_DEFAULT, *_MATRIX])
+def test_family_records_like_the_loop_oracle(kind: str, attn: str) -> None:
+    """Training mode, attention and hidden dropout 0.1 where the family has it, padded
+    batches: per-datum gradients and p.grad of every parameter equal the loop oracle's."""
+    model, forward = _case(kind, attn)
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert described["modules"], "nothing was hooked"
+
+
+def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:
+    """ViTEmbeddings owns cls_token and position_embeddings (no rule: torch.func per module)
+    and ends in a dropout; its re-run applies the masks the batch's forward drew (it was
+    refused: "cannot reproduce the batch's masks")."""
+    model, forward = _vision("vit", "eager", dropout=DROP)
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert "vit.embeddings" in described["fallback"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.func fallback (#16): ConvNeXt's drop path (torch.rand in a function, around "
+    "layer_scale_parameter) is not replayed, only nn.Dropout masks are; refused",
+)
+@pytest.mark.slow
+def test_convnext_drop_path_inside_a_fallback_module() -> None:
+    model, forward = _vision("convnext", "eager", dropout=DROP)
+    assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_random_draws_a_fallback_cannot_replay_are_refused_not_wrong() -> None:
+    """Refused (naming the module), never recorded with other masks."""
+    from gradlog.errors import BackendError
+    from gradlog.testing.oracle import backend_grads
+
+    model, forward = _vision("convnext", "eager", dropout=DROP)
+    with pytest.raises(BackendError, match="random"):
+        backend_grads(model, forward)

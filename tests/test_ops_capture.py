@@ -1,0 +1,260 @@
+"""Op-level capture: every use of a recorded parameter in the model's forward, also outside
+the module that owns it, against the loop oracle in float64 (both batch reductions): tied heads
+written by hand, PEFT LoRA on an embedding, T5's relative attention bias shared by the batch
+through views, layers whose batch is not the first dimension. And what is still refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradlog.backends import BACKENDS
+from gradlog.backends.hooks import HooksBackend
+from gradlog.errors import BackendError
+from gradlog.grads import Rows
+from gradlog.params import select_params
+
+D64 = torch.float64
+Losses = Callable[[], torch.Tensor]
+
+
+def per_datum(model: nn.Module, losses_of: Losses, name: str,
+              reduction: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    be = BACKENDS[name](model, select_params(model, ["*"]), batch_reduction=reduction,
+                        randomness="different")
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = losses_of()
+        got = be.backward(losses, be.reduce_batch(losses))
+        return ({n: g.dense() if isinstance(g, Rows) else g for n, g in got.items()},
+                be.describe())
+    finally:
+        be.detach()
+
+
+def assert_like_loop(model: nn.Module, losses_of: Losses, rtol: float = 1e-9
+                     ) -> dict[str, object]:
+    """The hooks backend's per-datum gradients equal the loop oracle's, for both batch
+    reductions; returns the hooks backend's description."""
+    described: dict[str, object] = {}
+    for reduction in ("mean", "sum"):
+        got, described = per_datum(model, losses_of, "hooks", reduction)
+        want, _ = per_datum(model, losses_of, "loop", reduction)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * 1e-3,
+                                       msg=lambda m, n=f"{name} ({reduction})": f"{n}: {m}")
+    return described
+
+
+# -- tied heads written by hand ---------------------------------------------------------------
+class TiedByHand(nn.Module):
+    """The head reuses the embedding matrix in the parent's forward, not through a module."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.wte = nn.Embedding(11, 6)
+        self.mix = nn.Linear(6, 6)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.wte(idx)))  # (B, T, d)
+        w = self.wte.weight  # (V, d)
+        if self.how == "T":
+            return h @ w.T  # (B, T, V)
+        if self.how == "linear":
+            return F.linear(h, w)
+        if self.how == "matmul":
+            return torch.matmul(h, w.t())
+        return h @ w.transpose(0, 1).contiguous() * 0.5  # a chain of views, then a scale
+
+
+@pytest.mark.parametrize("how", ["T", "linear", "matmul", "chain"])
+def test_a_head_tied_by_hand_is_exact(how: str) -> None:
+    torch.manual_seed(0)
+    model = TiedByHand(how).to(D64)
+    x, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 11, (5, 7))
+    described = assert_like_loop(
+        model, lambda: F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1))
+    rule = {"T": "op:matmul", "linear": "op:linear", "matmul": "op:matmul", "chain": "op:matmul"}
+    assert any(rule[how] in op for op in described["ops"])  # type: ignore[attr-defined]
+
+
+class ByHand(nn.Module):
+    """Parameters used by hand in ops without a closed form: a LayerNorm's weight passed to
+    F.layer_norm by the parent, a bias added by the parent, a gather by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.proj = nn.Linear(6, 6)
+        self.table = nn.Parameter(torch.randn(9, 6))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (6,), self.norm.weight, self.norm.bias)  # (B, T, d)
+        h = self.proj(h) + self.proj.bias  # the bias twice: in its module and by hand
+        return torch.tanh(h) * self.table[idx]  # (B, T, d): rows gathered per datum
+
+
+def test_ops_without_a_closed_form_fall_back_per_op() -> None:
+    torch.manual_seed(0)
+    model = ByHand().to(D64)
+    x, idx = torch.randn(4, 5, 6, dtype=D64), torch.randint(0, 9, (4, 5))
+    described = assert_like_loop(model, lambda: model(x, idx).pow(2).sum((1, 2)))
+    ops = " ".join(described["ops"])  # type: ignore[arg-type]
+    assert "layer_norm" in ops and "op:vjp" in ops
+
+
+def test_a_use_outside_the_models_forward_is_still_refused() -> None:
+    """The loss code is not the model's forward: nothing sees that use, and the spot check
+    refuses rather than record a partial gradient (p.grad complete)."""
+    torch.manual_seed(0)
+    model = TiedByHand("T").to(D64)
+    x, y = torch.randint(0, 11, (3, 4)), torch.randint(0, 11, (3, 4))
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    assert isinstance(be, HooksBackend)
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        logits = model(x) + model.wte(x) @ model.wte.weight.T  # (B, T, V): a second head
+        losses = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+        with pytest.raises(BackendError, match=r"wte\.weight.*do not add up"):
+            be.backward(losses, losses.mean())
+        assert model.wte.weight.grad is not None
+    finally:
+        be.detach()
+
+
+def test_capture_ends_with_the_forward_also_when_it_raises() -> None:
+    model = TiedByHand("T").to(D64)
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    assert isinstance(be, HooksBackend)
+    be.attach()
+    try:
+        depth = len(torch.overrides._get_current_function_mode_stack())
+        with pytest.raises(IndexError):
+            model(torch.tensor([[11]]))  # out of range
+        assert len(torch.overrides._get_current_function_mode_stack()) == depth
+        assert not any(be._inside.values())
+    finally:
+        be.detach()
+
+
+# -- PEFT LoRA on an embedding -----------------------------------------------------------------
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(13, 8)
+        self.mlp = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 13)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.mlp(self.embed_tokens(idx))))
+
+
+@pytest.mark.slow  # (importing peft and transformers: ~20 s)
+def test_peft_lora_on_embed_tokens_mlp_and_head_is_exact() -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_modules=["embed_tokens", "mlp", "lm_head"])
+    model = peft.get_peft_model(TinyLM().to(D64), config)
+    x, y = torch.randint(0, 13, (5, 6)), torch.randint(0, 13, (5, 6))
+    described = assert_like_loop(
+        model, lambda: F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1))
+    ops = " ".join(described["ops"])  # type: ignore[arg-type]
+    assert "lora_embedding_A" in ops and "lora_embedding_B" in ops
+
+
+# -- outputs shared by the batch through views (T5) --------------------------------------------
+class RelativeBias(nn.Module):
+    """T5-style: an Embedding of (T, T) buckets gives a (T, T, H) bias, shared by the whole
+    batch, permuted and unsqueezed to (1, H, T, T), added to every datum's scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+        self.bias = nn.Embedding(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k = self.qk(x).view(B, T, 2, 8).transpose(1, 2).chunk(2, -1)  # (B, H, T, 4) each
+        pos = torch.arange(T)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3  # (T, T)
+        bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, H, T, T)
+        scores = q @ k.transpose(-1, -2) + bias  # (B, H, T, T)
+        return scores.softmax(-1).mean((1, 2))  # (B, T)
+
+
+def test_an_output_shared_by_the_batch_through_views_is_exact() -> None:
+    torch.manual_seed(0)
+    model = RelativeBias().to(D64)
+    x = torch.randn(4, 5, 8, dtype=D64)
+    assert_like_loop(model, lambda: model(x).pow(2).sum(1))
+
+
+@pytest.mark.slow  # (importing transformers: ~15 s)
+def test_t5_relative_attention_bias_is_exact() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=24, d_model=8, d_kv=4, d_ff=12, num_layers=1, num_decoder_layers=1,
+        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).to(D64)
+    x, y = torch.randint(1, 24, (3, 5)), torch.randint(1, 24, (3, 4))
+
+    def losses() -> torch.Tensor:
+        logits = model(input_ids=x, labels=y).logits  # (B, T, V)
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+    # T5's RMS norm computes its variance in float32 whatever the model's dtype, so the
+    # oracle's per-datum backward and the split batch gradient agree to float32 rounding
+    assert_like_loop(model, losses, rtol=1e-5)
+
+
+# -- the batch is not the first dimension -------------------------------------------------------
+class SequenceBias(nn.Module):
+    """opacus' SequenceBias: a learned token appended to a sequence-first (T, B, D) batch."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.bias.repeat(1, x.shape[1], 1)], 0)  # (T+1, B, D)
+
+
+class SequenceFirst(nn.Module):
+    def __init__(self, by_hand: bool) -> None:
+        super().__init__()
+        self.by_hand = by_hand
+        self.inp = nn.Linear(6, 6)
+        self.seq = SequenceBias(6)
+        self.attn = nn.MultiheadAttention(6, 2, add_bias_kv=True)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, B, d)
+        h = self.inp(x)
+        if self.by_hand:  # the parameter used in the parent: op-level capture, batch at dim 1
+            h = torch.cat([h, self.seq.bias.repeat(1, h.shape[1], 1)], 0)
+        else:  # a module without a rule: the per-module fallback, batch at dim 1
+            h = self.seq(h)
+        h = self.attn(h, h, h, need_weights=False)[0]  # (T+1, B, d)
+        return self.out(torch.tanh(h))  # (T+1, B, 3)
+
+
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_layers_whose_batch_is_not_first_are_exact(by_hand: bool) -> None:
+    torch.manual_seed(0)
+    model = SequenceFirst(by_hand).to(D64)
+    x = torch.randn(7, 5, 6, dtype=D64)  # (T, B, d)
+    assert_like_loop(model, lambda: model(x).pow(2).sum((0, 2)))

@@ -1,0 +1,126 @@
+"""PEFT LoRA adapters on a small Llama (attention, MLP, ``embed_tokens`` with its
+``ParameterDict`` adapters, ``lm_head``), in training mode with LoRA dropout: the default backend
+against the ``loop`` oracle, and the vmap backend at step 0, where every LoRA A gradient is
+exactly zero (B starts at zero) yet the loss depends on A."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlog
+from gradlog.testing.oracle import assert_like_loop
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# peft 0.21 reads transformers' deprecated is_gradient_checkpointing (transformers 5)
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+D64 = torch.float64
+B, T, V = 3, 6, 40
+TARGETS = {"attention": ["q_proj", "v_proj"], "mlp": ["gate_proj", "down_proj"],
+           "embed_tokens": ["embed_tokens"], "lm_head": ["lm_head"]}
+
+
+def _model(targets: list[str], *, trained: bool) -> nn.Module:
+    """A LoRA-wrapped one-layer Llama; ``trained``: LoRA B drawn non-zero (as after some
+    steps), else as PEFT initialises it (B = 0)."""
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config).to(D64)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1)
+        model = peft.get_peft_model(base, lora)
+        if trained:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name or "lora_embedding_B" in name:
+                        p.normal_(0.0, 0.1)
+    return model.train()  # type: ignore[no-any-return]
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 4:] = 0
+    return {"ids": ids, "mask": mask}
+
+
+def _losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sequence's mean next-token loss over its labelled tokens: (B,)."""
+    labels = batch["ids"].masked_fill(batch["mask"] == 0, -100)[:, 1:]  # (B, T-1)
+    keep = labels != -100
+    logits = model(input_ids=batch["ids"], attention_mask=batch["mask"]).logits[:, :-1]
+    per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    return (per_token * keep).sum(1) / keep.sum(1).clamp_min(1)  # (B,)
+
+
+def _forward(model: nn.Module) -> Callable[[], torch.Tensor]:
+    batch = _batch()
+    return lambda: _losses(model, batch)
+
+
+def test_lora_everywhere_records_like_the_loop_oracle() -> None:
+    """Adapters on attention, MLP, embed_tokens and lm_head at once."""
+    model = _model([t for ts in TARGETS.values() for t in ts], trained=True)
+    recorded = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_embedding_A" in n for n in recorded) and len(recorded) == 12
+    assert_like_loop(model, _forward(model), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", list(TARGETS))
+@pytest.mark.parametrize("trained", [False, True], ids=["step0", "trained"])
+def test_lora_on_each_target(where: str, trained: bool) -> None:
+    model = _model(TARGETS[where], trained=trained)
+    assert_like_loop(model, _forward(model), reductions=("mean",), rtol=1e-4, atol=1e-6)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))  # type: ignore[no-any-return]
+
+
+def _mlp_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")  # (B,)
+
+
+def test_vmap_at_step_0_records_zero_gradients_and_leaves_zero_grads(tmp_path: Path) -> None:
+    """LoRA A's per-datum gradients are all exactly zero at step 0 (B = 0); vmap took A as
+    unused, left .grad None (AdamW would then skip its weight decay) and refused it. (A
+    plain-torch base model: Hugging Face's mask building is data-dependent, which vmap
+    refuses.)"""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = _MLP().to(D64)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["up", "down"]))
+    gen = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(4, 5, generator=gen, dtype=D64), "y": torch.tensor([0, 2, 1, 2])}
+    plain = copy.deepcopy(model)
+    _mlp_losses(plain, batch).mean().backward()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", backend="vmap") as rec:
+        rec.step(_mlp_losses, batch)
+    grads: dict[str, Any] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for name, p in plain.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert grads[name] is not None, name
+        torch.testing.assert_close(grads[name], p.grad)
+    run = gradlog.open(tmp_path / "r.gradlog")
+    a = [n for n in run.param_names if "lora_A" in n]
+    assert len(a) == 2 and all(not run.grads(n, step=0).any() for n in a)
+    assert all(run.grads(n, step=0).any() for n in run.param_names if "lora_B" in n)
