@@ -39,6 +39,7 @@ __all__ = [
     "format_bytes",
     "forms_from_specs",
     "keeps_material",
+    "material_tokens",
     "plan",
     "plan_table",
 ]
@@ -101,6 +102,18 @@ def dense_for_fused(
     """``keep`` without the fused weights (``batch_grad="sum"``) whose form encodes dense
     gradients: those are formed in the backward, and their sum is the weight gradient."""
     return keep - {name for name in keep & fused if _form_name(config, name) in DENSE_ENCODED}
+
+
+def material_tokens(materials: Mapping[str, Material], tokens: int | None = None) -> int:
+    """The rows per datum a plan of ``materials`` provisions: the most of any factors or
+    sparse rows, and at least ``tokens`` (0 when every material is dense). Ranks of a
+    distributed run agree on the largest before one of them plans for all."""
+    most = tokens or 0
+    for name, material in materials.items():
+        info = ParamInfo.of(material, name=name)
+        if info.source != "dense":
+            most = max(most, info.tokens or 0)
+    return most
 
 
 def plan(

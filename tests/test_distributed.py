@@ -3,6 +3,7 @@ processes (tests/ddp_worker.py), record what one process records on the same glo
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -14,10 +15,14 @@ import torch
 from torch import nn
 
 import gradlog
+from gradlog.distributed import detect
 from gradlog.store.verify import verify
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
+# the workers import this checkout's gradlog, installed or not
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [str(WORKER.parent.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
 from ddp_worker import micro_batches, model_and_data  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -41,6 +46,7 @@ def _run_ranks(store: Path, steps: int, *extra: str, world: int = 2,
              *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            env=_ENV,
         )
         for r in range(world)
     ]
@@ -118,7 +124,8 @@ def test_two_ranks_record_what_one_process_records(tmp_path: Path, batch_grad: s
     assert report.ok, [c.problems for c in report.checks]
     run = gradlog.open(store)
     assert run.attrs["backend"]["batch_grad"] == batch_grad
-    assert run.attrs["backend"]["distributed"] == {"world_size": 2, "torch_backend": "gloo"}
+    assert run.attrs["backend"]["distributed"] == {"world_size": 2, "torch_backend": "gloo",
+                                                "strategy": "ddp"}
     # each rank's call is one micro-batch of the step: rank r's m-th call is m * 2 + r;
     # step 1 accumulates two calls per rank (the first under DDP.no_sync())
     assert run.steps.column("n_micro").to_pylist() == [2, 4, 2]
@@ -151,25 +158,40 @@ def test_one_rank_process_group_records_like_one_process(tmp_path: Path) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1)
     try:
-        for name, distributed in (("ddp", True), ("plain", False)):
+        # compact forms: one plan through the collectives (world 1 here; two ranks in
+        # tests/test_fsdp.py), the plan one process makes
+        auto = {"form": {"0.weight": "topk", "*": "auto"}, "form_budget": 700}  # mixed
+        for name, distributed, forms in (("ddp", True, {}), ("plain", False, {}),
+                                         ("ddp-auto", True, auto), ("plain-auto", False, auto)):
             model, data = model_and_data(2)
             wrapped = nn.parallel.DistributedDataParallel(model) if distributed else model
             with gradlog.GradRecorder(wrapped, store / name, distributed=distributed,
-                                      check_every=1) as rec:
+                                      check_every=1, **forms) as rec:
                 for x, y, _ in data:
                     rec.backward(nn.functional.cross_entropy(wrapped(x), y, reduction="none"))
-        # compact forms are planned per rank from token counts: refused until shared
-        model, _ = model_and_data(1)
-        with pytest.raises(InputError, match="not supported under torch"):
-            gradlog.GradRecorder(nn.parallel.DistributedDataParallel(model), store / "forms",
-                                 distributed=True, form="norm").open()
+        # FSDP1 flattens parameters: refused by name, with the fix (FSDP1 refuses to be
+        # built on CPU, so an uninitialised instance stands in for one inside a model)
+        class StandIn(torch.distributed.fsdp.FullyShardedDataParallel):
+            __init__ = nn.Module.__init__  # type: ignore[assignment]
+            __getattr__ = nn.Module.__getattr__  # type: ignore[assignment]
+
+        with pytest.raises(InputError, match=r"FSDP1.*fully_shard"):
+            detect(nn.Sequential(nn.Linear(2, 1), StandIn()), None)
     finally:
         dist.destroy_process_group()
     got, want = gradlog.open(store / "ddp"), gradlog.open(store / "plain")
-    assert got.attrs["backend"]["distributed"] == {"world_size": 1, "torch_backend": "gloo"}
+    assert got.attrs["backend"]["distributed"] == {"world_size": 1, "torch_backend": "gloo",
+                                                "strategy": "ddp"}
     assert got.datums.equals(want.datums)  # counter ids, rows, weights, norms
     for name in want.param_names:
         np.testing.assert_array_equal(got.grads(name), want.grads(name))
+    got, want = gradlog.open(store / "ddp-auto"), gradlog.open(store / "plain-auto")
+    assert got.attrs["params"] == want.attrs["params"]  # the same plan
+    assert len(set(want.params.column("form").to_pylist())) > 1  # a mixed plan
+    assert got.datums.equals(want.datums)
+    for name, form in zip(want.param_names, want.params.column("form").to_pylist()):
+        if form not in ("norm", "projection"):
+            np.testing.assert_array_equal(got.grads(name), want.grads(name))
 
 
 def test_distributed_true_needs_a_process_group() -> None:

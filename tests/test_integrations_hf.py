@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +289,94 @@ def test_a_plain_trainer_with_the_callback_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(InputError, match="GradlogTrainer"):
         trainer.train()
+
+
+# -- several processes (torchrun / accelerate launch: DDP) ------------------------------------
+
+HF_WORKER = Path(__file__).with_name("hf_worker.py")
+
+
+def _launch(store: Path, out: Path, *args: str) -> list[int]:
+    """Two processes as ``torchrun --nproc-per-node 2`` starts them (gloo on CPU); their exit
+    codes (logs printed, shown on failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(HF_WORKER.parent.parent)  # this checkout's gradlog, installed or not
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HF_WORKER), str(store), str(out), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        ))
+    codes = []
+    for rank, p in enumerate(procs):
+        try:
+            log, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            log, _ = p.communicate()
+        codes.append(p.returncode)
+        print(f"--- rank {rank} (exit {p.returncode})\n{log.decode(errors='replace')[-3000:]}")
+    return codes
+
+
+def _check_ranks_run(store: Path, out: Path, steps: int) -> None:
+    """Every rank's records equal the oracle's per-datum gradients at the parameters each
+    step began with; the weights are 1/(ranks x accumulated micro-batches x B)."""
+    from hf_worker import N_DATA as N
+    from hf_worker import make_data, make_model
+
+    assert verify(store).ok
+    run = gradlog.open(store)
+    assert run.attrs["backend"]["distributed"]["world_size"] == 2
+    assert run.steps.column("step").to_pylist() == list(range(steps))
+    assert run.steps.column("n_micro").to_pylist() == [4] * steps  # 2 ranks x 2 accumulated
+    for step in range(steps):
+        ids = run.records(step=step).column("datum_id").to_pylist()
+        assert sorted(ids) == list(range(N))  # each rank its own half of the epoch
+    np.testing.assert_allclose(run.datums.column("weight").to_numpy(), 1 / 12, rtol=1e-12)
+    snaps = {}
+    for step in range(steps):
+        with np.load(out / f"params-{step}.npz") as f:
+            snaps[step] = {k.replace("/", "."): torch.from_numpy(f[k]) for k in f.files}
+    assert not torch.equal(snaps[0]["transformer.h.0.attn.c_attn.weight"],
+                           snaps[steps - 1]["transformer.h.0.attn.c_attn.weight"])  # it trained
+    model = make_model()
+    data = make_data()
+    for step in range(steps):
+        model.load_state_dict(snaps[step])
+        ids = run.records(step=step).column("datum_id").to_pylist()
+        expected = naive_per_datum_grads(
+            lambda b, ids=ids: _oracle_loss(model, data[ids[b]]), dict(model.named_parameters()),
+            len(ids),
+        )
+        for name in run.param_names:
+            np.testing.assert_allclose(run.grads(name, step=step, dtype=np.float64),
+                                       expected[name].numpy(), rtol=1e-9, atol=1e-12,
+                                       err_msg=f"{name} at step {step}")
+
+
+@pytest.mark.slow  # ~30 s: two processes importing transformers
+def test_trainer_on_two_processes_records_every_rank(tmp_path: Path) -> None:
+    """DDP through the Trainer (accelerate), gradient accumulation 2: one store, every
+    rank's records, each the oracle's gradient (the self-check runs at every step)."""
+    sys.path.insert(0, str(HF_WORKER.parent))
+    store, out = tmp_path / "run.gradlog", tmp_path / "out"
+    assert _launch(store, out, "2") == [0, 0]
+    _check_ranks_run(store, out, 2)
+
+
+@pytest.mark.slow
+def test_trainer_on_two_processes_resumes(tmp_path: Path) -> None:
+    """Stopped after step 2 (checkpoint-2), resumed from it by a new launch: the store holds
+    every step once."""
+    sys.path.insert(0, str(HF_WORKER.parent))
+    store, out = tmp_path / "run.gradlog", tmp_path / "out"
+    assert _launch(store, out, "4", "2") == [0, 0]
+    assert gradlog.open(store).steps.column("step").to_pylist() == [0, 1]
+    assert _launch(store, out, "4", "-", "resume") == [0, 0]
+    _check_ranks_run(store, out, 4)

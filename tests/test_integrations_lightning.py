@@ -8,7 +8,11 @@ each recorded datum alone at those parameters. Tolerance: float64, rtol 1e-10.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,3 +227,88 @@ def test_a_failing_step_leaves_the_committed_steps(tmp_path: Path) -> None:
     assert run.steps.column("step").to_pylist() == [0, 1]
     assert verify(store).ok
     assert all(not m._forward_hooks for m in module.modules())
+
+
+# -- strategy="ddp": two processes, as torchrun starts them ------------------------------------
+
+PL_WORKER = Path(__file__).with_name("lightning_worker.py")
+
+
+def _launch(store: Path, out: Path, *args: str) -> list[int]:
+    """Two processes with torchelastic's environment (Lightning then launches nothing); their
+    exit codes (logs printed, shown on failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(PL_WORKER.parent.parent)  # this checkout's gradlog, installed or not
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "gradlog-test",
+               "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(PL_WORKER), str(store), str(out), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        ))
+    codes = []
+    for rank, p in enumerate(procs):
+        try:
+            log, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            log, _ = p.communicate()
+        codes.append(p.returncode)
+        print(f"--- rank {rank} (exit {p.returncode})\n{log.decode(errors='replace')[-3000:]}")
+    return codes
+
+
+def _check_ranks_run(store: Path, out: Path, steps: int) -> None:
+    """Both ranks' records in one store, each the oracle's gradient at its step's parameters,
+    weighted 1/(ranks x accumulated micro-batches x B)."""
+    sys.path.insert(0, str(PL_WORKER.parent))
+    from lightning_worker import N_DATA as N
+    from lightning_worker import make_data, make_net
+
+    assert verify(store).ok
+    run = gradlog.open(store)
+    assert run.attrs["backend"]["distributed"] == {"world_size": 2, "torch_backend": "gloo",
+                                                   "strategy": "ddp"}
+    assert run.param_names == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert run.steps.column("step").to_pylist() == list(range(steps))
+    assert run.steps.column("n_micro").to_pylist() == [4] * steps
+    np.testing.assert_allclose(run.datums.column("weight").to_numpy(), 1 / 12, rtol=1e-12)
+    data, net = make_data(), make_net()
+    for step in range(steps):
+        ids = run.records(step=step).column("datum_id").to_pylist()
+        assert sorted(ids) == list(range(N))  # one epoch per step, split between the ranks
+        with np.load(out / f"params-{step}.npz") as f:
+            net.load_state_dict({k.replace("/", ".").removeprefix("net."): torch.from_numpy(f[k])
+                                 for k in f.files})
+
+        def loss(b: int, ids: list[int] = ids) -> torch.Tensor:
+            x, y, _ = data[ids[b]]
+            return F.cross_entropy(net(x[None]), y[None])
+
+        expected = naive_per_datum_grads(loss, {f"net.{k}": v for k, v in net.named_parameters()},
+                                         len(ids))
+        for name in run.param_names:
+            np.testing.assert_allclose(run.grads(name, step=step, dtype=np.float64),
+                                       expected[name].numpy(), rtol=1e-10, atol=1e-14,
+                                       err_msg=f"{name} at step {step}")
+
+
+@pytest.mark.slow  # ~45 s: two processes importing Lightning
+def test_ddp_strategy_on_two_processes_records_every_rank(tmp_path: Path) -> None:
+    store, out = tmp_path / "run.gradlog", tmp_path / "out"
+    assert _launch(store, out, "2") == [0, 0]
+    _check_ranks_run(store, out, 2)
+
+
+@pytest.mark.slow
+def test_ddp_strategy_on_two_processes_resumes(tmp_path: Path) -> None:
+    store, out = tmp_path / "run.gradlog", tmp_path / "out"
+    assert _launch(store, out, "4", "2") == [0, 0]  # stopped after step 2 (checkpointed)
+    assert gradlog.open(store).steps.column("step").to_pylist() == [0, 1]
+    assert _launch(store, out, "4", "-", "resume") == [0, 0]
+    _check_ranks_run(store, out, 4)

@@ -15,8 +15,10 @@ backward of ``losses.mean()`` would give (see :mod:`gradlog.integrations.session
 
 The callback opens the store when training starts (resuming it when the Trainer resumes from
 a checkpoint: steps already in the store are not recorded again) and closes it when training
-ends. Supported: one process (CPU or one GPU), any precision, gradient accumulation,
-``ckpt_path=`` resume. Not yet: multi-process strategies (DDP, FSDP, DeepSpeed).
+ends. Supported: one process (CPU or one GPU) and ``strategy="ddp"`` (every rank records its
+own batches into the one store, as ``GradRecorder`` does under torch.distributed), any
+precision, gradient accumulation, ``ckpt_path=`` resume. Not supported: FSDP (Lightning's
+``FSDPStrategy`` is FSDP1) and DeepSpeed, refused at the start.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ except ImportError:  # pragma: no cover - exercised without the extra
 
 __all__ = ["GradlogCallback", "recorded_loss"]
 
+_STRATEGIES = frozenset({"DDPStrategy"})
+"""Multi-process strategies recorded (every rank into the one store)."""
+
 
 class GradlogCallback(Callback):  # type: ignore[misc, unused-ignore]
     """Records per-datum gradients of a Lightning Trainer's training into a gradlog store.
@@ -56,17 +61,20 @@ class GradlogCallback(Callback):  # type: ignore[misc, unused-ignore]
         self.session = RecordingSession(path, options)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.world_size > 1:
+        strategy = getattr(trainer, "strategy", None)
+        if trainer.world_size > 1 and type(strategy).__name__ not in _STRATEGIES:
             raise InputError(
-                "gradlog's Lightning callback records one process; this Trainer runs "
-                f"{trainer.world_size}. Train on one device, or record with GradRecorder in "
-                "each rank."
+                f"gradlog's Lightning callback records one process or the strategies "
+                f"{sorted(_STRATEGIES)} (strategy='ddp'); this Trainer runs "
+                f"{trainer.world_size} processes with {type(strategy).__name__}. Use "
+                "strategy='ddp', or record with GradRecorder in each rank."
             )
         optimizers = trainer.optimizers
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         self.session.amp_scale = lambda: grad_scaler_scale(scaler)
         self.session.start(
-            pl_module, optimizers[0] if optimizers else None, resuming=trainer.global_step > 0
+            pl_module, optimizers[0] if optimizers else None, resuming=trainer.global_step > 0,
+            wrapped=getattr(strategy, "model", None),  # DDP's wrapper of pl_module
         )
 
     def on_train_batch_end(

@@ -34,7 +34,16 @@ from gradlog.errors import InputError
 from gradlog.losses import per_datum_losses
 from gradlog.recorder import GradRecorder
 
-__all__ = ["RecordingSession"]
+__all__ = ["RecordingSession", "world_size"]
+
+
+def world_size() -> int:
+    """Processes of the torch.distributed run this process is in (1 without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())
 
 
 class _Deferred(torch.autograd.Function):
@@ -88,16 +97,32 @@ class RecordingSession:
     def recording(self) -> bool:
         return self.recorder is not None
 
-    def start(self, model: nn.Module, optimizer: Any, *, resuming: bool) -> None:
+    def start(
+        self, model: nn.Module, optimizer: Any, *, resuming: bool, wrapped: nn.Module | None = None
+    ) -> None:
         """Open the store: a new one, or with ``resuming`` the store of the interrupted run
         (records of steps it already committed are kept and those steps are not recorded
-        again)."""
+        again).
+
+        Args:
+            model: The trainer's model (the user's module, unwrapped).
+            optimizer: The trainer's optimizer (each step's learning rate).
+            resuming: Whether the trainer resumes from a checkpoint.
+            wrapped: The model as the trainer runs it (a ``DistributedDataParallel``, or
+                the FSDP2-sharded model). When several processes train
+                (torch.distributed), every rank records into the one store through it:
+                DDP's gradient sync (off for accumulated micro-batches) is read from it.
+        """
         if self.recorder is not None:
             return
         options = dict(self.options)
         options.setdefault("resume", resuming)
         if options["resume"]:
             self._committed = _last_committed(self.path)
+        if world_size() > 1:  # every rank into the one store (gradlog.distributed)
+            options.setdefault("distributed", True)
+            if options["distributed"] and wrapped is not None:
+                model = wrapped
         self.recorder = GradRecorder(model, self.path, optimizer=optimizer, **options)
         self.recorder.open()
         self.model = model

@@ -20,9 +20,11 @@ each datum's loss, averaged over accumulated micro-batches. The model's own loss
 over all labelled tokens of the accumulated batch; the two are equal when every sequence has
 the same number of labelled tokens, and otherwise weigh tokens of short sequences more.
 
-Supported: one process (CPU or one GPU), fp32 / bf16 / fp16 (the loss scale is honoured),
-gradient accumulation, ``resume_from_checkpoint``. Not yet: DeepSpeed, FSDP and multi-process
-training (records are per process; see gradlog's DDP support).
+Supported: one process (CPU or one GPU) or several (``torchrun`` / ``accelerate launch``:
+DDP; every rank records its own batches into the one store, as ``GradRecorder`` does under
+torch.distributed), fp32 / bf16 / fp16 (the loss scale is honoured), gradient accumulation,
+``resume_from_checkpoint``. Not supported: DeepSpeed, FSDP1 and ``DataParallel`` (several
+devices in one process), each refused with the alternative.
 """
 
 from __future__ import annotations
@@ -122,17 +124,27 @@ class GradlogCallback(TrainerCallback):  # type: ignore[misc, unused-ignore]
         self.session = RecordingSession(path, options)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        processes, devices = getattr(args, "world_size", 1), getattr(args, "n_gpu", 1)
-        if processes > 1 or devices > 1:
+        devices = getattr(args, "n_gpu", 1)
+        if devices > 1:
             raise InputError(
-                f"gradlog's Trainer callback records one process on one device; this Trainer "
-                f"runs {processes} process(es) on {devices} device(s) each. Train on one device "
-                "(CUDA_VISIBLE_DEVICES=0), or record with GradRecorder in each rank."
+                f"gradlog's Trainer callback records one device per process; this Trainer runs "
+                f"{devices} devices in one process (torch.nn.DataParallel). Launch one process "
+                "per device (torchrun / accelerate launch: DDP), or set CUDA_VISIBLE_DEVICES."
+            )
+        if getattr(args, "deepspeed", None):
+            raise InputError(
+                "gradlog does not record DeepSpeed training (it partitions and replaces the "
+                "parameters' gradients): train with DDP or FSDP2 (fsdp_version 2) instead."
             )
         model = kwargs.get("model")
         if model is None:
             raise InputError("gradlog: the Trainer passed no model to on_train_begin.")
-        self.session.start(model, kwargs.get("optimizer"), resuming=state.global_step > 0)
+        self.session.start(model, kwargs.get("optimizer"), resuming=state.global_step > 0,
+                           wrapped=self.wrapped())
+
+    def wrapped(self) -> Any:
+        """The model as the Trainer runs it (DDP): set by :class:`GradlogTrainerMixin`."""
+        return None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.session.check_used(
@@ -161,6 +173,8 @@ class GradlogTrainerMixin:
             if isinstance(callback, GradlogCallback):  # (fp16: accelerate's GradScaler)
                 callback.session.amp_scale = lambda: grad_scaler_scale(
                     getattr(getattr(self, "accelerator", None), "scaler", None))
+                # several processes: DDP's wrapper, set before on_train_begin
+                callback.wrapped = lambda: getattr(self, "model_wrapped", None)  # type: ignore[method-assign]
         failed = True
         try:
             out = super().train(*args, **kwargs)  # type: ignore[misc]

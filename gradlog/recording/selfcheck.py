@@ -3,6 +3,11 @@
 A mismatch means per-datum gradients are silently wrong (a layer that couples datums, an
 in-place change of a parameter, a backend bug), so it is a loud error naming the parameter,
 raised before anything of the batch is written.
+
+Under torch.distributed each rank holds its own records: the weighted sums are summed over
+ranks (one ``all_reduce``) on checked steps only, and an FSDP2 ``p.grad`` (a DTensor shard)
+is gathered whole for the comparison. Inside FSDP2's ``set_requires_gradient_sync(False)``
+``p.grad`` does not change, so the sums are carried to the micro-batch that reduces.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from gradlog.backends import PerDatumGrads
 from gradlog.backends.base import check_tolerance
-from gradlog.distributed import Distributed
+from gradlog.distributed import Distributed, dense
 from gradlog.errors import GradientCheckError
 from gradlog.grads import Factors, Material, batch_size, batch_sum
 
@@ -44,12 +49,20 @@ class SelfCheck:
         self.every = every
         self.rtol = rtol
         self.n_checked = 0
+        # FSDP2 without gradient sync: the weighted sums so far and p.grad before them,
+        # until a micro-batch of the step reduces into p.grad
+        self._carry: list[torch.Tensor] | None = None
+        self._carry_before: Mapping[str, torch.Tensor | None] = {}
 
     def due(self, steps_recorded: int, first_micro: bool) -> bool:
         """Whether the batch about to be recorded is checked: only a step's first
         micro-batch (``p.grad`` then holds only its gradient past the snapshot)."""
         if self.every == 0:
             return False
+        if self._carry is not None:
+            if not first_micro:
+                return True  # the step's micro-batches until one reduces into p.grad
+            self._carry = None  # the step ended without reducing: nothing to compare
         due = self.n_checked == 0 or steps_recorded % self.every == 0
         return due and first_micro
 
@@ -81,9 +94,16 @@ class SelfCheck:
         Raises:
             GradientCheckError: a parameter without ``.grad``, or one whose sum differs.
         """
+        totals = [weighted_sum(grads[name], weight) for name in self.params]
+        if self._carry is not None:  # earlier micro-batches of the step, not yet reduced
+            totals = [a + b for a, b in zip(self._carry, totals)]
+            before = self._carry_before
+            self._carry = None
+        if dist is not None and dist.fsdp is not None and not dist.syncing():
+            self._carry, self._carry_before = totals, before  # p.grad is left as it was
+            return
         self.n_checked += 1
         results = []  # (name, error, own scale, dtype)
-        totals = [weighted_sum(grads[name], weight) for name in self.params]
         if dist is not None:  # this rank holds its own records only
             if dist.syncing():
                 totals = dist.sum_over_ranks(totals)
@@ -96,7 +116,8 @@ class SelfCheck:
                     "does not depend on it. Exclude it with params=..."
                 )
             prior = before[name]
-            delta = p.grad.detach() - (0 if prior is None else prior)
+            # FSDP2: p.grad is this rank's shard (a DTensor); compare whole tensors
+            delta = dense(p.grad.detach()) - (0 if prior is None else dense(prior))
             err = float(torch.linalg.vector_norm((delta - total).double()))
             results.append((name, err, float(torch.linalg.vector_norm(delta.double())), p.dtype))
         # Rounding error follows the size of the intermediate values, not of the result: a
