@@ -1,8 +1,10 @@
 """What the commands that read a run share: their arguments and options, the parsing of step
-and datum selections, opening the run, and choosing the parameters that keep gradients."""
+and datum selections and of storage options, opening the run, and choosing the parameters
+that keep gradients."""
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Annotated, Any
 
@@ -25,6 +27,16 @@ DatumOpt = Annotated[
 ]
 ParamsOpt = Annotated[
     list[str] | None, typer.Option("--param", "-p", help="Parameter (repeat for several).")
+]
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option", metavar="KEY=VALUE",
+        help="fsspec option of a URL store (repeat for several), e.g. "
+        "endpoint_url=http://localhost:9000 for an S3 server that is not AWS; a VALUE that "
+        "parses as JSON is taken as JSON (true, 5, {...}), as fsspec does with its "
+        "FSSPEC_<PROTOCOL>_<KEY> variables.",
+    ),
 ]
 MemoryOpt = Annotated[
     str | None, typer.Option(help="Working-memory cap of the scan, e.g. 512MiB (default 256MiB).")
@@ -50,6 +62,51 @@ def selector(text: str | None, what: str) -> Any:
         raise InputError(
             f"--{what} {text!r} is not a selection: pass {SELECTOR_HELP} (e.g. 3, 0:10, 1,5,9)."
         ) from None
+
+
+def storage_options(values: list[str] | None) -> dict[str, Any]:
+    """``["endpoint_url=http://h:9000", "anon=true"]`` -> ``{"endpoint_url": "http://h:9000",
+    "anon": True}``: each VALUE as JSON where it parses (as fsspec reads its environment
+    variables), else as the string given.
+
+    Raises:
+        InputError: an item is not KEY=VALUE.
+    """
+    options: dict[str, Any] = {}
+    for item in values or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise InputError(
+                f"--storage-option {item!r} is not KEY=VALUE: pass e.g. --storage-option "
+                "endpoint_url=http://localhost:9000 (one option each, repeat the flag)."
+            )
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return options
+
+
+def location(path: str, values: list[str] | None) -> Any:
+    """Where a command's store is: ``path`` itself, or with ``--storage-option`` given, the
+    object-store location they configure (a ``gradlog.store.fs.ObjectPath``).
+
+    Raises:
+        InputError: storage options were given for a local path, or are malformed.
+        GradlogError: the URL cannot be opened with them.
+    """
+    options = storage_options(values)
+    if not options:
+        return path
+    from gradlog.store.fs import is_object, store_path
+
+    where = store_path(path, options)
+    if not is_object(where):
+        raise InputError(
+            f"--storage-option configures a URL store (s3://bucket/run.gradlog, ...), but "
+            f"{path} is a local path: drop the option, or give the store's URL."
+        )
+    return where
 
 
 def records_of(run: Run, step: str | None, datum: str | None) -> tuple[Any, Any]:
@@ -79,10 +136,11 @@ def scan_args(max_memory: str | None, *, bar: bool = True) -> ScanArgs:
     return {"max_memory": max_memory, "progress": bar and sys.stderr.isatty()}
 
 
-def open_run(run_path: str) -> Run:
-    """Open a run and read its step and record tables now, so that a damaged or missing store
-    fails here, before any output (``Run(path)`` is what ``gradlog.open`` returns)."""
-    run = Run(run_path)
+def open_run(run_path: str, storage: list[str] | None = None) -> Run:
+    """Open a run (with the command's ``--storage-option`` values) and read its step and record
+    tables now, so that a damaged or missing store fails here, before any output
+    (``Run(path)`` is what ``gradlog.open`` returns)."""
+    run = Run(location(run_path, storage))
     run.steps, run.datums  # noqa: B018 - read the tables now, so errors surface here
     return run
 

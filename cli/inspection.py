@@ -16,6 +16,8 @@ from gradlog.cli._args import (
     ParamsOpt,
     RunArg,
     StepOpt,
+    StorageOpt,
+    location,
     open_run,
     records_of,
     scan_args,
@@ -38,9 +40,9 @@ _CONFIG_DEFAULTS = (("batch_grad", "autograd"), ("form", "full"))
 """Options ``info`` lists only when set away from these defaults (older stores lack them)."""
 
 
-def info(run_path: RunArg, as_json: JsonOpt = False) -> None:
+def info(run_path: RunArg, as_json: JsonOpt = False, storage: StorageOpt = None) -> None:
     """Summarise a store: format, configuration, parameters, steps, records, bytes."""
-    run = open_run(run_path)
+    run = open_run(run_path, storage)
     step_values = run.steps.column("step").to_pylist()
     summary = {
         "path": str(run.path),
@@ -112,9 +114,10 @@ def ls(
     run_path: RunArg,
     as_json: JsonOpt = False,
     all_steps: Annotated[bool, typer.Option("--all", help="List every step.")] = False,
+    storage: StorageOpt = None,
 ) -> None:
     """List a run's recorded parameters and committed steps."""
-    run = open_run(run_path)
+    run = open_run(run_path, storage)
     steps = run.steps.select(["step", "n_records", "n_micro", "tokens", "lr", "loss_mean"])
     probe_ids = run.probe_ids
     if as_json:
@@ -153,9 +156,10 @@ def show(
     datum: DatumOpt = None,
     max_memory: MemoryOpt = None,
     as_json: JsonOpt = False,
+    storage: StorageOpt = None,
 ) -> None:
     """Statistics of a slice of gradients: shape, norm, mean, std, min, max."""
-    run = open_run(run_path)
+    run = open_run(run_path, storage)
     names = with_gradients(run, params)
     steps, datums = records_of(run, step, datum)
     scan = scan_args(max_memory, bar=False)  # one scan per parameter: no bar for each
@@ -183,9 +187,10 @@ def norms(
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Rows to print (largest norms).")] = 20,
     as_json: JsonOpt = False,
+    storage: StorageOpt = None,
 ) -> None:
     """Exact per-record gradient norms (step, datum_id, row, param, norm)."""
-    run = open_run(run_path)
+    run = open_run(run_path, storage)
     found = run.norms(params or None, *records_of(run, step, datum))
     found = found.sort_by([("row", "ascending"), ("param", "ascending")])
     if out is not None:
@@ -228,14 +233,14 @@ def _write_norms(found: Any, out: Path) -> None:
         pcsv.write_csv(found, out)
 
 
-def verify(run_path: RunArg, as_json: JsonOpt = False) -> None:
+def verify(run_path: RunArg, as_json: JsonOpt = False, storage: StorageOpt = None) -> None:
     """Check a store end to end: commit log, index, arrays, every chunk's checksum, schemas.
 
     Exit code 0 only when every check holds; otherwise 1, with what failed.
     """
     from gradlog.store.verify import verify as verify_store
 
-    report = verify_store(run_path)
+    report = verify_store(location(run_path, storage))
     if as_json:
         echo_json({
             "path": str(report.path),

@@ -23,7 +23,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/example.gradlog")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--backend", default="loop")
+    parser.add_argument(
+        "--backend", default="auto",
+        help="auto (the default: per-datum gradients from the ordinary backward), vmap, or "
+        "loop (one backward per datum: the slow reference)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -48,7 +52,8 @@ def main() -> None:
             print(f"epoch {epoch}: last batch loss {losses.mean():.3f}")
 
     run = gradlog.open(args.out)
-    print(f"recorded {run.steps.num_rows} steps, {run.datums.num_rows} records into {args.out}")
+    print(f"recorded {run.steps.num_rows} steps, {run.datums.num_rows} records into {args.out} "
+          f"(backend {run.attrs['backend']['name']})")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,7 +71,7 @@ def test_train_forms_and_batch_grad(tmp_path: Path) -> None:
     assert "forms and bytes per step" in result.output and "projection" in result.output
     run = gradlog.open(out)
     assert run.attrs["backend"]["batch_grad"] == "sum"
-    assert run.form("blocks.0.mlp.fc.weight").name == "projection"
+    assert run.form("blocks.1.mlp.fc.weight").name == "projection"
     assert run.form("head.weight").name == "full"
     info = runner.invoke(app, ["info", str(out)])
     assert info.exit_code == 0 and "batch_grad=sum" in info.output and "form=" in info.output
@@ -113,16 +116,18 @@ def test_train_bad_params_pattern(tmp_path: Path) -> None:
     assert "matches no parameter" in result.output
 
 
-def test_train_default_path_does_not_clobber(
+def test_train_again_replaces_the_demo_with_a_notice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # README command 1 run twice: one demo store, replaced with a notice, never a second copy
     monkeypatch.chdir(tmp_path)
-    for _ in range(2):
-        assert runner.invoke(app, ["train", *SMALL]).exit_code == 0
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
-        "demo-2.gradlog",
-        "demo.gradlog",
-    ]
+    first = runner.invoke(app, ["train", *SMALL])
+    assert first.exit_code == 0 and "replacing" not in first.output
+    again = runner.invoke(app, ["train", "--steps", "2", "--batch-size", "4", "--seq-len", "16"])
+    assert again.exit_code == 0, again.output
+    assert "runs/demo.gradlog holds an earlier run: replacing it" in again.output
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["demo.gradlog"]
+    assert gradlog.open(tmp_path / "runs" / "demo.gradlog").steps.num_rows == 2  # replaced
 
 
 def test_train_overwrite_replaces_the_default_path(
@@ -259,3 +264,118 @@ def test_an_empty_selection_is_an_error(trained: Path, command: str) -> None:
     assert result.exit_code == 1
     assert "--step 2:1 selects no record" in result.output and "steps 0..2" in result.output
     assert runner.invoke(app, [command, str(trained), "--step", "1:2"]).exit_code == 0
+
+
+def test_train_progress_is_plain_lines_off_a_terminal(tmp_path: Path) -> None:
+    # CliRunner's stdout is no terminal, as a CI log's: progress comes as lines, not a bar
+    result = runner.invoke(app, ["train", "--steps", "16", "--batch-size", "2", "--seq-len",
+                                 "16", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    lines = [line.split() for line in result.output.splitlines()
+             if re.match(r"step \d+/16 ", line)]
+    done = [int(words[1].split("/")[0]) for words in lines]
+    assert {1, 2, 4, 8, 16} <= set(done) and done == sorted(done)  # every 8th of the run
+    assert all(words[2] == "loss" and float(words[3]) > 0 for words in lines)
+
+
+def test_train_progress_is_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from gradlog.cli import record
+
+    screen = io.StringIO()
+    monkeypatch.setattr(record, "console", Console(file=screen, force_terminal=True))
+    with record._Progress(4) as progress:
+        assert progress.bar is not None
+        for step in range(4):
+            progress.advance(step, 1.0)
+    assert "step 1/4" not in screen.getvalue()
+
+
+@pytest.mark.slow
+def test_train_progress_lines_arrive_as_it_goes(tmp_path: Path) -> None:
+    """Through a real pipe: the first progress line is readable while training goes on."""
+    import time
+
+    with subprocess.Popen(
+        [sys.executable, "-m", "gradlog", "train", "--steps", "12", "--batch-size", "2",
+         "--seq-len", "16", "--out", str(tmp_path / "r")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        first = next(line for line in proc.stdout if line.startswith("step "))
+        seen = time.perf_counter()
+        rest = proc.stdout.read()
+    assert proc.returncode == 0 and "step 12/12" in rest and first.startswith("step 1/12")
+    assert time.perf_counter() - seen > 0.1  # not all written at exit
+
+
+def test_storage_options_are_parsed_as_fsspec_parses_its_variables(tmp_path: Path) -> None:
+    from gradlog.cli._args import storage_options
+    from gradlog.errors import InputError
+
+    assert storage_options(["endpoint_url=http://h:9000", "anon=true", "n=5",
+                            'client_kwargs={"region_name": "eu-west-1"}', "k=a=b"]) == {
+        "endpoint_url": "http://h:9000", "anon": True, "n": 5,
+        "client_kwargs": {"region_name": "eu-west-1"}, "k": "a=b"}
+    with pytest.raises(InputError, match="not KEY=VALUE"):
+        storage_options(["endpoint_url"])
+    local = runner.invoke(app, ["info", str(tmp_path), "--storage-option", "anon=true"])
+    assert local.exit_code == 1 and "is a local path" in local.output
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A bucket on a moto S3 server on loopback that only options can reach: fsspec's
+    configuration and the AWS environment are left empty."""
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'gradlog[s3]'")
+    moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
+    import socket
+
+    import boto3
+    import fsspec
+
+    for var in [v for v in os.environ if v.startswith(("AWS_", "FSSPEC_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing"
+                 ).create_bucket(Bucket="cli-tests")
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def test_storage_options_on_every_command(s3_server: str, tmp_path: Path) -> None:
+    from gradlog.store.fs import store_path
+
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    flags = [arg for k, v in options.items() for arg in ("--storage-option", f"{k}={v}")]
+    url = "s3://cli-tests/runs/demo.gradlog"
+    result = runner.invoke(app, ["train", *SMALL, "--out", url, *flags])
+    assert result.exit_code == 0, result.output
+    assert "recording none (--probes 0)" in result.output
+    assert f"gradlog info {url} --storage-option endpoint_url={s3_server}" in result.output
+    # the oracle: the same run recorded into a local directory
+    local = tmp_path / "local.gradlog"
+    assert runner.invoke(app, ["train", *SMALL, "--probes", "0", "--out", str(local)]
+                         ).exit_code == 0
+    remote, want = gradlog.open(store_path(url, options)), gradlog.open(local)
+    assert remote.datums.drop_columns(["loss"]).equals(want.datums.drop_columns(["loss"]))
+    np.testing.assert_allclose(remote.grads("head.weight"), want.grads("head.weight"),
+                               rtol=1e-5, atol=1e-7)
+    for command in (["info"], ["ls"], ["show", "--step", "1"], ["norms"],
+                    ["influence", "--self"], ["export", "--out", str(tmp_path / "e.npz")],
+                    ["plot", "--out", str(tmp_path / "f.png")], ["verify"]):
+        done = runner.invoke(app, [command[0], url, *command[1:], *flags])
+        assert done.exit_code == 0, (command, done.output)
+    assert "intact" in done.output

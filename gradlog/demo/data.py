@@ -11,6 +11,8 @@ from importlib.resources import files
 
 import torch
 
+from gradlog.errors import InputError
+
 __all__ = ["CharCorpus", "load_corpus"]
 
 
@@ -109,7 +111,8 @@ class CharCorpus:
         return x, y
 
     def batches(
-        self, batch_size: int, block_size: int, steps: int, seed: int = 0
+        self, batch_size: int, block_size: int, steps: int, seed: int = 0,
+        windows: int | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield ``steps`` training batches, deterministically given ``seed``.
 
@@ -123,12 +126,21 @@ class CharCorpus:
             block_size: Window length ``T``.
             steps: Number of batches to yield.
             seed: Seed of the shuffling generator.
+            windows: Train on the first ``windows`` windows only (a small data set seen over
+                several epochs); None: every window of the corpus.
 
         Yields:
             ``(x, y, datum_ids)`` with ``x`` and ``y`` of shape ``(B, T)`` (long) and
             ``datum_ids`` of shape ``(B,)`` (long) holding the window indices.
         """
         n = self.dataset(block_size)
+        if windows is not None:
+            if not 1 <= windows <= n:
+                raise InputError(
+                    f"windows must be in [1, {n}] (the corpus has {n} windows of "
+                    f"block_size={block_size}), got {windows!r}."
+                )
+            n = windows
         if batch_size <= 0 or batch_size > n:
             raise ValueError(
                 f"batch_size must be in [1, {n}] (the number of windows for "
@@ -137,7 +149,7 @@ class CharCorpus:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps!r}.")
         gen = torch.Generator().manual_seed(seed)
-        windows = self.data[: n * block_size + 1]  # (n * T + 1,)
+        text = self.data[: n * block_size + 1]  # (n * T + 1,)
         order = torch.randperm(n, generator=gen)  # (n,)
         pos = 0
         for _ in range(steps):
@@ -149,6 +161,6 @@ class CharCorpus:
             pos += batch_size
             starts = ids * block_size  # (B,)
             offsets = torch.arange(block_size)  # (T,)
-            x = windows[starts[:, None] + offsets[None, :]]  # (B, T)
-            y = windows[starts[:, None] + offsets[None, :] + 1]  # (B, T)
+            x = text[starts[:, None] + offsets[None, :]]  # (B, T)
+            y = text[starts[:, None] + offsets[None, :] + 1]  # (B, T)
             yield x, y, ids.clone()
