@@ -108,6 +108,7 @@ def rows_material(B: int, N: int, V: int, D: int, *, seed: int = 0, scale: float
     q=st.integers(1, 6),
     scale=st.sampled_from([1.0, 3.0]),
 )
+@pytest.mark.filterwarnings("ignore:.*the bytes of form .full.:UserWarning")
 def test_factors_reconstruct_exactly(B: int, N: int, p: int, q: int, scale: float) -> None:
     f = padded_factors(B, N, p, q, scale=scale)
     want = loop_dense(Factors(f.g, torch.nan_to_num(f.a), f.mask, scale))
@@ -450,6 +451,7 @@ def test_every_form_round_trips(request_: Any, source: str) -> None:
     "request_", ["full", "factors", {"form": "projection", "dim": 6}, {"form": "topk", "k": 3}]
 )
 @pytest.mark.parametrize("tokens", [1, 30])  # ghost norm cheaper / gradients cheaper
+@pytest.mark.filterwarnings("ignore:.*the bytes of form .full.:UserWarning")
 def test_encode_with_norms_is_encode_plus_exact_norms(request_: Any, tokens: int) -> None:
     f = padded_factors(5, tokens, 4, 3, seed=13, scale=2.0)
     assert grads_inner.prefer_factored(5, tokens, 5, tokens, 4, 3, pairs=5) == (tokens == 1)
@@ -789,3 +791,21 @@ def test_factored_group_dots_pair_each_group_with_its_gradient(
     got = grads_inner.factored_group_dots(f.g, f.a, w, counts)
     assert got.dtype == D64
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
+# -- a factored form larger than full warns when planned (issue 20) ---------------------------
+def test_factors_larger_than_full_warn_at_plan_time() -> None:
+    import warnings
+
+    info = ParamInfo((64, 96), "factors", tokens=512, name="blocks.0.mlp.weight")
+    with pytest.warns(UserWarning, match=r"blocks\.0\.mlp\.weight.*13\.3x the bytes of form "
+                      r"'full'.*form='full'.*'auto'.*projection"):
+        form = make_form("factors", info)
+    assert form.nbytes_per_record(4) == 512 * (64 + 96) * 4  # still what was asked for
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # below the break-even (38 rows), and auto: silent
+        make_form("factors", ParamInfo((64, 96), "factors", tokens=38, name="w"))
+        assert make_form("auto", info).name == "full"
+        make_form("rows", ParamInfo((1000, 8), "rows", tokens=512, name="emb"))
+    with pytest.warns(UserWarning, match=r"form 'rows' at 512 rows per datum"):
+        make_form("rows", ParamInfo((100, 8), "rows", tokens=512, name="emb"))

@@ -457,8 +457,10 @@ def test_xarray_and_dask_read_every_form_as_grads_does(tmp_path: Path, form: Any
             part = run.to_dask(name, step=[0, 2], datum=None).compute()
             np.testing.assert_array_equal(part, run.grads(name, step=[0, 2], dtype=np.float64))
             arr = run.to_xarray(name, step=[1, 2])
-            axis = "proj" if run.form(name).name == "projection" else "dim"
-            assert arr.dims == ("record", *(f"{axis}_{i}" for i in range(want.ndim - 1)))
+            axes = gradlog.analysis.param_axes(run, name)
+            assert arr.dims == ("record", *axes) and len(axes) == want.ndim - 1
+            if run.form(name).name == "projection":
+                assert axes == tuple(f"proj_{i}" for i in range(want.ndim - 1))
             assert arr.attrs["form"] == run.form(name).name
             np.testing.assert_array_equal(arr.values, run.grads(name, step=[1, 2]))
 

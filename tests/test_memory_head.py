@@ -26,7 +26,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlog.errors import InputError
-from gradlog.memory import ChunkInfo, DoubleBackwardError, chunked_linear_loss, current_chunk
+from gradlog.memory import (
+    ChunkInfo,
+    DoubleBackwardError,
+    TensorPeak,
+    chunked_linear_loss,
+    current_chunk,
+)
 from gradlog.testing.llama import LlamaConfig, tiny_llama
 
 B, T, D, V = 2, 20, 8, 11  # N = 40 rows; an odd vocabulary
@@ -825,3 +831,89 @@ def test_peak_memory_at_least_halved() -> None:
         extra[name] = json.loads(done.stdout.strip().splitlines()[-1])["extra"]
     assert extra["chunked 256"] <= 0.5 * extra["naive"], extra
     assert extra["chunked 256 none"] <= 0.5 * extra["naive"], extra
+
+
+# --- peak memory by default, counted tensor by tensor ------------------------------------------
+# TensorPeak counts the bytes of every tensor the step allocates (forward and backward) while
+# it lives; on the meta device the same operators run without data, so the puzzle's sizes
+# (batch 4, length 512, hidden 1024: 2,048 rows) cost no memory and no arithmetic here.
+
+
+def _head_step(
+    device: str, n_rows: int, d: int, vocab: int, method: str, dtype: torch.dtype = torch.float32
+) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """(peak bytes, loss, [grad x, grad weight, grad bias]) of one forward and backward."""
+    torch.manual_seed(0)
+    head = nn.Linear(d, vocab, device=device, dtype=dtype)
+    x = torch.randn(4, n_rows // 4, d, device=device, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, vocab, (4, n_rows // 4), device=device)
+    y[:, :7] = -100
+    wide = torch.promote_types(dtype, torch.float32)  # the loss's upcast: float32 or float64
+
+    def row_ce(x: torch.Tensor, linear: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(linear(x).to(wide), y, reduction="none")
+
+    with TensorPeak() as mem:
+        if method == "naive":
+            loss = F.cross_entropy(head(x).flatten(0, 1).to(wide), y.flatten())
+        elif method == "none":
+            losses = chunked_linear_loss(x, head, y, row_ce, reduction="none")
+            loss = losses.sum() / (y != -100).sum()
+        else:
+            loss = chunked_linear_loss(x, head, y, row_ce)  # the defaults
+        loss.backward()
+    grads = [x.grad, head.weight.grad, head.bias.grad]
+    return mem.peak, loss.detach(), [g for g in grads if g is not None]
+
+
+@pytest.mark.parametrize(("vocab", "at_most"), [(32_000, 0.5), (128_000, 0.2)])
+@pytest.mark.parametrize("method", ["mean", "none"])
+def test_default_peak_at_the_puzzle_size(vocab: int, at_most: float, method: str) -> None:
+    """>= 50% less peak memory than unchunked at 32K by default, >= 80% at 128K."""
+    naive, _, _ = _head_step("meta", 2048, 1024, vocab, "naive")
+    chunked, _, _ = _head_step("meta", 2048, 1024, vocab, method)
+    assert naive >= 2048 * vocab * 4 * 2  # at least two tensors of all rows' logits
+    assert chunked <= at_most * naive, (chunked / 2**20, naive / 2**20)
+
+
+def test_tensor_peak_on_meta_equals_cpu() -> None:
+    """The meta figures above are what the same step allocates on CPU."""
+    for method in ("naive", "mean", "none"):
+        cpu, _, _ = _head_step("cpu", 64, 16, 20_000, method)
+        meta, _, _ = _head_step("meta", 64, 16, 20_000, method)
+        assert cpu == meta > 64 * 16 * 4, method
+
+
+def test_no_weight_sized_gradient_per_chunk() -> None:
+    """The weight gradient is accumulated in place: one weight-sized tensor, not one per chunk."""
+    n_rows, d, vocab = 64, 256, 4000  # weight 4 MB; a chunk's logits 8 x 4000 x 4 = 128 KB
+    head = nn.Linear(d, vocab, bias=False)
+    x = torch.randn(n_rows, d, requires_grad=True)
+    y = torch.randint(0, vocab, (n_rows,))
+    for schedule in (None, False):
+        with TensorPeak() as mem:
+            chunked_linear_loss(x, head, y, ce, chunk_size=8, grad_in_forward=schedule).backward()
+        weight_bytes = vocab * d * 4
+        assert weight_bytes <= mem.peak < 1.5 * weight_bytes, (schedule, mem.peak)
+        head.weight.grad = None
+
+
+@pytest.mark.parametrize("method", ["mean", "none"])
+def test_default_chunking_is_exact_in_float64(method: str) -> None:
+    """Several default chunks (262 rows at V 16K): loss and gradients as unchunked, float64."""
+    _, loss, grads = _head_step("cpu", 600, 8, 16_000, method, torch.float64)
+    _, ref_loss, ref = _head_step("cpu", 600, 8, 16_000, "naive", torch.float64)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-13)
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_default_peak_at_the_puzzle_size_on_cpu() -> None:
+    """The puzzle's test size on CPU, float32: counted peak and the gradients of naive."""
+    naive, ref_loss, ref = _head_step("cpu", 2048, 1024, 32_000, "naive")
+    chunked, loss, grads = _head_step("cpu", 2048, 1024, 32_000, "mean")
+    assert chunked <= 0.5 * naive, (chunked / 2**20, naive / 2**20)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -394,3 +394,98 @@ def test_example_runs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "dense" in done.stdout and "compact" in done.stdout
+
+
+# -- per="child": at each node, only the input with the largest gradient (L1) gets it -------
+class _Graph(nn.Module):
+    """A hand-made graph with nodes of one, two and three differentiable children."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.W1 = nn.Parameter(torch.randn(3, 4, generator=g, dtype=D64))
+        self.b1 = nn.Parameter(torch.randn(4, generator=g, dtype=D64))
+        self.w2 = nn.Parameter(torch.randn(4, generator=g, dtype=D64))
+        self.c = torch.randn(12, generator=g, dtype=D64) * 3  # a constant: no gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x @ self.W1  # Mm: children x (no grad), W1
+        z = a + self.b1  # Add: children Mm, b1 (broadcast over rows)
+        t = torch.tanh(z)  # one child
+        u = t * self.w2  # Mul: children tanh, w2
+        v = torch.cat([u, t, z], dim=-1)  # Cat: three children
+        return (v * self.c).sum()  # Mul with a constant, Sum: one child each
+
+
+def _keep(grads: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """The rule, by hand: the k largest L1 norms keep theirs (first wins a tie), zeros else."""
+    norms = [float(g.abs().sum()) for g in grads]
+    order = sorted(range(len(grads)), key=lambda i: (-norms[i], i))[:k]
+    return [g if i in order else torch.zeros_like(g) for i, g in enumerate(grads)]
+
+
+def _graph_oracle(m: _Graph, x: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Hand-derived backward of ``_Graph`` under the rule, node by node in reverse order."""
+    with torch.no_grad():
+        a = x @ m.W1
+        z = a + m.b1
+        t = torch.tanh(z)
+        g_v = m.c.expand(x.shape[0], 12)  # (5, 12): d sum(v * c) / d v
+        g_u, g_t_cat, g_z_cat = _keep([g_v[:, :4], g_v[:, 4:8], g_v[:, 8:]], k)  # Cat
+        g_t_mul, g_w2 = _keep([g_u * m.w2, (g_u * t).sum(0)], k)  # Mul (input order: t, w2)
+        g_z_tanh = (g_t_cat + g_t_mul) * (1 - t**2)  # tanh sums its two parents first
+        g_a, g_b1 = _keep([g_z_cat + g_z_tanh, (g_z_cat + g_z_tanh).sum(0)], k)  # Add
+        g_W1 = x.t() @ g_a  # Mm: x has no gradient, W1 is its only child
+    return {"W1": g_W1, "b1": g_b1, "w2": g_w2}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2])
+def test_child_rule_equals_hand_derived_backward(seed: int, k: int) -> None:
+    model = _Graph(seed)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(10 + seed), dtype=D64)
+    expected = _graph_oracle(model, x, k)
+    dense = dict(zip(["W1", "b1", "w2"], torch.autograd.grad(model(x), list(model.parameters()))))
+    with sparse_backprop(model, k=k, per="child") as ctx:
+        model(x).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-12, atol=1e-12)
+    assert ctx.calls == 3  # Cat, Mul and Add chose; Mm (x has no gradient) has one child
+    # not vacuous: the rule changed at least one gradient
+    assert any(not torch.allclose(expected[n], dense[n]) for n in expected)
+
+
+def test_child_rule_zeroes_all_but_one_child_of_a_linear() -> None:
+    layer = nn.Linear(6, 3).to(D64)
+    x = torch.randn(4, 6, dtype=D64, requires_grad=True)
+    with sparse_backprop(layer, k=1, per="child"):
+        layer(x).pow(2).sum().backward()
+    grads = [layer.bias.grad, x.grad, layer.weight.grad]  # addmm's inputs: bias, x, weight^T
+    assert grads[0] is not None and grads[1] is not None and grads[2] is not None
+    assert sum(bool(g.abs().sum() > 0) for g in grads) == 1
+
+
+def test_child_rule_keeping_every_child_is_dense() -> None:
+    model = _Graph(0)
+    x = torch.randn(5, 3, dtype=D64)
+    dense = torch.autograd.grad(model(x), list(model.parameters()))
+    with sparse_backprop(model, k=3, per="child"):
+        sparse = torch.autograd.grad(model(x), list(model.parameters()))
+    for d, s in zip(dense, sparse):
+        torch.testing.assert_close(s, d, rtol=0, atol=0)
+
+
+def test_child_rule_is_refused_by_the_recorder(tmp_store: Path) -> None:
+    model = seq_mlp()
+    x, y = seq_batch()
+    with (
+        sparse_backprop(model, k=1, per="child"),
+        gradlog.GradRecorder(model, tmp_store, backend="hooks") as rec,
+        pytest.raises(ConfigError, match=r"per='child'.*cannot record"),
+    ):
+        rec.backward(mlp_losses(model, x, y))
+
+
+def test_child_rule_has_no_compact_mode() -> None:
+    with pytest.raises(ConfigError, match="no compact backward"):
+        sparse_backprop(_Graph(0), k=1, per="child", mode="compact")

@@ -8,8 +8,8 @@ Every scan streams the gradients a block of steps at a time within ``max_memory`
 keywords of :class:`ScanArgs`, taken by every scan as ``**scan``.
 """
 
-from gradlog.analysis.export import export
-from gradlog.analysis.frames import to_dask, to_xarray
+from gradlog.analysis.export import export, parquet_grads
+from gradlog.analysis.frames import param_axes, to_dask, to_xarray
 from gradlog.analysis.gradients import (
     Trajectory,
     form_tensors,
@@ -19,6 +19,7 @@ from gradlog.analysis.gradients import (
     trajectory,
 )
 from gradlog.analysis.influence import influence, record_influence, self_influence
+from gradlog.analysis.matrix import InfluenceMatrix, influence_matrix
 from gradlog.analysis.movement import movers, record_movement
 from gradlog.analysis.plot import plot_norms, record_norms
 from gradlog.analysis.scan import DEFAULT_MAX_MEMORY, ScanArgs, ScanOptions
@@ -27,6 +28,7 @@ from gradlog.analysis.summary import stats
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
+    "InfluenceMatrix",
     "ScanArgs",
     "ScanOptions",
     "Trajectory",
@@ -34,7 +36,10 @@ __all__ = [
     "form_tensors",
     "grads",
     "influence",
+    "influence_matrix",
     "movers",
+    "param_axes",
+    "parquet_grads",
     "plot_norms",
     "probe_grads",
     "project",

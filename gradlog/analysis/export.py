@@ -1,8 +1,11 @@
 """Export records with their gradients to one parquet or npz file, streamed in bounded memory.
 
 - **parquet**: one row per record: ``step, micro, datum_id, row, loss, weight, lr`` and one
-  column ``grad/<param>`` per parameter holding the flattened gradient
-  (``fixed_size_list<float32|float64>``); the schema metadata ``gradlog.shapes`` maps each
+  column ``grads/<param>`` per parameter holding the gradient with its shape: nested
+  fixed-size lists, one level per axis (a ``(4, 6)`` weight is
+  ``fixed_size_list<fixed_size_list<float32, 6>, 4>``; a scalar parameter a plain float
+  column), so the type alone gives the shape; :func:`parquet_grads` reads a column back as
+  an array ``(n_records, *shape)``. The schema metadata ``gradlog.shapes`` also maps each
   parameter to its shape (JSON). Written one row group per block of steps.
 - **npz**: arrays ``step, micro, datum_id, row, loss, weight, lr`` (``lr`` NaN where null) and
   ``grads/<param>`` of shape ``(n_records, *shape)``, as ``numpy.load`` reads them. Each array
@@ -23,15 +26,18 @@ import numpy as np
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
 from gradlog.analysis.selection import params_of
 from gradlog.analysis.space import reader
-from gradlog.errors import InputError
+from gradlog.errors import InputError, SelectionError
 from gradlog.store.reader import Selector, StoreReader
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["FORMATS", "export"]
+__all__ = ["FORMATS", "GRADS", "export", "parquet_grads"]
 
 FORMATS = ("parquet", "npz")
+GRADS = "grads/"
+"""Prefix of a parameter's gradients in every export (``grads/<param>``), as in the store
+(``grads/<param>`` arrays) and the API (``run.grads``)."""
 _INDEX = ("step", "micro", "datum_id", "row", "loss", "weight", "lr")
 
 
@@ -99,7 +105,7 @@ def _parquet(
     readers = {n: reader(run, n) for n in names}
     fields = [records.schema.field(c) for c in _INDEX]
     fields += [
-        pa.field(f"grad/{n}", pa.list_(pa.from_numpy_dtype(r.dtype), r.numel))
+        pa.field(f"{GRADS}{n}", _nested_type(pa.from_numpy_dtype(r.dtype), r.shape))
         for n, r in readers.items()
     ]
     shapes = {n: list(r.shape) for n, r in readers.items()}
@@ -128,7 +134,7 @@ def _parquet(
             for r in readers.values():
                 data = blk.data if r is widest else r.read(rows[blk.positions])
                 flat = pa.array(data.reshape(-1), pa.from_numpy_dtype(r.dtype))
-                columns.append(pa.FixedSizeListArray.from_arrays(flat, r.numel))
+                columns.append(_nested(flat, r.shape))
                 bar.update(data.nbytes)
             out.write_table(pa.Table.from_arrays(columns, schema=schema))
             del columns, data, flat  # before the next block is read
@@ -156,7 +162,7 @@ def _npz(run: StoreReader, path: Path, names: list[str], records: Any, opts: Sca
             with zf.open(f"{column}.npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
         for name, r in readers.items():
-            with zf.open(f"grads/{name}.npy", "w", force_zip64=True) as f:
+            with zf.open(f"{GRADS}{name}.npy", "w", force_zip64=True) as f:
                 header = {
                     "descr": np.lib.format.dtype_to_descr(r.dtype),
                     "fortran_order": False,
@@ -166,3 +172,49 @@ def _npz(run: StoreReader, path: Path, names: list[str], records: Any, opts: Sca
                 for blk in blocks(r, rows, budget=budget, keys=keys, what=name):
                     f.write(np.ascontiguousarray(blk.data).reshape(-1).view(np.uint8).data)
                     bar.update(blk.data.nbytes)
+
+
+def _nested_type(value: Any, shape: Sequence[int]) -> Any:
+    """``fixed_size_list`` nested once per axis of ``shape``, innermost last."""
+    import pyarrow as pa
+
+    for size in reversed(shape):
+        value = pa.list_(value, int(size))
+    return value
+
+
+def _nested(flat: Any, shape: Sequence[int]) -> Any:
+    """The flat values of ``n`` records as ``n`` nested fixed-size lists of ``shape``."""
+    import pyarrow as pa
+
+    for size in reversed(shape):
+        flat = pa.FixedSizeListArray.from_arrays(flat, int(size))
+    return flat
+
+
+def parquet_grads(table: Any, param: str) -> np.ndarray:
+    """A parameter's gradients from a parquet export: ``(n_records, *shape)``, no copy.
+
+    Args:
+        table: The export read by ``pyarrow.parquet.read_table`` (or a slice of it).
+        param: The parameter name (its column is ``grads/<param>``).
+
+    Returns:
+        The gradients, rows following the table's rows.
+
+    Raises:
+        SelectionError: the table has no column ``grads/<param>``.
+    """
+    name = GRADS + param
+    if name not in table.column_names:
+        have = [c[len(GRADS):] for c in table.column_names if c.startswith(GRADS)]
+        raise SelectionError(
+            f"the export has no gradients of {param!r} (no column {name!r}); it holds {have}."
+        )
+    column = table.column(name).combine_chunks()
+    shape: list[int] = []
+    values = column
+    while hasattr(values.type, "list_size"):  # one fixed-size list level per axis
+        shape.append(int(values.type.list_size))
+        values = values.flatten()
+    return np.asarray(values.to_numpy(zero_copy_only=False)).reshape(len(column), *shape)

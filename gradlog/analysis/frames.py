@@ -5,21 +5,25 @@ Both are optional dependencies: ``pip install 'gradlog[xarray]'`` / ``'gradlog[d
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
 
 from gradlog.analysis.extras import require_extra
-from gradlog.analysis.gradients import decoded, record_shape
+from gradlog.analysis.gradients import decoded, guard_unselected, record_shape
 from gradlog.analysis.tasks import StoreRef, read_rows
 from gradlog.errors import MissingExtraError
 from gradlog.store.reader import Selector, StoreReader
 
-__all__ = ["MissingExtraError", "to_dask", "to_xarray"]
+__all__ = ["AXES", "MissingExtraError", "param_axes", "to_dask", "to_xarray"]
 
 
 def to_dask(run: StoreReader, param: str, step: Selector = None, datum: Selector = None) -> Any:
     """``param``'s gradients of the selected records as a lazy dask array ``(n, *shape)``.
+
+    Nothing is read here, whatever the size: select, reduce or persist it as dask allows
+    (``to_xarray`` gives the same data with named dimensions and record coordinates).
 
     Chunks follow the store's chunk (or shard) files on the record axis (one backward call's
     rows); nothing is read until computed, and every read is checksum-verified and decoded
@@ -62,33 +66,100 @@ def to_dask(run: StoreReader, param: str, step: Selector = None, datum: Selector
     )
 
 
+# Axis names of a parameter by the class of the module holding it and its attribute name
+# (torch's own meaning of each axis); a parameter not listed keeps dim_0, dim_1, ...
+AXES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("Linear", "weight"): ("out", "in"),
+    ("Linear", "bias"): ("out",),
+    ("NonDynamicallyQuantizableLinear", "weight"): ("out", "in"),
+    ("NonDynamicallyQuantizableLinear", "bias"): ("out",),
+    ("Conv1D", "weight"): ("in", "out"),  # GPT-2 (transformers): x @ weight
+    ("Conv1D", "bias"): ("out",),
+    ("Conv1d", "weight"): ("out", "in", "kernel"),
+    ("Conv2d", "weight"): ("out", "in", "kernel_h", "kernel_w"),
+    ("Conv3d", "weight"): ("out", "in", "kernel_d", "kernel_h", "kernel_w"),
+    ("Conv1d", "bias"): ("out",),
+    ("Conv2d", "bias"): ("out",),
+    ("Conv3d", "bias"): ("out",),
+    ("Embedding", "weight"): ("token", "feature"),
+    ("EmbeddingBag", "weight"): ("token", "feature"),
+    ("LayerNorm", "weight"): ("feature",),
+    ("LayerNorm", "bias"): ("feature",),
+    ("RMSNorm", "weight"): ("feature",),
+    ("GroupNorm", "weight"): ("channel",),
+    ("GroupNorm", "bias"): ("channel",),
+}
+"""``(module class, attribute) -> axis names`` used by :func:`param_axes`."""
+
+
+def param_axes(run: StoreReader, param: str) -> tuple[str, ...]:
+    """Names of the axes of ``param``'s gradients as :func:`to_xarray` labels them.
+
+    The parameter's own axes where the run says which module holds it (the ``hooks`` backend
+    records each module's class): ``("out", "in")`` for an ``nn.Linear`` weight, ``("out",)``
+    for its bias, ``("token", "feature")`` for an embedding, ... (:data:`AXES`); otherwise
+    ``dim_0, dim_1, ...``; ``proj_0, ...`` for the projected vectors of a ``projection``.
+    """
+    spec = run.spec(param)
+    if spec["form"] == "projection":
+        return tuple(f"proj_{i}" for i in range(len(run.form(param).out_shape)))
+    ndim = len(spec["shape"])
+    for module in run.attrs.get("backend", {}).get("modules", []):
+        if param in module.get("params", ()):
+            prefix = f"{module['module']}." if module["module"] else ""
+            attr = param[len(prefix):] if param.startswith(prefix) else param
+            names = AXES.get((module.get("class", ""), attr))
+            if names is not None and len(names) == ndim:
+                return names
+    return tuple(f"dim_{i}" for i in range(ndim))
+
+
 def to_xarray(
     run: StoreReader,
     param: str,
     step: Selector = None,
     datum: Selector = None,
     *,
-    lazy: bool = False,
+    lazy: bool | None = None,
+    max_memory: int | str | None = None,
 ) -> Any:
-    """``param``'s gradients as an ``xarray.DataArray`` with dimension ``record`` first.
+    """``param``'s gradients as an ``xarray.DataArray``: dimension ``record`` first, then the
+    parameter's own axes.
 
-    Coordinates along ``record``: ``step``, ``datum_id``, ``row``, ``loss``, ``weight``,
-    ``lr`` (NaN where unknown). The other dimensions are ``dim_0 ...`` as in the store, or
-    ``proj_0 ...`` for a parameter recorded as a random projection (the projected vectors,
-    as ``Run.grads`` returns them); attribute ``form`` names the form. With ``lazy=True``
-    the data is a dask array (:func:`to_dask`), otherwise numpy.
+    Dimensions: ``record``, then :func:`param_axes` (``out``, ``in`` for an ``nn.Linear``
+    weight; ``dim_0 ...`` where the run does not say; ``proj_0 ...`` for a parameter recorded
+    as a random projection: the projected vectors, as ``Run.grads`` returns them).
+    Coordinates along ``record``: ``step``, ``micro``, ``datum_id``, ``row``, ``loss``,
+    ``weight``, ``lr`` (NaN where unknown) and ``norm`` (the record's exact norm of
+    ``param``). Attributes: ``run``, ``param``, ``form``.
+
+    Args:
+        run: The run.
+        param: The parameter.
+        step: Step selection, as ``Run.records``.
+        datum: Datum selection, as ``Run.records``.
+        lazy: True: the data is a dask array (:func:`to_dask`), read when computed. False:
+            numpy, read now (a read of every record is refused above ``max_memory``, as
+            ``Run.grads``). None (default): lazy when dask is installed.
+        max_memory: For a read now of every record (``lazy`` False or without dask): the
+            most bytes it may load (default 256 MiB).
     """
     xr = require_extra("xarray", "xarray", "Run.to_xarray")
     records = run.records(step, datum)
+    if lazy is None:
+        lazy = importlib.util.find_spec("dask") is not None
     if lazy:
         data = to_dask(run, param, step, datum)
+        if data.dtype != np.float32:  # float32, as run.grads and the eager read
+            data = data.astype(np.float32)
     else:
         run.spec(param)
-        data = decoded(run, param, np.asarray(records.column("row"), dtype=np.int64), np.float32)
-    form = run.form_name(param)
-    axis = "proj" if form == "projection" else "dim"  # projected vectors: their own axes
-    dims = ["record", *(f"{axis}_{i}" for i in range(data.ndim - 1))]
-    coords = {
+        rows = np.asarray(records.column("row"), dtype=np.int64)
+        if step is None and datum is None:
+            guard_unselected(run, param, rows, np.float32, max_memory, "to_xarray")
+        data = decoded(run, param, rows, np.float32)
+    dims = ["record", *param_axes(run, param)]
+    coords: dict[str, Any] = {
         name: (
             "record",
             np.asarray(
@@ -96,9 +167,13 @@ def to_xarray(
                 dtype=np.float64 if name == "lr" else None,
             ),
         )
-        for name in ("step", "datum_id", "row", "loss", "weight", "lr")
+        for name in ("step", "micro", "datum_id", "row", "loss", "weight", "lr")
+        if name in records.column_names
     }
+    norm = f"norm/{param}"
+    if norm in records.column_names:
+        coords["norm"] = ("record", np.asarray(records.column(norm).to_numpy(), np.float64))
     return xr.DataArray(
         data, dims=dims, coords=coords, name=param,
-        attrs={"run": str(run.path), "param": param, "form": form},
+        attrs={"run": str(run.path), "param": param, "form": run.form_name(param)},
     )

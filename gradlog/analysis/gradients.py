@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gradlog.errors import SelectionError
+from gradlog.analysis.scan import memory_bytes
+from gradlog.errors import ReadTooLargeError, SelectionError
 from gradlog.store.reader import Selector, StoreReader, one_int
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "form_notice",
     "form_tensors",
     "grads",
+    "guard_unselected",
     "probe_grads",
     "project",
     "record_shape",
@@ -53,12 +55,16 @@ def grads(
     *,
     as_torch: bool = False,
     dtype: Any = np.float32,
+    max_memory: int | str | None = None,
 ) -> Any:
     """Per-datum gradients of ``param`` for the selected records.
 
     Returns an array ``(n_records, *shape)`` whose rows follow ``run.records`` with the
     same selection (in row order: by step, then by position in the batch); torch with
-    ``as_torch``.
+    ``as_torch``. Without ``step`` and ``datum`` (every record) the read is refused when it
+    would exceed ``max_memory`` (default 256 MiB, or a string such as ``"2GiB"``), with
+    :class:`~gradlog.errors.ReadTooLargeError` naming a selection that fits; a selection
+    you pass is read whatever its size.
 
     Parameters recorded with another form than ``full`` (``run.params["form"]``):
     ``factors``, ``rows`` and ``topk`` are rebuilt (``topk``: its kept entries, zeros
@@ -67,7 +73,67 @@ def grads(
     gradient and raises :class:`~gradlog.errors.SelectionError` pointing to ``run.norms``.
     """
     run.spec(param)
-    return _out(decoded(run, param, run.rows(step, datum), dtype), as_torch)
+    rows = run.rows(step, datum)
+    if step is None and datum is None:
+        guard_unselected(run, param, rows, dtype, max_memory, "grads")
+    return _out(decoded(run, param, rows, dtype), as_torch)
+
+
+def guard_unselected(
+    run: StoreReader,
+    param: str,
+    rows: np.ndarray,
+    dtype: Any,
+    max_memory: int | str | None,
+    method: str,
+    *,
+    probes: bool = False,
+) -> None:
+    """Refuse a read of every record (no selection) that would load more than ``max_memory``.
+
+    A selection the caller wrote is a decision; ``run.grads(param)`` alone is often a slip
+    (in a notebook, the whole run loaded at once), so above the budget it is an error that
+    names a selection of the right size, the lazy views, and the option to load it anyway.
+
+    Raises:
+        ReadTooLargeError: the read exceeds ``max_memory`` (default 256 MiB).
+    """
+    budget = memory_bytes(max_memory)
+    spec = run.spec(param)
+    shape = run.form(param).out_shape if spec["form"] == "projection" else spec["shape"]
+    per_record = int(np.prod([int(d) for d in shape])) * np.dtype(dtype).itemsize
+    need = int(rows.size) * per_record
+    if need <= budget:
+        return
+    steps = run.steps
+    if probes:
+        pick = f"run.probe_grads({param!r}, probe=..., step=...)"
+    elif steps.num_rows:
+        first = int(steps.column("step")[0].as_py())
+        per_step = int(steps.column("n_records")[0].as_py())
+        fit = max(1, budget // max(per_record * max(per_step, 1), 1))
+        last = int(steps.column("step")[min(fit, steps.num_rows) - 1].as_py())
+        pick = (
+            f"run.grads({param!r}, step={first}) (that step's {per_step} records), "
+            f"step=slice({first}, {last + 1}) or datum=[...]"
+        )
+    else:
+        pick = f"run.grads({param!r}, step=..., datum=...)"
+    raise ReadTooLargeError(
+        f"run.{method}({param!r}) without a step or datum selection would load every record: "
+        f"{rows.size} x {tuple(int(d) for d in shape)} = {_size(need)}, over "
+        f"max_memory={_size(budget)}. Select records, e.g. {pick}; or read lazily "
+        f"with run.to_dask({param!r}) / run.to_xarray({param!r}); or stream a reduction "
+        f"(run.stats, run.similarity, run.influence); or pass max_memory="
+        f"'{-(-need // 2**20)}MiB' to load it all."
+    )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def decoded(run: StoreReader, param: str, rows: np.ndarray, dtype: Any) -> np.ndarray:
@@ -161,11 +227,15 @@ def probe_grads(
     *,
     as_torch: bool = False,
     dtype: Any = np.float32,
+    max_memory: int | str | None = None,
 ) -> Any:
     """Recorded probe gradients of ``param``: ``(n, *shape)``, rows following
-    ``run.probe_records`` with the same selection."""
+    ``run.probe_records`` with the same selection (every probe at every step: refused above
+    ``max_memory``, as :func:`grads`)."""
     run.spec(param)
     rows = np.asarray(run.probe_records(probe, step).column("row"), dtype=np.int64)
+    if probe is None and step is None:
+        guard_unselected(run, param, rows, dtype, max_memory, "probe_grads", probes=True)
     return _out(run.read_probe_rows(param, rows, dtype), as_torch)
 
 

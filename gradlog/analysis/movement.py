@@ -11,7 +11,8 @@ change::
     score(d) = sum over records r of d:  < c_r , delta > / ||delta||
 
 so the scores of all data sum to ``||delta||`` (in the parameter's units): a positive score
-moved the parameter along its change, a negative one pushed against it, and
+moved the parameter along its change (a *proponent* of it, the word ``Run.influence`` uses), a
+negative one pushed against it (an *opponent*), and
 ``fraction = score / ||delta||`` is the datum's share. With several parameters, ``delta`` is
 their concatenation.
 
@@ -99,8 +100,9 @@ def movers(
             parameter that keeps gradients (those recorded with form ``norm`` keep only
             norms and are skipped; naming one is a ``SelectionError``).
         steps: Step selection (int, list, range, slice); None: every recorded step.
-        top: The ``top`` data that moved the parameter most along its change ("along") and
-            the ``top`` that pushed most against it ("against"); None: every datum.
+        top: The ``top`` data that moved the parameter most along its change (kind
+            "proponent", as in ``Run.influence``) and the ``top`` that pushed most against
+            it ("opponent"); None: every datum.
         lr: Use this learning rate for every step instead of the recorded one.
         **scan: ``max_memory``, ``progress``, ``scheduler``
             (:class:`~gradlog.analysis.scan.ScanArgs`).
@@ -120,7 +122,7 @@ def movers(
         sums,
         n_steps,
         top=top,
-        kinds=("along", "against", "neutral"),
+        kinds=("proponent", "opponent", "neutral"),  # one vocabulary with influence
         extra={"fraction": fraction},
         metadata={"change_norm": repr(norm)},
     )

@@ -32,7 +32,7 @@ import torch
 
 from gradlog.errors import ConfigError, StoreFormatError
 from gradlog.forms.base import ArraySpec, Encoded, Form, ParamInfo, check_options
-from gradlog.forms.factors import FactorsForm, RowsForm
+from gradlog.forms.factors import FactorsForm, RowsForm, warn_if_larger_than_full
 from gradlog.forms.full import FullForm
 from gradlog.forms.norm import NormForm
 from gradlog.forms.projection import ProjectionForm
@@ -165,7 +165,9 @@ def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
         ConfigError: unknown form name (the message lists them) or option.
     """
     name, opts = _split(request)
-    return _form_class(name).plan(info, **{**opts, **options})
+    form = _form_class(name).plan(info, **{**opts, **options})
+    warn_if_larger_than_full(form, info)  # asked for by name: say when full is smaller
+    return form
 
 
 def form_from_spec(spec: Mapping[str, Any]) -> Form:

@@ -30,6 +30,8 @@ Either request plans the exact factored form of what the parameter's rule hands 
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -49,7 +51,7 @@ from gradlog.grads import (
 )
 from gradlog.grads.inner import factored_inner_dense
 
-__all__ = ["FactorsForm", "RowsForm"]
+__all__ = ["FactorsForm", "RowsForm", "warn_if_larger_than_full"]
 
 
 class _Provisioned(Form):
@@ -256,3 +258,37 @@ class RowsForm(_Provisioned):
             picked = w[:, index.clamp(min=0)]  # (K, m, N, D)
             out[i : i + index.shape[0]] = torch.einsum("kmnd,mnd->mk", picked, vals)  # (m, K)
         return out
+
+
+WASTE_RATIO = 1.5
+"""A requested ``factors``/``rows`` form storing more than this times ``full``'s bytes warns."""
+
+
+def warn_if_larger_than_full(form: Form, info: ParamInfo) -> None:
+    """Warn when an explicitly requested ``factors``/``rows`` form stores clearly more bytes
+    per record than ``full`` would (over :data:`WASTE_RATIO` times: many rows per datum;
+    factors pay off only below ``p q / (p + q)`` rows; ``auto`` never picks such a form)."""
+    if not isinstance(form, _Provisioned):
+        return
+    own = form.nbytes_per_record(info.itemsize)
+    full = math.prod(form.shape) * info.itemsize
+    if own <= WASTE_RATIO * full:
+        return
+    who = f"parameter {info.name!r}" if info.name else f"a parameter of shape {form.shape}"
+    if isinstance(form, FactorsForm):
+        p, q = form.shape
+        what = (
+            f"{form.tokens} x ({p} + {q}) values per record (factors pay off below "
+            f"{p * q // (p + q)} rows per datum)"
+        )
+    else:
+        what = f"{form.tokens} rows of {form.shape[1:]} with their indices per record"
+    warnings.warn(
+        f"{who}: form {form.name!r} at {form.tokens} rows per datum stores {what}: "
+        f"{own / full:.1f}x the bytes of form 'full' ({full} per record). Use form='full' for "
+        "it (exact, smaller here), 'auto' (the smallest exact form of each parameter, within "
+        "form_budget), or {'form': 'projection', 'dim': k} for compact estimates (README, "
+        "section 'How faithful is a projection').",
+        UserWarning,
+        stacklevel=3,  # make_form's caller
+    )

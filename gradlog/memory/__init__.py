@@ -43,6 +43,7 @@ Example::
 from gradlog.errors import DoubleBackwardError
 from gradlog.memory.chunk import ChunkInfo, current_chunk
 from gradlog.memory.head import RowLossFn, chunked_linear_loss
+from gradlog.memory.peak import TensorPeak
 from gradlog.memory.rows import DEFAULT_MEMORY_BUDGET_BYTES
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "ChunkInfo",
     "DoubleBackwardError",
     "RowLossFn",
+    "TensorPeak",
     "chunked_linear_loss",
     "current_chunk",
 ]

@@ -16,6 +16,7 @@ from torch.autograd.function import FunctionCtx
 
 from gradlog._torch_private import backward_keeps_graph
 from gradlog.errors import DoubleBackwardError, InputError
+from gradlog.memory.accumulate import accumulating_head
 from gradlog.memory.chunk import ChunkInfo, running_chunk
 from gradlog.memory.rows import bounds, chunk_sizes, flatten_labels, take_rows, valid_rows
 
@@ -113,8 +114,9 @@ def chunked_linear_loss(
             label equals it are invalid: loss 0, no gradient, not counted by ``"mean"``.
             ``None``, or any other kind of labels, counts every row.
         memory_budget_bytes: With ``chunk_size=None``: bytes of float32 logits one chunk may
-            hold, ``rows = budget // (V * 4)`` (default 256 MiB: 2048 rows at V = 32K). ``fn``'s
-            own peak is a small multiple of it (logits, their upcast, softmax, its gradient).
+            hold, ``rows = budget // (V * 4)`` (default 16 MiB: 131 rows at V = 32K, 32 at
+            128K; see :data:`~gradlog.memory.DEFAULT_MEMORY_BUDGET_BYTES`). ``fn``'s own peak
+            is a small multiple of it (logits, their upcast, softmax, its gradient).
         preserve_rng_state: Save the random-number state (CPU, and the device of ``x``) before
             each chunk's forward and restore it for the backward re-run, as
             ``torch.utils.checkpoint`` does, so dropout inside ``fn`` draws the same masks; the
@@ -305,7 +307,8 @@ class _GradInForward(torch.autograd.Function):
             # First backward: give the gradients away (AccumulateGrad can adopt them without
             # a copy), scaled in place unless the upstream gradient is 1 (plain backward()).
             ctx.grads = None
-            if not bool((grad_loss == 1).all()):
+            # (meta tensors hold no value to compare: scale, a no-op there)
+            if grad_loss.device.type == "meta" or not bool((grad_loss == 1).all()):
                 for g in grads:
                     if g is not None:
                         g.mul_(grad_loss.to(g.dtype))
@@ -375,7 +378,14 @@ def _chunk_grads(
             elif plan.preserve_rng_state:  # forward: record, for a later replay
                 plan.rng_states.append(_get_rng_state(x.device, rng_device))
             x_chunk = x[start:stop].detach().requires_grad_(need_x)  # (rows, d)
-            rows = torch.func.functional_call(call, params, (x_chunk, start, stop))  # (rows,)
+            redirect = (
+                accumulating_head(w, b, grad_w, grad_b)
+                if grad_w is not None
+                else contextlib.nullcontext()
+            )
+            with redirect:
+                # (F.linear on w: its backward adds into grad_w/grad_b, no per-chunk copy)
+                rows = torch.func.functional_call(call, params, (x_chunk, start, stop))  # (rows,)
             if keep_rows:
                 if rows_out is None:
                     rows_out = rows.new_empty((x.shape[0],))  # (N,)
@@ -393,6 +403,7 @@ def _chunk_grads(
                     allow_unused=True,
                 )
             it = iter(grads)
+            g: torch.Tensor | None = None
             if grad_x is not None:
                 g = next(it)  # (rows, d)
                 if g is None:
@@ -403,6 +414,8 @@ def _chunk_grads(
                 grad_w += g  # (V, d)
             if grad_b is not None and (g := next(it)) is not None:
                 grad_b += g  # (V,)
+            # Release this chunk's gradients and graph before the next chunk allocates its own.
+            del grads, it, g, rows, redirect
     return (
         grad_x,
         None if grad_w is None else grad_w.to(weight.dtype),

@@ -19,8 +19,16 @@ __all__ = [
     "valid_rows",
 ]
 
-DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
-"""Float32 logits of one chunk, when neither ``chunk_size`` nor a budget is given."""
+DEFAULT_MEMORY_BUDGET_BYTES = 16 * 2**20
+"""Float32 logits of one chunk when neither ``chunk_size`` nor a budget is given: 131 rows at
+a vocabulary of 32K, 32 at 128K. A chunk's transients (its logits, their log-softmax and its
+gradient: about three logits' worth, 48 MiB) then stay well under the head's weight gradient
+once the weight is large (hidden 1024, vocabulary 32K: 125 MiB in float32), so the head's peak
+is about that gradient plus ~50 MiB, where the unchunked head holds two to three times all
+rows' logits (batch 4 x 512 tokens at 32K: 750 MiB; measured in bench_memory.py). Larger
+chunks are faster on CPU (each chunk reads and accumulates a weight-sized gradient: about
+x1.2 the unchunked time at 128 rows, x1.05 at 256, x2.4 at 32, measured at V 32K, d 1024):
+``chunk_size=256`` trades memory for speed."""
 
 _LOGIT_BYTES = 4  # the budget counts float32 logits: the dtype losses are usually upcast to
 
@@ -87,6 +95,7 @@ def chunk_sizes(
     n_rows: int,
     vocab: int,
 ) -> list[int]:
+    """Rows of each chunk, from ``chunk_size`` or a budget of float32 logits per chunk."""
     if chunk_size is not None and memory_budget_bytes is not None:
         raise InputError(
             f"pass chunk_size or memory_budget_bytes, not both (got chunk_size={chunk_size!r}, "

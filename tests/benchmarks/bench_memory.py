@@ -74,6 +74,7 @@ Usage (on a shared or small machine, keep OpenMP threads from spinning between o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -126,7 +127,11 @@ def head_step(
     """One training step of method ``name``: zero grads, forward, backward; returns the loss."""
     from gradlog.memory import chunked_linear_loss
 
-    autocast = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    autocast: Any = (
+        torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        if x.device.type != "meta"  # (no autocast there; the meta device has no data anyway)
+        else contextlib.nullcontext()
+    )
 
     def zero() -> None:
         x.grad = None
@@ -137,14 +142,14 @@ def head_step(
         def naive() -> torch.Tensor:
             zero()
             with autocast:
-                logits = linear(x).float()  # (B, T, V)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                # (no name for the logits: a live reference would keep them through backward)
+                loss = F.cross_entropy(linear(x).float().flatten(0, 1), y.flatten())  # (B T, V)
             loss.backward()
             return loss.detach()
 
         return naive
     parts = name.split()
-    chunk = int(parts[1])
+    chunk = None if parts[1] == "default" else int(parts[1])  # default: the budget's rows
     mode = parts[2] if len(parts) > 2 else ""
 
     def chunked() -> torch.Tensor:
@@ -179,6 +184,14 @@ def head_memory_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     head_step(
         name.replace(name.split()[1], "4") if name != "naive" else name, tiny, *head_inputs(tiny)
     )()
+    if args.counted:  # count live tensor bytes instead of RSS (any device, meta included)
+        from gradlog.memory import TensorPeak
+
+        x, linear, y = head_inputs(args)
+        step = head_step(name, args, x, linear, y)
+        with TensorPeak() as counted:
+            step()
+        return {"extra": counted.peak}
     x, linear, y = head_inputs(args)
     step = head_step(name, args, x, linear, y)
     device = x.device
@@ -270,6 +283,45 @@ def section_head(args: argparse.Namespace) -> None:
             f"{match[n]:.1e} |",
             flush=True,
         )
+
+
+PUZZLE_METHODS = ["naive", "chunked default", "chunked default none"]
+
+
+def section_puzzle(args: argparse.Namespace) -> None:
+    """The chunked head with its defaults at the memory puzzle's test size (issue 20).
+
+    Batch 4, length 512, hidden 1024 (2,048 rows), float32, vocabularies ``--puzzle-vocabs``;
+    each method in a fresh process. ``counted``: the peak bytes of the tensors the step
+    allocates (:class:`gradlog.memory.TensorPeak`), on CPU and on the meta device (the same
+    operators without data: equal to CPU where both ran; the only way to show the largest
+    vocabularies on a small machine). ``RSS``: the process's peak resident memory with
+    tensors >= 1 MiB mapped on their own (``MALLOC_MMAP_THRESHOLD_``), CPU only.
+    """
+    for vocab in args.puzzle_vocabs:
+        sizes = ["--B", "4", "--T", "512", "--d", "1024", "--V", str(vocab)]
+        cpu = vocab <= args.puzzle_cpu_vocab
+        print(
+            f"\n## puzzle: B 4, T 512, d 1024, V {vocab}, float32, chunked_linear_loss defaults"
+            f" ({'cpu and meta' if cpu else 'meta only: above --puzzle-cpu-vocab'})"
+        )
+        print("| method | counted meta MiB | vs naive | counted cpu MiB | vs naive "
+              "| RSS cpu MiB | vs naive |")
+        print("|---|---|---|---|---|---|---|")
+        runs: dict[str, dict[str, int | None]] = {n: {} for n in PUZZLE_METHODS}
+        for name in PUZZLE_METHODS:
+            argv = [*args.argv, *sizes, "--mem-reps", "1"]
+            runs[name]["meta"] = child(f"head:{name}", args, None, [*argv, "--counted",
+                                                                   "--device", "meta"])
+            if cpu:
+                runs[name]["cpu"] = child(f"head:{name}", args, None, [*argv, "--counted"])
+                runs[name]["rss"] = child(f"head:{name}", args, MMAP_ENV, argv)
+        base = runs["naive"]
+        for name in PUZZLE_METHODS:
+            r = runs[name]
+            cells = [f"{_mib(r.get(k))} | {_rel(r.get(k), base.get(k))}"
+                     for k in ("meta", "cpu", "rss")]
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _mib(m: int | None) -> str:
@@ -593,6 +645,7 @@ def section_bf16(args: argparse.Namespace) -> None:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "head": section_head,
+    "puzzle": section_puzzle,
     "layers": section_layers,
     "bf16": section_bf16,
 }
@@ -631,11 +684,14 @@ MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 def child_result(
-    task: str, args: argparse.Namespace, env: dict[str, str] | None = None
+    task: str,
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+    argv: list[str] | None = None,
 ) -> dict[str, Any] | None:
-    """Run ``task`` ("section:method") in a fresh interpreter; the dict it prints (None if it
-    failed: its stderr is shown)."""
-    cmd = [sys.executable, __file__, "--child", task, *args.argv]
+    """Run ``task`` ("section:method") in a fresh interpreter, with this run's options (or
+    ``argv``); the dict it prints (None if it failed: its stderr is shown)."""
+    cmd = [sys.executable, __file__, "--child", task, *(args.argv if argv is None else argv)]
     done = subprocess.run(
         cmd, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})}
     )
@@ -647,9 +703,14 @@ def child_result(
     return value
 
 
-def child(task: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> int | None:
+def child(
+    task: str,
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
+    argv: list[str] | None = None,
+) -> int | None:
     """Run ``task`` ("section:method") in a fresh interpreter; its extra memory in bytes."""
-    value = child_result(task, args, env)
+    value = child_result(task, args, env, argv)
     extra = None if value is None else value.get("extra")
     return None if extra is None else int(extra)
 
@@ -682,10 +743,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers-B", type=int, default=8, help="layers: batch size")
     parser.add_argument("--layers-V", type=int, default=256, help="layers: vocabulary size")
     parser.add_argument("--layers-dir", default=None, help="layers: where the stores go")
+    parser.add_argument(
+        "--puzzle-vocabs", default="32000,128000", help="puzzle: comma-separated vocabularies"
+    )
+    parser.add_argument(
+        "--puzzle-cpu-vocab",
+        type=int,
+        default=32000,
+        help="puzzle: largest vocabulary also run on CPU (the naive 128K head needs ~5 GB)",
+    )
+    parser.add_argument(
+        "--counted", action="store_true", help="head children: count tensor bytes (TensorPeak)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = list(argv)  # children get the same options
     args.chunk_sizes = [int(c) for c in args.chunk_sizes.split(",") if c]
+    args.puzzle_vocabs = [int(v) for v in args.puzzle_vocabs.split(",") if v]
     for s in args.sections.split(","):
         if s and s not in SECTIONS:
             parser.error(f"unknown section {s!r}; choose from {list(SECTIONS)}")

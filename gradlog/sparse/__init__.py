@@ -28,6 +28,11 @@ entries, an output ``(B, d)`` has ``B`` rows. ``"datum"``: each datum's whole ou
 flattened, with the batch on dimension 0: ``(B, T, d)`` has ``B`` rows of ``T*d`` entries.
 Each row belongs to one datum, so what is kept for a datum never depends on the rest of the
 batch: per-datum gradients (``GradRecorder``) are well defined and batch-independent.
+``"child"``: not a row of the output but the inputs of every autograd node created inside the
+selected modules' forwards: each node passes the gradient on only to its ``k`` children (its
+inputs, ``k=1``: one) with the largest gradient, by L1 norm, and zeros to the others
+(:mod:`gradlog.sparse.child`; default ``where`` for it: the whole model). Its choice is made
+on the batch's summed gradient, so it cannot be recorded per datum (``GradRecorder`` refuses).
 
 **k.** ``k=`` keeps ``k`` entries per row; ``fraction=`` keeps ``ceil(fraction * n)`` (at
 least 1) of a row's ``n`` entries, per node. ``k >= n`` keeps the whole row (the node's
@@ -71,18 +76,18 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from gradlog._tree import flatten
 from gradlog.errors import ConfigError
-from gradlog.rules.func import flatten
+from gradlog.sparse.child import hook_nodes
+from gradlog.sparse.compact import Alias, Call, CompactLinear, select
+from gradlog.sparse.settings import MODES, PER, SparseSettings, Where, type_name
 
 __all__ = [
     "MODES",
@@ -94,239 +99,7 @@ __all__ = [
     "sparse_backprop",
 ]
 
-PER: dict[str, str] = {
-    "token": "each position separately, along the output's last (feature) dimension",
-    "datum": "each datum's whole output, flattened (batch on dimension 0)",
-}
-"""The closed set of ``per=`` values: which entries compete for the k places of a row."""
-
-MODES: dict[str, str] = {
-    "masked": "dense backward of the masked gradient (the semantics, no speed-up)",
-    "compact": "nn.Linear backward from the kept entries only (meProp); other modules masked",
-}
-"""The closed set of ``mode=`` values."""
-
-_COMPACT_DTYPES = (torch.float32, torch.float64)  # sparse-dense matmuls on every device
 _ACTIVE: list[SparseBackprop] = []  # entered and not yet exited, oldest first
-
-Where = str | type | Sequence[str | type] | None
-
-
-def _type_name(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-@dataclass(frozen=True)
-class SparseSettings:
-    """What :func:`sparse_backprop` keeps, validated.
-
-    Attributes:
-        k: Entries kept per row (exclusive with ``fraction``).
-        fraction: Share of a row's entries kept, ``ceil(fraction * n)`` (at least 1).
-        per: Rows: ``"token"`` or ``"datum"`` (see :data:`PER`).
-        mode: ``"masked"`` or ``"compact"`` (see :data:`MODES`).
-        where: The module patterns, as strings (classes by qualified name).
-    """
-
-    k: int | None = None
-    fraction: float | None = None
-    per: str = "token"
-    mode: str = "masked"
-    where: tuple[str, ...] = field(default=(_type_name(nn.Linear),))
-
-    def __post_init__(self) -> None:
-        if self.k is not None and self.fraction is not None:
-            raise ConfigError(
-                f"sparse_backprop got both k={self.k!r} and fraction={self.fraction!r}; pass "
-                "one of them: k=<entries kept per row> or fraction=<share of a row kept>."
-            )
-        if self.k is None and self.fraction is None:
-            raise ConfigError(
-                "sparse_backprop needs how much to keep: pass k=<int >= 1> (entries kept per "
-                "row) or fraction=<float in (0, 1]> (share of a row kept)."
-            )
-        if self.k is not None and (
-            isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1
-        ):
-            raise ConfigError(
-                f"sparse_backprop k must be an int >= 1 (entries kept per row), got {self.k!r};"
-                " pass e.g. k=32, or fraction=0.05 for a share of each row."
-            )
-        if self.fraction is not None:
-            bad = isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float))
-            if bad or not 0.0 < float(self.fraction) <= 1.0:
-                raise ConfigError(
-                    f"sparse_backprop fraction must be a number in (0, 1] (the share of each "
-                    f"row's entries kept), got {self.fraction!r}; pass e.g. fraction=0.05, or "
-                    "k=<int> for a fixed count."
-                )
-        if self.per not in PER:
-            raise ConfigError(
-                f"sparse_backprop per={self.per!r} is not one of {sorted(PER)}; pass "
-                "per='token' (each position's features) or per='datum' (the whole datum)."
-            )
-        if self.mode not in MODES:
-            raise ConfigError(f"sparse_backprop mode={self.mode!r} is not one of {sorted(MODES)}.")
-
-    def k_for(self, n: int) -> int:
-        """Entries kept of a row of ``n`` (``n`` or more: the whole row)."""
-        if self.k is not None:
-            return self.k
-        assert self.fraction is not None  # __post_init__ guarantees one of them
-        # round() first: 0.05 * 100 is 5.000000000000001 in binary floating point.
-        return max(1, math.ceil(round(self.fraction * n, 9)))
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form (stored in the run's attributes)."""
-        return {
-            "k": self.k,
-            "fraction": None if self.fraction is None else float(self.fraction),
-            "per": self.per,
-            "mode": self.mode,
-            "where": list(self.where),
-        }
-
-
-@dataclass
-class _Selection:
-    """The kept entries of one gradient, as ``(rows, k)`` positions in its 2-D row view."""
-
-    shape: torch.Size  # the gradient's shape
-    index: torch.Tensor  # (rows, k) positions within a row
-    values: torch.Tensor  # (rows, k)
-    masked: torch.Tensor  # the gradient with zeros elsewhere, in its own shape
-
-
-def _rows(grad: torch.Tensor, per: str) -> torch.Tensor:
-    """The 2-D row view of a gradient: (rows, entries competing for the k places)."""
-    if per == "datum":
-        return grad.reshape(grad.shape[0], -1)  # (B, n)
-    return grad.reshape(-1, grad.shape[-1])  # (rows, n)
-
-
-def _select(grad: torch.Tensor, settings: SparseSettings) -> _Selection | None:
-    """Top-k of each row of ``grad`` by magnitude; None when every entry is kept."""
-    if grad.dim() == 0 or grad.numel() == 0:
-        return None
-    flat = _rows(grad, settings.per)  # (rows, n)
-    n = flat.shape[1]
-    k = settings.k_for(n)
-    if k >= n:
-        return None
-    index = flat.abs().topk(k, dim=1, sorted=False).indices  # (rows, k)
-    values = flat.gather(1, index)  # (rows, k)
-    masked = flat.new_zeros(flat.shape).scatter_(1, index, values)  # (rows, n)
-    return _Selection(grad.shape, index, values, masked.view(grad.shape))
-
-
-class _Call:
-    """One compact Linear call: its output until the function takes it, then the selection
-    the output's gradient hook made, until the function's backward uses it."""
-
-    __slots__ = ("out", "sel")
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.out: torch.Tensor | None = out
-        self.sel: _Selection | None = None
-
-
-class _CompactLinear(torch.autograd.Function):
-    """``y = x W^T + b`` whose backward uses only the kept entries of the output gradient.
-
-    The forward returns the output the module already computed (no second matmul): it is
-    passed in through ``call``, outside autograd's view of the inputs, so the returned tensor
-    is a plain output (in-place ops after the layer, e.g. ``ReLU(inplace=True)``, work).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        call: _Call,
-        settings: SparseSettings,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.call = call
-        ctx.settings = settings
-        ctx.has_bias = bias is not None
-        out, call.out = call.out, None
-        assert out is not None
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        call: _Call = ctx.call
-        settings: SparseSettings = ctx.settings
-        sel, call.sel = call.sel, None
-        if sel is None or sel.masked is not grad:  # no hook ran, or a later hook changed it
-            sel = _select(grad, settings)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        d_out, d_in = weight.shape
-        x2 = x.reshape(-1, d_in)  # (N, d_in)
-        N = x2.shape[0]
-        grad_x = grad_w = grad_b = None
-        if sel is None or weight.dtype not in _COMPACT_DTYPES:  # dense: all kept, or a dtype
-            g = (grad if sel is None else sel.masked).reshape(N, d_out).to(weight.dtype)
-            if need_x:
-                grad_x = (g @ weight).to(x.dtype).view(x.shape)  # (..., d_in)
-            if need_w:
-                grad_w = g.t() @ x2.to(weight.dtype)  # (d_out, d_in)
-            if need_b and ctx.has_bias:
-                grad_b = g.sum(0)  # (d_out,)
-            return grad_x, grad_w, grad_b, None, None
-        rows, cols = _coordinates(sel, settings.per, d_out)  # (M,), (M,) in the (N, d_out) view
-        values = sel.values.reshape(-1).to(weight.dtype)  # (M,)
-        if need_x:
-            s = _sparse(torch.stack([rows, cols]), values, (N, d_out))  # (N, d_out), M entries
-            grad_x = torch.sparse.mm(s, weight).to(x.dtype).view(x.shape)  # (..., d_in)
-        if need_w:
-            st = _sparse(torch.stack([cols, rows]), values, (d_out, N))  # (d_out, N)
-            grad_w = torch.sparse.mm(st, x2.to(weight.dtype))  # (d_out, d_in)
-        if need_b and ctx.has_bias:
-            grad_b = values.new_zeros(d_out).index_add_(0, cols, values)  # (d_out,)
-        return grad_x, grad_w, grad_b, None, None
-
-
-class _Alias(torch.autograd.Function):
-    """The identity, as a new plain tensor sharing the output's memory (no copy).
-
-    The sparsifying hook goes on this tensor rather than on the module's output because a
-    Linear's output on ``(B, T, d)`` inputs is a view: an in-place op after the layer
-    (``ReLU(inplace=True)``) re-routes the backward around a view's own node, and a hook
-    registered on it would never fire. It also keeps a module that returns its input from
-    sparsifying the input's other uses.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, call: _Call) -> torch.Tensor:
-        out, call.out = call.out, None
-        assert out is not None
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _coordinates(sel: _Selection, per: str, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) of every kept entry in the ``(N, d_out)`` view of a Linear's output."""
-    n_rows, k = sel.index.shape
-    if per == "datum":  # a datum's row is its L positions x d_out features, flattened
-        per_datum = math.prod(sel.shape) // (n_rows * d_out)  # positions per datum
-        base = torch.arange(n_rows, device=sel.index.device).unsqueeze(1) * per_datum  # (B,1)
-        rows = (base + sel.index.div(d_out, rounding_mode="floor")).reshape(-1)  # (B*k,)
-        return rows, sel.index.remainder(d_out).reshape(-1)
-    rows = torch.arange(n_rows, device=sel.index.device).repeat_interleave(k)  # (N*k,)
-    return rows, sel.index.reshape(-1)
-
-
-def _sparse(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    # Invariants hold by construction (distinct in-range indices); checking them costs a pass.
-    return torch.sparse_coo_tensor(indices, values, size, check_invariants=False)
 
 
 class SparseBackprop:
@@ -380,10 +153,16 @@ class SparseBackprop:
         compact = set(self.compact)
         try:
             for name, module in self.modules.items():
-                hook = functools.partial(self._on_forward, name in compact)
                 # prepend: run before every other forward hook, so that observers of the
                 # output's gradient (gradlog's hooks backend) hook it after this one.
-                self._handles.append(module.register_forward_hook(hook, prepend=True))
+                if self.settings.per == "child":
+                    handle = module.register_forward_hook(
+                        self._on_forward_child, prepend=True, with_kwargs=True
+                    )
+                else:
+                    hook = functools.partial(self._on_forward, name in compact)
+                    handle = module.register_forward_hook(hook, prepend=True)
+                self._handles.append(handle)
         except BaseException:
             self._remove()
             raise
@@ -418,8 +197,8 @@ class SparseBackprop:
                 *x.shape[:-1],
                 linear.out_features,
             ):
-                call = _Call(output.detach())
-                out = _CompactLinear.apply(x, linear.weight, linear.bias, call, self.settings)
+                call = Call(output.detach())
+                out = CompactLinear.apply(x, linear.weight, linear.bias, call, self.settings)
                 out.register_hook(functools.partial(self._on_grad, call))
                 return out
         leaves, rebuild = flatten(output)
@@ -428,15 +207,27 @@ class SparseBackprop:
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
                 if id(t) not in aliases:
-                    alias = _Alias.apply(t, _Call(t.detach()))
+                    alias = Alias.apply(t, Call(t.detach()))
                     alias.register_hook(functools.partial(self._on_grad, None))
                     aliases[id(t)] = alias
                 t = aliases[id(t)]
             new.append(t)
         return rebuild(new) if aliases else None
 
-    def _on_grad(self, call: _Call | None, grad: torch.Tensor) -> torch.Tensor | None:
-        sel = _select(grad, self.settings)
+    def _on_forward_child(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in flatten(output)[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        hook_nodes(tensors, inputs, self.settings.k_for, self._count)
+
+    def _count(self) -> None:
+        self.calls += 1
+
+    def _on_grad(self, call: Call | None, grad: torch.Tensor) -> torch.Tensor | None:
+        sel = select(grad, self.settings)
         self.calls += 1
         if call is not None:
             call.sel = sel  # the compact backward reuses the selection
@@ -473,7 +264,7 @@ def _matcher(where: Where) -> tuple[tuple[str, ...], Callable[[str, nn.Module], 
         cls = type(module).__name__
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in patterns)
 
-    form = tuple(i if isinstance(i, str) else _type_name(i) for i in items)
+    form = tuple(i if isinstance(i, str) else type_name(i) for i in items)
     return form, match
 
 
@@ -501,8 +292,13 @@ def sparse_backprop(
             (``"Linear"``), and/or module classes (``nn.Linear``, matched with
             ``isinstance``). Default: every ``nn.Linear``. ``"*"`` also matches the model
             itself (name ``""``): its output, e.g. the logits, is then sparsified too.
+            With ``per="child"`` the default is ``""``: the model itself, every node of its
+            forward.
         per: ``"token"``: each position's last (feature) dimension; ``"datum"``: each datum's
-            whole output, flattened, batch on dimension 0.
+            whole output, flattened, batch on dimension 0; ``"child"``: at every autograd node
+            inside the selected modules, only the ``k`` inputs with the largest gradient (L1
+            norm) receive theirs (``k=1``: the child with the largest gradient), the others
+            zeros; ``fraction`` keeps ``ceil(fraction * n)`` of a node's ``n`` inputs.
         mode: ``"masked"`` (dense backward of the masked gradient) or ``"compact"`` (meProp:
             ``nn.Linear`` backward from the kept entries only; other modules masked).
 
@@ -515,6 +311,8 @@ def sparse_backprop(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"sparse_backprop needs a torch.nn.Module, got {type(model).__name__}.")
+    if where is None and per == "child":
+        where = ""  # the model itself (named ""): every node of its forward
     form, match = _matcher(where)
     settings = SparseSettings(k=k, fraction=fraction, per=per, mode=mode, where=form)
     modules = {name: m for name, m in model.named_modules() if match(name, m)}
@@ -550,9 +348,19 @@ def check_settings(model: nn.Module, recorded: list[dict[str, Any]]) -> None:
 
     Raises:
         ConfigError: a sparse_backprop context on ``model`` was entered or left after the
-            recorder opened its store.
+            recorder opened its store, or one with ``per="child"`` is active (its gradients
+            are not per datum).
     """
     now = active_settings(model)
+    child = [s for s in now if s["per"] == "child"]
+    if child:
+        raise ConfigError(
+            f"sparse_backprop per='child' is active on this model ({child[0]}): it chooses, at "
+            "each autograd node, from the gradient of the whole batch, so a datum's gradient "
+            "under it depends on the other datums and gradlog cannot record it (the per-datum "
+            "gradients would not sum to p.grad). Train with it outside GradRecorder, or record "
+            "with per='token' or per='datum', which keep each datum's choice its own."
+        )
     if now == recorded:
         return
     raise ConfigError(
@@ -562,3 +370,4 @@ def check_settings(model: nn.Module, recorded: list[dict[str, Any]]) -> None:
         "opening the GradRecorder (the outer `with`) and keep it for the whole recording, or "
         "record each setting into its own store."
     )
+
