@@ -313,7 +313,8 @@ class RecordingOptions:
 
     Attributes:
         optimizer: If given, each step's learning rate is read from its first param group
-            when ``lr`` is not passed.
+            when ``lr`` is not passed; for Adam, AdamW and SGD its state at recorded steps is
+            kept too (``optimizer_state``), for ``run.influence(kind="optimizer")``.
         overwrite: Replace an existing gradlog store at ``path`` (a non-store directory is
             never deleted).
         resume: Continue the store at ``path`` after its last committed step (e.g. after a
@@ -355,6 +356,15 @@ class RecordingOptions:
             backward, before the step's other micro-batches. If the first recorded step then
             holds more records, ``GradRecorder.plan`` and the projected size are corrected
             when it commits, with a ``UserWarning`` when that exceeds ``form_budget``.
+        optimizer_state: What of ``optimizer``'s state is kept at recorded steps, for
+            ``run.influence(kind="optimizer")`` (Adam/AdamW: the diagonal preconditioner of
+            each recorded parameter; SGD: its momentum settings): ``"auto"`` (float32, and
+            bfloat16 for ``projection``/``topk``/``norm`` parameters), ``"float32"``,
+            ``"bfloat16"``, or ``"none"``. Its bytes per step are in the plan.
+        break_lease: Take over the store's writer lease (one writer per store,
+            ``schemas/FORMAT.md`` section 15) when its holder runs on another host and has
+            not renewed it for its TTL (5 min): that writer looks dead. A holder of this host
+            that is gone is taken over without it; a live one never (``StoreLockedError``).
     """
 
     optimizer: torch.optim.Optimizer | None = None
@@ -368,6 +378,8 @@ class RecordingOptions:
     tokens: int | None = None
     planned_steps: int | None = None
     records_per_step: int | None = None
+    optimizer_state: str = "auto"
+    break_lease: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tokens", "planned_steps", "records_per_step"):
@@ -375,6 +387,8 @@ class RecordingOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise InputError(f"{name}={value!r} must be a positive int or None.")
+        if not isinstance(self.break_lease, bool):
+            raise InputError(f"break_lease={self.break_lease!r} must be True or False.")
         probes = self.probes
         if probes is not None and not (
             isinstance(probes, tuple) and len(probes) == 2 and callable(probes[0])

@@ -18,13 +18,16 @@ __all__ = [
     "MemoryTooSmallError",
     "MissingExtraError",
     "MissingLearningRateError",
+    "NonFiniteGradientWarning",
     "NonFiniteLossError",
     "NotAStoreError",
     "ParamSelectionError",
+    "ReadTooLargeError",
     "SelectionError",
     "StoreCorruptError",
     "StoreExistsError",
     "StoreFormatError",
+    "StoreLockedError",
     "StoreResumeError",
     "StoreVersionError",
     "StoreWriteError",
@@ -42,6 +45,12 @@ class ConfigError(GradlogError, ValueError):
 
 class InputError(GradlogError, ValueError):
     """Arguments of ``backward``/``step`` (losses, ids, mask, step) are malformed."""
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """A datum's per-datum gradient holds NaN or inf though its loss is finite; it was
+    stored as computed, flagged by its non-finite norm in the index (the message names the
+    datum ids and parameters)."""
 
 
 class NonFiniteLossError(InputError):
@@ -95,6 +104,11 @@ class StoreCorruptError(StoreFormatError):
     truncated. Raised instead of ever returning wrong numbers; names the array and chunk."""
 
 
+class StoreLockedError(GradlogError, RuntimeError):
+    """Another writer holds the store's lease (one writer per store at a time), or the writer
+    lost its own lease; the message names the holder and how to proceed."""
+
+
 class StoreResumeError(GradlogError, ValueError):
     """``resume=True`` cannot continue this store (another configuration, another model)."""
 
@@ -121,3 +135,8 @@ class MissingExtraError(GradlogError, ImportError):
 
 class MemoryTooSmallError(GradlogError, ValueError):
     """``max_memory`` is below what reading one chunk of an array needs."""
+
+
+class ReadTooLargeError(GradlogError, ValueError):
+    """A read of every record (no step or datum selection) would load more than
+    ``max_memory``: select records, read lazily, or raise ``max_memory``."""

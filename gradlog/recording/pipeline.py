@@ -26,6 +26,7 @@ from gradlog.config import RecorderConfig, RecordingOptions
 from gradlog.distributed import Distributed, detect
 from gradlog.errors import InputError
 from gradlog.recording import handoff
+from gradlog.recording.agreement import share_plan
 from gradlog.recording.encoding import FormEncoder
 from gradlog.recording.inputs import (
     LossChecks,
@@ -35,6 +36,7 @@ from gradlog.recording.inputs import (
     tokens_of,
 )
 from gradlog.recording.lifecycle import StepLifecycle
+from gradlog.recording.optimizer import OptimizerCapture
 from gradlog.recording.probes import ProbeRecorder
 from gradlog.recording.selfcheck import SelfCheck
 from gradlog.recording.state import PendingStep
@@ -107,6 +109,14 @@ class StepPipeline:
             token_reduction=config.token_reduction, dtype=config.dtype, durable=options.durable,
         )
         self._optimizer_hook = on_step_of(options.optimizer, self.lifecycle.on_optimizer_step)
+        # the optimizer's state at recorded steps, for kind="optimizer" influence (rank 0)
+        self.optimizer_state = OptimizerCapture.start(
+            options.optimizer, self.params, self.writer.path,
+            lambda: None if self.lifecycle.pending is None else self.lifecycle.pending.step,
+            dtype=options.optimizer_state, durable=options.durable,
+            forms=lambda: None if self.encoder.forms is None
+            else {n: f.name for n, f in self.encoder.forms.items()},
+        ) if self.dist is None or self.dist.rank == 0 else None
         if options.resume and self.writer.last_step is not None:
             self.lifecycle.resume(self.writer.last_step, self.writer.next_datum_id)
         if self.writer.planned_specs is not None:  # resumed: the stored forms hold
@@ -125,7 +135,7 @@ class StepPipeline:
         """Attach the backend and create (or resume) the store.
 
         Raises:
-            InputError: probes or compact forms under torch.distributed.
+            InputError: probes under torch.distributed.
             StoreExistsError, StoreResumeError: from the writer.
         """
         specs = handoff.param_specs(params, config.dtype)
@@ -177,20 +187,28 @@ class StepPipeline:
         lifecycle = self.lifecycle
         check = self.self_check.due(lifecycle.steps_recorded, lifecycle.first_micro())
         before = self.self_check.snapshot() if check else {}
+        self.backend.datum_check_due = check
 
         t0 = time.perf_counter()
         losses, grads = compute()
         batch = losses.shape[0]
         check_grad_shapes(grads, batch, self.params, self.config.backend)
-        if self.encoder.forms is None:
-            self.encoder.plan_forms(grads, self.writer.set_forms)
         weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
         sizes, offset, rank, world = [batch], 0, 0, 1  # every rank's batch (in rank order)
         if self.dist is not None:
             sizes = self.dist.batch_sizes(batch)
             rank, world = self.dist.rank, self.dist.world_size
             offset = sum(sizes[:rank])  # counter-numbered datum ids of the ranks before
-            weight /= world  # DDP averages p.grad over ranks
+            weight /= world  # DDP and FSDP2 average p.grad over ranks
+        if self.encoder.forms is None:
+            if self.dist is None:
+                self.encoder.plan_forms(grads, self.writer.set_forms)
+            else:  # one plan for every rank, for the step's records of all ranks
+                share_plan(self.dist, self.encoder, grads, sum(sizes), self.writer.set_forms)
+            if self.optimizer_state is not None and self.encoder.plan is not None:
+                line = self.optimizer_state.plan_line()
+                self.encoder.plan += "\n" + line
+                log.info("gradlog: %s", line)
         if check:
             self.self_check.verify(before, grads, weight, self.dist, self.backend.low_precision)
         if self.probes is not None and lifecycle.pending is None:  # once per step, at micro 0
@@ -222,6 +240,8 @@ class StepPipeline:
         return losses.detach()
 
     def _commit(self, pending: PendingStep) -> None:
+        if self.optimizer_state is not None:  # its state file before its commit marker
+            self.optimizer_state.flush()
         self.writer.commit(pending.row())
 
     def _committed(self, pending: PendingStep) -> None:
@@ -240,6 +260,8 @@ class StepPipeline:
             self.lifecycle.commit()
         finally:
             self.backend.detach()
+            if self.optimizer_state is not None:
+                self.optimizer_state.close()
             if self.probes is not None:
                 self.probes.close()
             self.writer.close()
@@ -251,18 +273,10 @@ def _refuse_under_distributed(
     """What torch.distributed recording does not support yet.
 
     Raises:
-        InputError: probes, or forms other than ``full``.
+        InputError: probes.
     """
     if options.probes is not None:
         raise InputError(
             "probes are not supported under torch.distributed yet: record them "
             "in a separate single-process run, or pass distributed=False."
-        )
-    if planning.keeps_material(config, names):
-        # Forms are planned from the first batch's token counts, which differ between
-        # ranks; one plan shared by every rank is not built yet.
-        raise InputError(
-            f"form={config.form!r} is not supported under torch.distributed "
-            "yet: record distributed runs with form='full' (the default), or "
-            "record compact forms in a single process (distributed=False)."
         )
