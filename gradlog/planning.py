@@ -29,6 +29,7 @@ from gradlog.forms import (
     plan_forms,
 )
 from gradlog.grads import Material, batch_size, material_shape
+from gradlog.store.fs import ObjectPath, store_path
 
 __all__ = [
     "FormRequests",
@@ -237,10 +238,13 @@ def plan_table(
     return "\n".join(lines)
 
 
-def check_free_space(path: str | os.PathLike[str], nbytes: int) -> str | None:
+def check_free_space(path: str | os.PathLike[str] | ObjectPath, nbytes: int) -> str | None:
     """Warn (and return the message) when ``nbytes`` exceed the free space where ``path``
-    lives; None when they fit or the free space cannot be read."""
-    where = Path(path)
+    lives; None when they fit or the free space cannot be read (object storage)."""
+    local = store_path(path)
+    if not isinstance(local, Path):  # an object store: no disk of ours to ask
+        return None
+    where = local
     while not where.exists() and where != where.parent:
         where = where.parent
     try:

@@ -240,3 +240,18 @@ def test_overwrite_replaces_only_a_gradlog_store(memory_url: str) -> None:
     with pytest.raises(StoreExistsError, match="not a gradlog store"):
         gradlog.GradRecorder(model, foreign, overwrite=True).open()
     assert fsspec.filesystem("memory").cat_file(foreign.removeprefix("memory://") + "/data.bin")
+
+
+def test_planned_steps_on_object_storage_records(memory_url: str) -> None:
+    """``planned_steps=`` asks for the free space where the store lives: an object store has
+    no local disk to ask (the check once crashed on its path), so the recording just goes on."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    from gradlog.store.fs import store_path  # how the CLI passes --storage-option
+
+    with gradlog.GradRecorder(model, store_path(memory_url, {}), planned_steps=2) as rec:
+        for _ in range(2):
+            model.zero_grad()
+            rec.backward(((model(x) - y) ** 2).sum(1))
+    assert gradlog.open(memory_url).steps.num_rows == 2

@@ -341,7 +341,8 @@ class _ProbeSource:
         data = self._reader.read(rows)  # (rows, numel)
         if ok.all() and rows.size == ids.size and np.array_equal(rows, ids):
             # every probe at every step, stored in order (the usual case): no copies
-            return data.reshape(u.size, self.n_probes, data.shape[1])
+            whole: np.ndarray = data.reshape(u.size, self.n_probes, data.shape[1])
+            return whole
         arranged = np.zeros((ids.size, data.shape[1]), dtype=data.dtype)
         arranged[ok] = data[where]
         return arranged.reshape(u.size, self.n_probes, data.shape[1])
