@@ -177,6 +177,39 @@ def force_eager() -> Callable[[], None] | None:
     return restore
 
 
+@contextlib.contextmanager
+def torch_function_mode_paused(mode: Any) -> Iterator[None]:
+    """Run the body without ``mode`` when it is the innermost torch-function mode (gradlog's
+    own hook code then does not pass every tensor attribute it reads through the mode).
+
+    Private API: the torch-function mode stack (``torch._C._pop_torch_function_stack``,
+    ``_push_on_torch_function_stack``; what ``torch.overrides._pop_mode`` uses, torch >= 2.0).
+    """
+    length = getattr(torch._C, "_len_torch_function_stack", None)
+    top = length() if length is not None else 0
+    if not top or torch._C._get_function_stack_at(top - 1) is not mode:
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def gradient_accumulator(t: torch.Tensor) -> Any:
+    """The autograd node that accumulates a leaf's gradient (``AccumulateGrad``), or None.
+
+    Public since torch 2.2: ``torch.autograd.graph.get_gradient_edge(t).node``."""
+    get = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if get is None:
+        return None
+    try:
+        return get(t).node
+    except (RuntimeError, TypeError):
+        return None
+
+
 def storage_use_count(t: torch.Tensor) -> int:
     """References to ``t``'s storage.
 

@@ -365,6 +365,12 @@ class RecordingOptions:
             ``schemas/FORMAT.md`` section 15) when its holder runs on another host and has
             not renewed it for its TTL (5 min): that writer looks dead. A holder of this host
             that is gone is taken over without it; a live one never (``StoreLockedError``).
+        watch_ops: When the hooks backend watches the model's forward for uses of recorded
+            parameters outside their modules (a tied head written by hand, PEFT's LoRA
+            embedding; :mod:`gradlog.backends.hooks.operations`): ``"auto"`` (default: the
+            first forwards, every forward once such a use was seen, and the forward after
+            one whose module calls changed, that one being checked at every entry instead)
+            or ``"always"`` (every forward; ~3% of a small model's CPU step).
     """
 
     optimizer: torch.optim.Optimizer | None = None
@@ -380,8 +386,10 @@ class RecordingOptions:
     records_per_step: int | None = None
     optimizer_state: str = "auto"
     break_lease: bool = False
+    watch_ops: str = "auto"
 
     def __post_init__(self) -> None:
+        _choice("watch_ops", self.watch_ops, ("auto", "always"))
         for name in ("tokens", "planned_steps", "records_per_step"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

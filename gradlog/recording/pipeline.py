@@ -52,7 +52,8 @@ Compute = Callable[[], tuple[torch.Tensor, PerDatumGrads]]
 
 
 def make_backend(
-    model: nn.Module, params: Mapping[str, nn.Parameter], config: RecorderConfig
+    model: nn.Module, params: Mapping[str, nn.Parameter], config: RecorderConfig,
+    watch_ops: str = "auto",
 ) -> Backend:
     """The configured backend, attached to the model; which parameters hand over their
     factors or sparse rows (``keep_material``) follows their forms."""
@@ -62,6 +63,7 @@ def make_backend(
         batch_reduction=config.batch_reduction,
         randomness=config.vmap_randomness,
         **({"batch_grad": "sum"} if config.batch_grad == "sum" else {}),
+        **({"watch_ops": watch_ops} if BACKENDS[config.backend].name == "hooks" else {}),
     )
     backend.keep_material = planning.keeps_material(config, list(params))
     backend.attach()
@@ -139,7 +141,7 @@ class StepPipeline:
             StoreExistsError, StoreResumeError: from the writer.
         """
         specs = handoff.param_specs(params, config.dtype)
-        backend = make_backend(model, params, config)
+        backend = make_backend(model, params, config, options.watch_ops)
         attrs = handoff.root_attrs(model, config)
         attrs["backend"] = backend.describe()
         # Kept in the backend description: no format change; steps recorded under other

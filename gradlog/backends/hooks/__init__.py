@@ -55,7 +55,8 @@ laid out as ``(datums, T, d)`` by its ``current_chunk()``, adds into those datum
 
 Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured
 per op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
-:mod:`gradlog.rules.ops`), which also runs a ``torch.compile``'d forward eagerly.
+:mod:`gradlog.rules.ops`) on the forwards that may hold one (``watch_ops``); a
+``torch.compile``'d forward runs eagerly.
 
 Checks. A parameter that received a gradient without any hooked call or op seeing its use
 is an error (used outside the model's forward, e.g. in the loss code). On every backward a
@@ -70,10 +71,8 @@ original forward ran without grad (nothing captured) and the recomputed call, in
 backward, is the one that counts. Per-datum gradients equal those of the model without
 checkpointing. Memory: with ``use_reentrant=False`` the captured inputs of the *recorded*
 modules stay alive from the forward to their layer's backward, as without checkpointing (the
-rest of the segment is freed as usual), so checkpointing saves less for recorded layers.
-Measured on a 24-layer GPT (bench_memory.py ``--sections layers``, tests/benchmarks/
-RESULTS.md): recording 1 of 24 checkpointed layers adds 33 MiB, all 24 add 511 MiB (386 MiB
-without checkpointing: the difference is the recorded modules' inputs, ~5 MiB per layer).
+rest of the segment is freed as usual), so checkpointing saves less for recorded layers
+(measured: bench_memory.py ``--sections layers``, ~5 MiB per layer of a 24-layer GPT).
 """
 
 from __future__ import annotations
@@ -95,6 +94,7 @@ from gradlog._torch_private import (
     in_checkpoint_recompute,
     rng_states,
     saved_tensor_hooks_kind,
+    torch_function_mode_paused,
 )
 from gradlog._tree import leaves
 from gradlog.backends.base import Backend, PerDatumGrads
@@ -111,7 +111,7 @@ from gradlog.backends.hooks.layout import (
     locate_batch,
     shared_outputs,
 )
-from gradlog.backends.hooks.operations import OpCapture
+from gradlog.backends.hooks.operations import WATCH, OpCapture
 from gradlog.backends.hooks.pool import _BASELINE, BufferPool
 from gradlog.backends.hooks.precision import autocast_dtype, narrow_dtype, no_autocast
 from gradlog.errors import BackendError, UnsupportedLayerError
@@ -146,11 +146,14 @@ class HooksBackend(Backend):
         batch_reduction: str,
         randomness: str,
         batch_grad: str = "autograd",
+        watch_ops: str = "auto",
     ) -> None:
         super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
-        if batch_grad not in BATCH_GRADS:
-            raise BackendError(f"batch_grad={batch_grad!r} is not one of {list(BATCH_GRADS)}.")
-        self.batch_grad = batch_grad
+        for option, value, choices in (("batch_grad", batch_grad, BATCH_GRADS),
+                                       ("watch_ops", watch_ops, WATCH)):
+            if value not in choices:
+                raise BackendError(f"{option}={value!r} is not one of {list(choices)}.")
+        self.batch_grad, self.watch_ops = batch_grad, watch_ops
         self._entries: list[Entry] = []
         self._sequence_first: list[str] = []  # modules with batch_first=False
         self._handles: list[Any] = []
@@ -196,7 +199,7 @@ class HooksBackend(Backend):
                 self._handles.extend(track_dropout(entry.module))
         # uses of recorded parameters that no hooked module call covers (see .operations)
         self._ops = OpCapture(self.model, self.params, self._capture, self._inside,
-                              self._capturing)
+                              self._entries, self._capturing, self.watch_ops)
         self._handles.append(self.model.register_forward_pre_hook(self._ops.enter, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._ops.leave,
                                                               always_call=True))
@@ -243,9 +246,8 @@ class HooksBackend(Backend):
     # -- capture (forward) ------------------------------------------------------------------
     def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
-        inside = self._inside
         for key in entry.param_ids:
-            inside[key] = inside.get(key, 0) + 1
+            self._inside[key] = self._inside.get(key, 0) + 1
 
     def _capturing(self) -> bool:
         """Whether an op seen now is captured (not while rules run, nor without grad)."""
@@ -260,7 +262,8 @@ class HooksBackend(Backend):
             return None
         if not any(p.requires_grad for p in entry.params):
             return None
-        return self._capture(entry, module, args, kwargs, output)
+        with torch_function_mode_paused(self._ops):  # (its ops are not the model's)
+            return self._capture(entry, module, args, kwargs, output)
 
     def _capture(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any], output: Any) -> Any:
@@ -345,7 +348,7 @@ class HooksBackend(Backend):
                                "when recording starts (use GradRecorder as a context manager).")
         check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
         B = int(losses.shape[0])
-        self._reset(B)
+        self._reset(B, batch_loss)
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
@@ -370,9 +373,12 @@ class HooksBackend(Backend):
             checks.raise_kept_error(self._error)
             results = self._results
             materials = results.merge_materials()
-            checks.check_coverage(self.params, self._got_grad, results.covered, self._entries)
+            checks.check_coverage(self.params, self._got_grad, results.covered, self._entries,
+                                  self._ops is None or self._ops.watching)
             self._spot.check(collections.ChainMap(materials, results.acc), self.low_precision,
                              1.0 / self._scale)
+            if self._ops is not None:
+                self._ops.checked()
             out = {
                 name: materials[name] if name in materials
                 else results.acc[name] if name in results.acc
@@ -395,12 +401,10 @@ class HooksBackend(Backend):
             self._pool.release()
 
     def _model_tensors(self) -> list[torch.Tensor]:
-        """The model's parameters and buffers (whose CUDA devices draw random numbers)."""
-        return [*self.model.parameters(), *self.model.buffers()]
+        return [*self.model.parameters(), *self.model.buffers()]  # (their CUDA devices)
 
     def _wants_datum_check(self, B: int) -> bool:
-        """See :func:`checks.wants_datum_check`; also on self-checked batches (a loss that
-        starts coupling data later); never for one datum or under DDP."""
+        """:func:`checks.wants_datum_check`, or a self-checked batch; never for B 1 or DDP."""
         if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
             return False
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
@@ -409,11 +413,9 @@ class HooksBackend(Backend):
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
-        """``autograd.grad(losses[b])`` for a random datum b, kept at a few random entries per
-        parameter; None when autograd refuses it (the check is then skipped). The global RNG
-        is forked around it and set to ``rng``, its state before the batch's backward: random
-        draws in a backward (an autograd Function's noise) draw what the batch's backward
-        draws, and training's stream is left as it was."""
+        """``autograd.grad(losses[b])`` for a random datum b at a few random entries per
+        parameter (None: autograd refused; no check). The global RNG is forked and set to
+        ``rng``, as before the batch's backward: a backward's random draws draw the same."""
         names = [n for n, p in self.params.items() if p.numel()]
         b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
         devices = cuda_devices(self._model_tensors())
@@ -431,7 +433,7 @@ class HooksBackend(Backend):
             self._probing = False
         return b, checks.sample_entries(names, got, self.params, self._spot_rng)
 
-    def _reset(self, batch_size: int) -> None:
+    def _reset(self, batch_size: int, loss: torch.Tensor | None = None) -> None:
         if batch_size:
             self.low_precision = {}
         self._batch = batch_size
@@ -442,7 +444,8 @@ class HooksBackend(Backend):
         self._touched: list[Call] = []
         self._consumer_handles: list[Any] = []
         self._error: tuple[Entry, BaseException] | None = None
-        self._spot.draw(batch_size)
+        self._spot.draw(batch_size, full=bool(batch_size and loss is not None and self._ops
+                                              and self._ops.unverified(loss)))
 
     # -- gradients (inside the backward) ----------------------------------------------------
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
@@ -483,11 +486,9 @@ class HooksBackend(Backend):
             call.pending = True
             self._partial.append(call)
 
-    def _on_base_grad(self, call: Call, i: int,
-                      geometry: tuple[torch.Size, tuple[int, ...], int],
+    def _on_base_grad(self, call: Call, i: int, geometry: tuple[torch.Size, tuple[int, ...], int],
                       grad: torch.Tensor) -> None:
-        """The gradient of the base of output ``i`` (see :func:`graph.hook_target`), viewed
-        as the output: the output's gradient."""
+        """Output ``i``'s base's gradient (:func:`graph.hook_target`), viewed as the output."""
         size, stride, offset = geometry
         self._on_output_grad(call, i, grad.contiguous().as_strided(size, stride, offset))
 
@@ -558,8 +559,7 @@ class HooksBackend(Backend):
 
     def _add(self, entry: Entry, result: RuleResult, cap: Capture,
              rows: slice | None = None) -> None:
-        """Add a rule's result into this backward's per-datum results (see
-        :meth:`Accumulator.add`)."""
+        """Add a rule's result into this backward's per-datum results (Accumulator.add)."""
         self._results.add(entry, result, cap, rows)
 
     # -- shared (broadcast) outputs ---------------------------------------------------------

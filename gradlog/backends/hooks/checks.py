@@ -66,12 +66,19 @@ class SpotCheck:
         self.generator = generator
         self.total: dict[str, torch.Tensor] = {}
         self.index: dict[str, torch.Tensor] = {}
+        self.full = False  # this backward compares every entry
 
-    def draw(self, batch_size: int) -> None:
-        """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new."""
+    def draw(self, batch_size: int, full: bool = False) -> None:
+        """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new:
+        ``full``, every entry (a forward whose free uses went unwatched, see
+        :mod:`.operations`)."""
         self.total = {}
         self.index = {}
-        if batch_size and self.params:
+        self.full = full and batch_size > 0
+        if self.full:
+            self.index = {n: torch.arange(p.numel(), device=p.device)
+                          for n, p in self.params.items() if p.numel()}
+        elif batch_size and self.params:
             sizes = torch.tensor([p.numel() for p in self.params.values()], dtype=torch.float64)
             draw = torch.rand((len(sizes), _SPOT_ENTRIES), generator=self.generator,
                               dtype=torch.float64)
@@ -100,6 +107,9 @@ class SpotCheck:
             low_precision: Parameters whose gradient autograd rounded (autocast), to dtype.
             weight: ``w_b`` (1/B for a mean batch loss).
         """
+        if self.full:
+            self._check_all(records, low_precision, weight)
+            return
         names, rows, totals = [], [], []
         for name, total in self.total.items():
             acc = records.get(name)
@@ -121,16 +131,54 @@ class SpotCheck:
         gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
         scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
         bad = _over_tolerance(names, gap, scale, rtol, atol)  # the backward's only sync
-        if not bad:
+        if bad:
+            raise BackendError(_not_adding_up(bad, "spot check of a few entries"))
+
+    def _check_all(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
+                   weight: float) -> None:
+        """:meth:`check` at every entry, a block of entries at a time (B x 2^20 float64)."""
+        names = [n for n in self.total if records.get(n) is not None]
+        if not names:
             return
-        raise BackendError(
-            f"the per-datum gradients of {bad} do not add up to their gradient in this "
-            "backward (spot check of a few entries: sum_b w_b g_b != the gradient autograd "
-            "accumulated): part of their use was not seen by gradlog, e.g. a parameter "
-            "also used outside the model's forward (in the loss code: op-level capture "
-            "sees only the root module's forward), or a rule is wrong. p.grad is complete. "
-            "Move that use into the model's forward, or use backend='loop'."
+        rtol, atol = check_tolerance(
+            (self.params[n].dtype for n in names),
+            [low_precision[n] for n in names if n in low_precision],
         )
+        worst, largest = [], []  # per name: max(gap - rtol scale), max(scale)
+        for name in names:
+            index, total = self.index[name], self.total[name].to(torch.float64)
+            w, m = [], []
+            for part in range(0, index.numel(), 1 << 20):
+                at = slice(part, part + (1 << 20))
+                ours = entries(records[name], index[at]).to(torch.float64)  # (B, block)
+                scale = ours.abs().sum(0) * weight + total[at].abs()
+                w.append(((ours.sum(0) * weight - total[at]).abs() - rtol * scale).amax())
+                m.append(scale.amax())
+            worst.append(torch.stack(w).amax())
+            largest.append(torch.stack(m).amax())
+        over = torch.stack(worst) - rtol * torch.stack(largest).amax() - atol  # (n,)
+        bad = [n for n, g in zip(names, over.tolist()) if g > 0]
+        if bad:
+            raise BackendError(_not_adding_up(bad, "every entry, on a forward whose op-level "
+                                              "uses went unwatched") + _WATCH_HINT)
+
+
+_WATCH_HINT = (
+    " That forward was not watched for op-level uses: gradlog watches every torch op of "
+    "the first forwards, then only when the model has used a parameter outside its "
+    "modules or the set of module calls changes (a TorchFunctionMode costs ~3% of a "
+    "small model's step). The next forward is watched; to watch every forward, pass "
+    "GradRecorder(..., watch_ops='always').")
+
+
+def _not_adding_up(bad: list[str], how: str) -> str:
+    return (
+        f"the per-datum gradients of {bad} do not add up to their gradient in this "
+        f"backward ({how}: sum_b w_b g_b != the gradient autograd accumulated): part of "
+        "their use was not seen by gradlog, e.g. a parameter also used outside the model's "
+        "forward (in the loss code: op-level capture sees only the root module's forward), "
+        "or a rule is wrong. p.grad is complete. Move that use into the model's forward, or "
+        "use backend='loop'.")
 
 
 def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rtol: float,
@@ -332,8 +380,9 @@ def raise_kept_error(error: tuple[Entry, BaseException] | None) -> None:
 
 
 def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
-                   entries_: Sequence[Entry]) -> None:
-    """Refuse parameters that received a gradient though no hooked call used them."""
+                   entries_: Sequence[Entry], watched: bool = True) -> None:
+    """Refuse parameters that received a gradient though no hooked call used them
+    (``watched``: whether op-level capture watched the last forward)."""
     missed = [n for n in params if n in got_grad and n not in covered]
     if not missed:
         return
@@ -343,5 +392,5 @@ def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
         f"(owners: {owners}) and no op of the model's forward took them: they were used "
         "outside the model's forward (e.g. F.linear(x, model.embed.weight) in the loss "
         "code; op-level capture sees only the root module's forward). Move that use into "
-        "the model's forward, or use backend='loop'."
+        "the model's forward, or use backend='loop'." + ("" if watched else _WATCH_HINT)
     )

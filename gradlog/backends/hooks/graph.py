@@ -8,6 +8,7 @@ each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "find_consumers",
     "foreign_functions",
     "hook_target",
+    "parameter_uses",
     "through_views",
 ]
 
@@ -150,6 +152,35 @@ def find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, int
                 if nr == output_nr and id(call) in wanted:
                     found.setdefault(id(call), []).append((node, slot))
     return found
+
+
+def parameter_uses(root: Any, accumulators: Mapping[int, str]
+                   ) -> tuple[dict[str, int], dict[int, int]]:
+    """Walk the autograd graph from ``root``: for each parameter (its gradient accumulator's
+    id -> its name, :func:`~gradlog._torch_private.gradient_accumulator`; the caller keeps
+    the nodes alive), the edges into its accumulator (one per op that took it, or a view of
+    it, in the forward); for each module entry (by id), its calls whose outputs are in the
+    graph (:data:`TAG`). About 0.1 ms for the 165 nodes of a small GPT."""
+    edges: dict[str, int] = {}
+    calls: dict[int, set[int]] = {}
+    stack, keep = [root], [root]  # keep: node wrappers alive, so their ids stay unique
+    seen = {id(root)}
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            key = id(child)
+            name = accumulators.get(key)
+            if name is not None:
+                edges[name] = edges.get(name, 0) + 1
+            if key not in seen:
+                seen.add(key)
+                keep.append(child)
+                stack.append(child)
+                for _, call in child.metadata.get(TAG, ()):
+                    calls.setdefault(id(call.entry), set()).add(id(call))
+    return edges, {e: len(c) for e, c in calls.items()}
 
 
 def consumer_factor(node: Any, slot: int) -> float:

@@ -16,28 +16,46 @@ like a module call (inputs kept, a hook on the output), computed in the backward
 forms for ``linear``, ``matmul`` and ``embedding``; any other op falls back to a per-op
 ``torch.func`` vector-Jacobian product, never to a re-run of a whole module.
 
-Cost: one Python call per torch function in the forward (about 1-2 us each; a small GPT's
-forward makes ~75, so well under 1% of a step, measured in bench_compute.py), nothing in the
-backward. Uses outside the model's forward (in the loss code) are not seen: the coverage and
-spot checks refuse them, as before.
+Cost, and when the mode is on. A ``TorchFunctionMode`` routes every torch call of the forward
+through Python: on the small GPT of bench_compute.py (74 calls per forward) even an empty mode
+costs ~2 ms of a 26 ms forward (CPU), ~3% of a recorded step. So with ``watch="auto"`` (the
+default) it watches only the forwards that may hold a use no module covers:
+
+- the first :data:`SCANS` forwards with grad, and every forward once one of them had such a
+  use (the model's free uses are then all captured, always);
+- otherwise, before each backward, the autograd graph tells each recorded parameter's uses
+  (:func:`~gradlog.backends.hooks.graph.parameter_uses`: calls of its covering modules, and
+  graph edges into its gradient accumulator, one per op that took it: ~0.1 ms). Uses no
+  watched forward (or checked backward) had, e.g. a parameter used by hand only on some
+  steps, make that backward compare ``sum_b w_b g_b`` with **every** entry of ``p.grad``
+  (:meth:`OpCapture.unverified`); a mismatch is refused, naming ``watch="always"``, and the
+  next forward is watched; a match is learnt (:meth:`OpCapture.checked`).
+
+So a use is captured or refused, never missed in silence. Uses outside the model's forward
+(in the loss code) are never seen: the coverage and spot checks refuse them.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradlog._torch_private import force_eager
+from gradlog._torch_private import force_eager, gradient_accumulator
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
+from gradlog.backends.hooks.graph import parameter_uses
 from gradlog.rules.ops import ParamUse, Step, op_kind, op_rule
 
-__all__ = ["VIEWS", "OpCapture"]
+__all__ = ["SCANS", "VIEWS", "WATCH", "OpCapture"]
+
+SCANS = 2
+"""Forwards watched before the mode turns itself off (no free use seen in any)."""
+WATCH = ("auto", "always")
 
 _T: Any = torch.Tensor  # (its T/mT properties' getters are what __torch_function__ sees)
 VIEWS: frozenset[Any] = frozenset({
@@ -51,6 +69,9 @@ VIEWS: frozenset[Any] = frozenset({
 parameter passed through them stays tracked (others, e.g. ``expand``/``repeat``, are ops of
 their own, with a per-op rule)."""
 
+Signature = tuple[tuple[int, ...], int]
+"""A parameter's uses in a backward's graph: calls of each module covering it, and the graph
+edges into its gradient accumulator (one per op taking it or a view of it)."""
 Capture = Callable[[Entry, nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
 
 
@@ -63,17 +84,34 @@ class OpCapture(TorchFunctionMode):
         capture: The backend's capture of a call (``HooksBackend._capture``).
         inside: Parameter id -> number of running calls of modules covering it (kept by
             the backend's module hooks).
+        modules: The backend's module entries (which cover which parameters).
         active: Whether capture is on now (off while rules run, outside grad mode, ...).
+        watch: ``"auto"`` or ``"always"`` (see the module doc).
     """
 
     def __init__(self, model: nn.Module, params: Mapping[str, nn.Parameter], capture: Capture,
-                 inside: dict[int, int], active: Callable[[], bool]) -> None:
+                 inside: dict[int, int], modules: Sequence[Entry], active: Callable[[], bool],
+                 watch: str = "auto") -> None:
         super().__init__()
         self.model = model
+        self.params = params
         self.capture = capture
         self.inside = inside
         self.active = active
         self.depth = 0
+        self.covering = {n: tuple(id(e) for e in modules if n in e.names.values())
+                         for n in params}
+        self.always = watch == "always"
+        self.watching = False  # the mode is pushed for the running forward
+        self.grad = False  # the running forward started with grad enabled
+        self.scans = 0  # watched forwards with grad and no free use
+        self.free = 0  # free uses captured in the running forward
+        self.unwatched = 0  # forwards with grad not watched since the last backward
+        self.rescan = False  # the last backward's uses were new: watch the next forward
+        self.known: dict[str, set[Signature]] = {}  # per parameter: uses known to be covered
+        self.pending: dict[str, Signature] = {}  # the uses an exact check is verifying
+        self.nodes: dict[int, str] | None = None  # gradient accumulators' ids -> names
+        self.keep: list[Any] = []  # those accumulators
         self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse]] = {
@@ -87,18 +125,73 @@ class OpCapture(TorchFunctionMode):
         otherwise trace gradlog's hooks and this mode, guard on the ids they look up and
         recompile at every step (its recompile limit was hit by step 8)."""
         if self.depth == 0:
-            self.restore = force_eager() if torch.is_grad_enabled() else None
-            self.__enter__()
+            self.grad = torch.is_grad_enabled()  # (a forward without grad is always watched)
+            self.restore = force_eager() if self.grad else None
+            self.watching = self.always or self.rescan or self.scans < SCANS or not self.grad
+            self.free = 0
+            if self.watching:
+                self.__enter__()
         self.depth += 1
 
     def leave(self, *_: Any) -> None:
         """Always-called forward hook of the root module."""
         self.depth -= 1
-        if self.depth == 0:
+        if self.depth != 0:
+            return
+        if self.watching:
             self.__exit__(None, None, None)
-            if self.restore is not None:
-                self.restore()
-                self.restore = None
+        if self.restore is not None:
+            self.restore()
+            self.restore = None
+        if self.grad:
+            self._settle()
+
+    def _settle(self) -> None:
+        """After a forward with grad: whether the next one is watched (module doc)."""
+        if not self.watching:
+            self.unwatched += 1
+        elif self.free:
+            self.always = True  # the model uses parameters freely: watch every forward
+        else:
+            self.scans += 1
+            self.rescan = False
+
+    def unverified(self, loss: torch.Tensor) -> bool:
+        """Before a backward of ``loss``: whether a forward of its graph went unwatched with
+        uses of recorded parameters that no watched forward had (the backward then compares
+        every entry, and the next forward is watched). The uses are read from the graph
+        (:func:`graph.parameter_uses`); watched forwards' are learnt."""
+        if self.always:  # every forward is watched: no walk
+            return False
+        unwatched, self.unwatched = self.unwatched, 0
+        if not unwatched or self.nodes is None:  # (a stale node only makes uses look new)
+            nodes = [(gradient_accumulator(p), n) for n, p in self.params.items()]
+            if any(node is None for node, _ in nodes):  # (autograd cannot locate them)
+                self.always = True
+                return bool(unwatched)
+            self.nodes = {id(node): n for node, n in nodes}
+            self.keep = [node for node, _ in nodes]  # (their ids stay theirs; reused by
+            # autograd for later forwards while referenced, as DDP relies on)
+        edges, calls = (parameter_uses(loss.grad_fn, self.nodes) if loss.grad_fn is not None
+                        else ({}, {}))
+        signature = {n: (tuple(calls.get(e, 0) for e in self.covering[n]), edges.get(n, 0))
+                     for n in self.params}
+        if not unwatched:
+            for n, sig in signature.items():
+                self.known.setdefault(n, set()).add(sig)
+            return False
+        new = any(sig not in self.known.get(n, ()) for n, sig in signature.items())
+        self.rescan = self.rescan or new
+        self.pending = signature if new else {}
+        return new
+
+    def checked(self) -> None:
+        """The backward :meth:`unverified` asked for passed its check at every entry: its
+        uses are learnt, and the next forward need not be watched."""
+        for n, sig in self.pending.items():
+            self.known.setdefault(n, set()).add(sig)
+        if self.pending:
+            self.pending, self.rescan = {}, False
 
     # -- the mode -----------------------------------------------------------------------------
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -118,6 +211,7 @@ class OpCapture(TorchFunctionMode):
             return out
         free = {k: u for k, u in uses.items() if not self.inside.get(id(u.param))}
         if free:  # (a use inside a covering module's call is its rule's)
+            self.free += 1
             self.capture(self._entry(func, args, kwargs, free), self.model, args, kwargs, out)
         return out
 
