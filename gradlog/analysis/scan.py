@@ -306,11 +306,26 @@ def blocks(
     if rows.size == 0:
         return
     plan, depth = block_plan(reader, rows, budget=budget, **plan_args)
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    # A companion (a block's probe rows) is read on a thread of its own beside the block's
+    # rows: one file's disk wait overlaps the other's decoding.
+    beside = (ThreadPoolExecutor(max_workers=depth, thread_name_prefix="gradlog-scan-extra")
+              if depth and extra_read is not None else None)
 
     def emit(i0: int, i1: int) -> Block:
-        data = reader.read(rows[i0:i1])
-        companion = extra_read(i0, i1) if extra_read is not None else None
-        return Block(slice(i0, i1), data, companion)
+        if beside is None:
+            data = reader.read(rows[i0:i1])
+            return Block(slice(i0, i1), data,
+                         extra_read(i0, i1) if extra_read is not None else None)
+        assert extra_read is not None  # (beside exists only with it)
+        companion = beside.submit(extra_read, i0, i1)
+        try:
+            data = reader.read(rows[i0:i1])
+        except BaseException:
+            companion.cancel()  # (one already running ends before the scan returns)
+            raise
+        return Block(slice(i0, i1), data, companion.result())
 
     if depth == 0:
         for i0, i1 in plan:
@@ -322,7 +337,6 @@ def blocks(
         return
 
     from collections import deque
-    from concurrent.futures import Future, ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="gradlog-scan")
     pending: deque[Future[Block]] = deque(pool.submit(emit, *r) for r in plan[:depth])
@@ -339,6 +353,8 @@ def blocks(
         for future in pending:
             future.cancel()
         pool.shutdown(wait=True)  # never leave a read running behind the caller
+        if beside is not None:
+            beside.shutdown(wait=True)
 
 
 def block_plan(
