@@ -110,8 +110,7 @@ class OpCapture(TorchFunctionMode):
         self.rescan = False  # the last backward's uses were new: watch the next forward
         self.known: dict[str, set[Signature]] = {}  # per parameter: uses known to be covered
         self.pending: dict[str, Signature] = {}  # the uses an exact check is verifying
-        self.nodes: dict[int, str] | None = None  # gradient accumulators' ids -> names
-        self.keep: list[Any] = []  # those accumulators
+        self.held = _Accumulators()
         self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse]] = {
@@ -164,15 +163,15 @@ class OpCapture(TorchFunctionMode):
         if self.always:  # every forward is watched: no walk
             return False
         unwatched, self.unwatched = self.unwatched, 0
-        if not unwatched or self.nodes is None:  # (a stale node only makes uses look new)
+        held = self.held
+        if not unwatched or held.names is None:  # (a stale node only makes uses look new)
             nodes = [(gradient_accumulator(p), n) for n, p in self.params.items()]
             if any(node is None for node, _ in nodes):  # (autograd cannot locate them)
                 self.always = True
                 return bool(unwatched)
-            self.nodes = {id(node): n for node, n in nodes}
-            self.keep = [node for node, _ in nodes]  # (their ids stay theirs; reused by
-            # autograd for later forwards while referenced, as DDP relies on)
-        edges, calls = (parameter_uses(loss.grad_fn, self.nodes) if loss.grad_fn is not None
+            held.names = {id(node): n for node, n in nodes}
+            held.nodes = [node for node, _ in nodes]
+        edges, calls = (parameter_uses(loss.grad_fn, held.names) if loss.grad_fn is not None
                         else ({}, {}))
         signature = {n: (tuple(calls.get(e, 0) for e in self.covering[n]), edges.get(n, 0))
                      for n in self.params}
@@ -255,6 +254,20 @@ class OpCapture(TorchFunctionMode):
                           op=what)
             self.entries[key] = entry
         return entry
+
+
+class _Accumulators:
+    """The recorded parameters' gradient accumulators (autograd nodes), held: while they are
+    referenced autograd reuses them in later forwards (as DDP relies on), so their ids
+    name the parameters in every graph. A copy of the model (``copy.deepcopy``, which copies
+    its hooks and so this) holds none: nodes cannot be copied."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] | None = None  # node id -> parameter name
+        self.nodes: list[Any] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Accumulators:
+        return _Accumulators()
 
 
 def _steps_key(steps: tuple[Step, ...]) -> tuple[Any, ...]:
