@@ -268,6 +268,7 @@ class _ProbeSource:
         precs: Any,
     ) -> None:
         self.slots, self.ustep = slots, ustep
+        self._widened = run.form_name(name) != "full"  # (projected from float64 rows)
         self._lock = threading.Lock()
         self._last: tuple[tuple[int, ...], Future[np.ndarray]] | None = None
         out = run.value_dtype(name)
@@ -289,7 +290,7 @@ class _ProbeSource:
                 step_of = dict(zip(precs.column("row").to_numpy().tolist(),
                                    precs.column("step").to_numpy().tolist()))
                 self._reader = probe_reader(
-                    run, name, lambda ids: run.read_probe_rows(name, ids, np.float64),
+                    run, name, lambda ids: run.read_probe_rows(name, ids, out),
                     step_of.__getitem__, view, out)
 
     def _ids(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -307,9 +308,12 @@ class _ProbeSource:
                 return int(self._const.nbytes)
             ids, ok = self._ids(u)
             rows = np.unique(ids[ok])
-            # the rows, their full float64 form before projection, and the arranged block
-            return int(self._reader.read_cost(rows) + 2 * rows.size * self._reader.row_bytes
-                       + u.size * self.n_probes * self._reader.row_bytes)
+            # the rows; their float64 form before a projection; the arranged block unless
+            # every probe has its row in order
+            in_order = bool(ok.all()) and rows.size == ids.size and np.array_equal(rows, ids)
+            return int(self._reader.read_cost(rows)
+                       + (2 * rows.size * self._reader.row_bytes if self._widened else 0)
+                       + (0 if in_order else u.size * self.n_probes * self._reader.row_bytes))
         return cost
 
     def read(self, at_step: np.ndarray) -> Any:

@@ -217,15 +217,27 @@ def probe_reader(
     out_shape = run.form(param).out_shape if projected else shape
 
     def read(ids: np.ndarray) -> np.ndarray:
-        full = np.array(full_rows(ids), dtype=np.float64).reshape(ids.size, numel)  # a copy
-        if view is not None:
-            for i, row in enumerate(ids):
-                full[i] = view.apply(param, step_of(int(row)), full[i])
         if projected:
+            full = np.array(full_rows(ids), dtype=np.float64).reshape(ids.size, numel)  # a copy
+            if view is not None:
+                for i, row in enumerate(ids):
+                    full[i] = view.apply(param, step_of(int(row)), full[i])
             return np.asarray(project(run, param, full.reshape(ids.size, *shape)), dtype=out)
-        return np.asarray(full, dtype=out)
+        rows = np.asarray(full_rows(ids)).reshape(ids.size, numel)
+        if view is None:
+            return np.asarray(rows, dtype=out)
+        result = np.empty((ids.size, numel), dtype=out)  # times lr c P_t in float64, by step,
+        steps = np.array([step_of(int(row)) for row in ids])  # a few MiB of rows at a time
+        cuts = np.unique(np.concatenate([np.flatnonzero(np.diff(steps)) + 1,
+                                         np.arange(0, ids.size, max(1, (4 << 20) // (8 * numel))),
+                                         [ids.size]]))
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            result[a:b] = view.apply(param, int(steps[a]), rows[a:b])
+        return result
 
-    return ArrayReader(read, out_shape, out, stored_itemsize=8, chunk_rows=1, sharded=True)
+    # (peak: the rows as read, and the result; a projection's float64 rows before it)
+    return ArrayReader(read, out_shape, out, stored_itemsize=8 if projected else 4,
+                       chunk_rows=1, sharded=True)
 
 
 def probe_sqnorms(

@@ -165,8 +165,10 @@ class ArrayReader:
         chunk_rows: Callable[[], int] | int,
         sharded: bool,
         ops: Any = None,
+        direct: Callable[[], bool] | bool = False,
     ) -> None:
         self._read = read
+        self._direct = direct
         self.ops = ops
         self.shape = tuple(int(d) for d in shape)
         self.numel = int(np.prod(self.shape, dtype=np.int64))
@@ -183,6 +185,14 @@ class ArrayReader:
             self._chunk_rows = max(1, int(self._chunk_rows()))
         return self._chunk_rows
 
+    @property
+    def direct(self) -> bool:
+        """Whether reads land in their result without decoding buffers (uncompressed local
+        arrays: gradlog.store.chunks' scatter reads, ProbeArray's plain chunks)."""
+        if callable(self._direct):
+            self._direct = bool(self._direct())
+        return self._direct
+
     def read_cost(self, rows: np.ndarray) -> int:
         """Bytes a read of ``rows`` (sorted) holds at its peak (output + decoding)."""
         n = int(rows.size)
@@ -192,6 +202,8 @@ class ArrayReader:
         out = n * self.row_bytes  # what the caller gets
         if self.dtype.itemsize * self.numel != self.stored_row_bytes:
             out += n * self.stored_row_bytes  # decoded in the stored dtype first
+        if self.direct:  # (a probe chunk not wanted whole is read into a buffer)
+            return int(out + (0 if self.sharded else c * self.stored_row_bytes) + _PER_READ)
         if self.sharded:
             # gradlog's shard reader (gradlog.store.arrays): the rows as stored, then shard by
             # shard the decoded rows of that shard plus the whole file when at least half of

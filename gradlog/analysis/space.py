@@ -216,6 +216,7 @@ def reader(
             stored_itemsize=itemsize,
             chunk_rows=lambda: run.probe_array(param).chunk_rows,
             sharded=False,
+            direct=lambda: run.probe_array(param).plain and form == "full",
         )
     if form == "full":
         return ArrayReader(
@@ -225,6 +226,7 @@ def reader(
             stored_itemsize=itemsize,
             chunk_rows=lambda: run.chunk_rows(param),
             sharded=run.sharded,
+            direct=lambda: run.scatters(param),
         )
     if form in _ESTIMATES and run.first_notice("estimate", param):
         import warnings

@@ -109,6 +109,7 @@ class StepPipeline:
         self.probes = None if options.probes is None else ProbeRecorder(
             options.probes, options.probe_ids, self.model, self.params,
             token_reduction=config.token_reduction, dtype=config.dtype, durable=options.durable,
+            compression=config.compression,
         )
         self._optimizer_hook = on_step_of(options.optimizer, self.lifecycle.on_optimizer_step)
         # the optimizer's state at recorded steps, for kind="optimizer" influence (rank 0)

@@ -46,6 +46,7 @@ class ProbeRecorder:
         token_reduction: str,
         dtype: str,
         durable: bool,
+        compression: str = "none",
     ) -> None:
         self.loss_fn, self.batch = probes
         self.probe_ids = probe_ids
@@ -55,6 +56,7 @@ class ProbeRecorder:
         self.dtype = dtype
         self.storage = storage_dtype(dtype)
         self.durable = durable
+        self.compression = compression
         self._writer: ProbeWriter | None = None  # at the first probe step
 
     def record(self, step: int, store: StorePath) -> None:
@@ -89,7 +91,8 @@ class ProbeRecorder:
             out = _per_probe_grads(losses, names, tensors)
         if self._writer is None:
             specs = {name: (tuple(p.shape), self.dtype) for name, p in self.params.items()}
-            self._writer = ProbeWriter(store, specs, ids.tolist(), durable=self.durable)
+            self._writer = ProbeWriter(store, specs, ids.tolist(), durable=self.durable,
+                                       compression=self.compression)
         self._writer.append(
             step=step,
             losses=losses.detach().double().cpu().numpy(),

@@ -305,6 +305,12 @@ class ShardLayout:
         size = file.size
         if size < self.index_bytes:
             raise StoreCorruptError(f"{where}: the shard is truncated ({size} bytes).")
+        if file.fd is not None and self.compression == "none" and out.flags.c_contiguous:
+            index = self.decode_index(file.pread(self.index_bytes, size - self.index_bytes),
+                                      where)
+            self._scatter_rows(file.fd, shard, positions, index, size - self.index_bytes, out,
+                               where)
+            return
         whole = 2 * len(positions) >= self.rows_per_shard
         if whole:
             data = file.pread(size, 0)
@@ -313,23 +319,71 @@ class ShardLayout:
             index = self.decode_index(file.pread(self.index_bytes, size - self.index_bytes), where)
         limit = size - self.index_bytes
         for k, pos in enumerate(positions):
-            offset, length = (int(v) for v in index[pos])
-            row = shard * self.rows_per_shard + pos
-            chunk_where = f"{where}, inner chunk {pos} (record row {row})"
-            if offset == int(MISSING) and length == int(MISSING):
-                raise StoreCorruptError(
-                    f"{chunk_where}: the shard does not hold this committed record."
-                )
-            if offset + length > limit or length < 4:
-                raise StoreCorruptError(
-                    f"{chunk_where}: the index points outside the shard (offset {offset}, "
-                    f"length {length}, {limit} data bytes)."
-                )
+            offset, length, chunk_where = self._located(index, shard, pos, limit, where)
             encoded = memoryview(data)[offset : offset + length] if whole else file.pread(
                 length, offset
             )
             # a view even for scalar parameters (out[k] would be a numpy scalar, a copy)
             self.decode_row(encoded, chunk_where, out[k : k + 1].reshape(out.shape[1:]))
+
+
+    def _located(self, index: np.ndarray, shard: int, pos: int, limit: int, where: str
+                 ) -> tuple[int, int, str]:
+        """Offset and length of inner chunk ``pos`` from the shard's index, checked."""
+        offset, length = (int(v) for v in index[pos])
+        row = shard * self.rows_per_shard + pos
+        chunk_where = f"{where}, inner chunk {pos} (record row {row})"
+        if offset == int(MISSING) and length == int(MISSING):
+            raise StoreCorruptError(
+                f"{chunk_where}: the shard does not hold this committed record."
+            )
+        if offset + length > limit or length < 4:
+            raise StoreCorruptError(
+                f"{chunk_where}: the index points outside the shard (offset {offset}, "
+                f"length {length}, {limit} data bytes)."
+            )
+        return offset, length, chunk_where
+
+    def _scatter_rows(self, fd: int, shard: int, positions: Sequence[int], index: np.ndarray,
+                      limit: int, out: np.ndarray, where: str) -> None:
+        """Uncompressed rows of a local shard read straight into ``out``: each run of rows
+        that lie one after another in the file is one ``preadv`` whose buffers are the rows
+        of ``out`` and their checksums' 4 bytes (no intermediate bytes object, no copy:
+        about half the CPU time of reading then decoding). Checksums verified after."""
+        import os
+
+        rows = [memoryview(out[k : k + 1].reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+                for k in range(len(positions))]
+        sums = bytearray(4 * len(positions))
+        located = [self._located(index, shard, pos, limit, where) for pos in positions]
+        for _, length, chunk_where in located:
+            if length != self.row_bytes + 4:
+                raise StoreCorruptError(
+                    f"{chunk_where}: the chunk holds {length - 4} bytes, a row has "
+                    f"{self.row_bytes}."
+                )
+        start = 0
+        while start < len(located):  # runs of consecutive chunks, at most 512 rows each
+            end = start + 1
+            while (end < len(located) and end - start < 512
+                   and located[end][0] == located[end - 1][0] + located[end - 1][1]):
+                end += 1
+            buffers: list[Any] = []
+            for k in range(start, end):
+                buffers += [rows[k], memoryview(sums)[4 * k : 4 * k + 4]]
+            want = (end - start) * (self.row_bytes + 4)
+            got = os.preadv(fd, buffers, located[start][0])
+            if got != want:
+                raise StoreCorruptError(
+                    f"{located[start][2]}: read {got} of {want} bytes: the shard is truncated."
+                )
+            start = end
+        for k, (_, _, chunk_where) in enumerate(located):
+            if crc32c_bytes(rows[k]) != bytes(sums[4 * k : 4 * k + 4]):
+                raise StoreCorruptError(
+                    f"{chunk_where}: the chunk fails its crc32c checksum: its bytes were "
+                    "damaged after writing. The values are not returned."
+                )
 
 
 def _int_list(value: Any) -> TypeGuard[list[int]]:

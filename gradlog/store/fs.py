@@ -362,9 +362,10 @@ def remove_tree(path: StorePath) -> None:
 class _Ranges:
     """Sized, ranged reads of one file (``pread`` locally, ranged GETs on object storage)."""
 
-    def __init__(self, size: int, read: Any) -> None:
+    def __init__(self, size: int, read: Any, fd: int | None = None) -> None:
         self.size = size
         self._read = read
+        self.fd = fd  # a local file's descriptor (scatter reads: os.preadv), else None
 
     def pread(self, length: int, offset: int) -> bytes:
         data: bytes = self._read(length, offset)
@@ -389,6 +390,7 @@ def open_ranges(path: StorePath) -> Iterator[_Ranges]:
         return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
-        yield _Ranges(os.fstat(fd).st_size, lambda n, off: os.pread(fd, n, off))
+        yield _Ranges(os.fstat(fd).st_size, lambda n, off: os.pread(fd, n, off),
+                      fd if hasattr(os, "preadv") else None)
     finally:
         os.close(fd)

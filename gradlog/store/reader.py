@@ -434,6 +434,13 @@ class StoreReader:
         """Rows per chunk (or shard) file of ``param``'s arrays (its first array's)."""
         return int(self.array(param, next(iter(self.spec(param)["arrays"]))).rows_per_chunk())
 
+    def scatters(self, param: str) -> bool:
+        """Whether sorted reads of ``param``'s ``full`` array land straight in their result
+        (a local, uncompressed sharded array: ``ShardLayout.read_rows``' scatter reads)."""
+        layout = self.array(param, "grad").layout
+        return (layout is not None and layout.compression == "none"
+                and not isinstance(self.path, sfs.ObjectPath) and hasattr(os, "preadv"))
+
     def read_array(
         self, param: str, rows: np.ndarray, dtype: Any = np.float32, array: str = "grad"
     ) -> np.ndarray:
