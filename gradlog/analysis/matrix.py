@@ -160,24 +160,28 @@ def influence_matrix(
         for n, r in readers.items()
     ])
     total = sum(rows.size * r.row_bytes for r in readers.values())
+
+    def score(name: str, budget: int, into: np.ndarray, bar: Any) -> None:
+        train, source = readers[name], sources[name]
+        ops = ops_of(train)
+        for blk in blocks(train, rows, budget=budget, keys=steps, per_row_bytes=per_row,
+                          extra_cost=source.cost(at_step), extra_read=source.read(at_step),
+                          on_read=bar.update, what=name):
+            assert blk.extra is not None  # extra_read gave it
+            pos = np.arange(blk.positions.start, blk.positions.stop)
+            local = at_step[pos]
+            cuts = np.concatenate([[0], np.flatnonzero(np.diff(local)) + 1, [pos.size]])
+            for k in range(cuts.size - 1):
+                a, b = int(cuts[k]), int(cuts[k + 1])
+                prod = _products(ops, ops.take(blk.data, a, b), blk.extra[k])  # (m, P)
+                prod *= coef[pos[a:b], None]
+                if norm_scale is not None:
+                    prod *= norm_scale(pos[a:b], int(local[a]))
+                np.add.at(into, inverse[pos[a:b]], prod)
+
     with opts.bar(total, "influence_matrix") as bar, _one_core_for_reads():
         for name in names:
-            train, source = readers[name], sources[name]
-            ops = ops_of(train)
-            for blk in blocks(train, rows, budget=opts.budget, keys=steps, per_row_bytes=per_row,
-                              extra_cost=source.cost(at_step), extra_read=source.read(at_step),
-                              on_read=bar.update, what=name):
-                assert blk.extra is not None  # extra_read gave it
-                pos = np.arange(blk.positions.start, blk.positions.stop)
-                local = at_step[pos]
-                cuts = np.concatenate([[0], np.flatnonzero(np.diff(local)) + 1, [pos.size]])
-                for k in range(cuts.size - 1):
-                    a, b = int(cuts[k]), int(cuts[k + 1])
-                    prod = _products(ops, ops.take(blk.data, a, b), blk.extra[k])  # (m, P)
-                    prod *= coef[pos[a:b], None]
-                    if norm_scale is not None:
-                        prod *= norm_scale(pos[a:b], int(local[a]))
-                    np.add.at(out, inverse[pos[a:b]], prod)
+            score(name, opts.budget, out, bar)
     return InfluenceMatrix(datum_ids, probe_ids, out, kind)
 
 

@@ -167,8 +167,9 @@ class OptimizerView:
         ``param``'s probe gradient at ``step`` is multiplied by; ``(0, None)`` where the
         optimizer did not step the parameter."""
         key = (param, int(step))
-        if self._factor is not None and self._factor[0] == key:  # rows come step by step
-            return self._factor[1]
+        last = self._factor  # (read once: scans of several parameters share this view)
+        if last is not None and last[0] == key:  # rows come step by step
+            return last[1]
         found = self._compute_factor(param, int(step))
         self._factor = (key, found)
         return found
@@ -226,13 +227,15 @@ def probe_reader(
         rows = np.asarray(full_rows(ids)).reshape(ids.size, numel)
         if view is None:
             return np.asarray(rows, dtype=out)
-        result = np.empty((ids.size, numel), dtype=out)  # times lr c P_t in float64, by step,
-        steps = np.array([step_of(int(row)) for row in ids])  # a few MiB of rows at a time
-        cuts = np.unique(np.concatenate([np.flatnonzero(np.diff(steps)) + 1,
-                                         np.arange(0, ids.size, max(1, (4 << 20) // (8 * numel))),
-                                         [ids.size]]))
+        # times lr c P_t, by step: the factor formed in float64, rounded once to the rows'
+        # dtype, one multiply (float32 rows: ~1e-7 relative, as the products themselves)
+        result = np.empty((ids.size, numel), dtype=out)
+        steps = np.array([step_of(int(row)) for row in ids])
+        cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [ids.size]])
         for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            result[a:b] = view.apply(param, int(steps[a]), rows[a:b])
+            scale, precond = view.factor(param, int(steps[a]))
+            factor = np.asarray(scale if precond is None else precond * scale, dtype=out)
+            np.multiply(rows[a:b], factor, out=result[a:b], casting="unsafe")
         return result
 
     # (peak: the rows as read, and the result; a projection's float64 rows before it)

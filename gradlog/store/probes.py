@@ -217,6 +217,8 @@ class ProbeArray:
                 raise StoreCorruptError(f"{self.where}: chunk {key} is missing, though probe "
                                         "records live in it.") from None
             try:
+                if hasattr(os, "posix_fadvise"):  # the kernel reads the whole chunk ahead
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 got = os.preadv(fd, [body, checksum], 0)
                 extra = os.pread(fd, 1, got)
             finally:
@@ -245,6 +247,16 @@ def _plain_chunks(array: Any, shape: tuple[int, ...], directory: Any) -> bool:
         return False
     return (codecs == ["BytesCodec", "Crc32cCodec"] and str(getattr(endian, "value", endian))
             == "little" and chunks[1:] == shape and array.dtype.itemsize > 0)
+
+
+def probe_chunk_rows(n_probes: int, row_bytes: int) -> int:
+    """Rows per probe chunk: the most that fit in 16 MiB and divide the number of probes, so
+    a step's probes are whole chunks (read once, straight into place); when no divisor
+    fills a quarter of that (a prime number of large rows), as many rows as fit."""
+    fit = max(1, min(n_probes, _CHUNK_TARGET_BYTES // row_bytes))
+    divisor = max(d for d in range(1, fit + 1) if n_probes % d == 0)
+    return divisor if divisor == n_probes or 4 * divisor * row_bytes >= _CHUNK_TARGET_BYTES \
+        else fit
 
 
 class ProbeWriter:
@@ -344,7 +356,7 @@ class ProbeWriter:
             dtype = self.dtypes[name].array_dtype
             itemsize = dtype.itemsize
             row_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * itemsize)
-            rows = max(1, min(n, _CHUNK_TARGET_BYTES // row_bytes))
+            rows = probe_chunk_rows(n, row_bytes)
             self._arrays[name] = self._group.create_array(
                 fmt.array_path(name),
                 shape=(0, *shape),
