@@ -207,7 +207,8 @@ def probe_reader(
         run: The run.
         param: The parameter.
         full_rows: ``full_rows(ids)`` returns the rows ``ids`` (sorted) as full gradients
-            ``(k, numel)``: recorded probe rows, or a fixed gradient repeated.
+            ``(k, numel)``: recorded probe rows, or a fixed gradient repeated; a new array
+            (a writable one is scaled in place) or a read-only view.
         step_of: ``step_of(id)``: the step of row ``id`` (whose optimizer state applies).
         view: The optimizer's state, or None (``tracin``, ``cosine``: untransformed).
         out: The dtype returned.
@@ -229,7 +230,8 @@ def probe_reader(
             return np.asarray(rows, dtype=out)
         # times lr c P_t, by step: the factor formed in float64, rounded once to the rows'
         # dtype, one multiply (float32 rows: ~1e-7 relative, as the products themselves)
-        result = np.empty((ids.size, numel), dtype=out)
+        result = rows if rows.dtype == out and rows.flags.writeable else np.empty(
+            (ids.size, numel), dtype=out)  # (in place: full_rows gives a new array)
         steps = np.array([step_of(int(row)) for row in ids])
         cuts = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1, [ids.size]])
         for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
@@ -238,7 +240,8 @@ def probe_reader(
             np.multiply(rows[a:b], factor, out=result[a:b], casting="unsafe")
         return result
 
-    # (peak: the rows as read, and the result; a projection's float64 rows before it)
+    # (peak: the rows as read, and a result unless they are scaled in place; a projection's
+    # float64 rows before it)
     return ArrayReader(read, out_shape, out, stored_itemsize=8 if projected else 4,
                        chunk_rows=1, sharded=True)
 
