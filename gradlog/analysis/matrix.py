@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -161,28 +161,76 @@ def influence_matrix(
     ])
     total = sum(rows.size * r.row_bytes for r in readers.values())
 
-    def score(name: str, budget: int, into: np.ndarray, bar: Any) -> None:
-        train, source = readers[name], sources[name]
-        ops = ops_of(train)
-        for blk in blocks(train, rows, budget=budget, keys=steps, per_row_bytes=per_row,
-                          extra_cost=source.cost(at_step), extra_read=source.read(at_step),
-                          on_read=bar.update, what=name):
-            assert blk.extra is not None  # extra_read gave it
-            pos = np.arange(blk.positions.start, blk.positions.stop)
-            local = at_step[pos]
-            cuts = np.concatenate([[0], np.flatnonzero(np.diff(local)) + 1, [pos.size]])
-            for k in range(cuts.size - 1):
-                a, b = int(cuts[k]), int(cuts[k + 1])
-                prod = _products(ops, ops.take(blk.data, a, b), blk.extra[k])  # (m, P)
-                prod *= coef[pos[a:b], None]
-                if norm_scale is not None:
-                    prod *= norm_scale(pos[a:b], int(local[a]))
-                np.add.at(into, inverse[pos[a:b]], prod)
-
+    # Dense parameters are read together, a block of steps of every one at a time: one
+    # read-ahead pipeline for all (scanned one after another, each small parameter's only
+    # read waited alone). Form arrays (``space``) keep a scan each.
+    dense = [n for n in names if readers[n].ops is None]
+    groups = ([dense] if len(dense) > 1 else []) + [[n] for n in names
+                                                     if len(dense) <= 1 or n not in dense]
+    if len(dense) > 1 and least_budget(
+            cast(ArrayReader, _Readers({n: readers[n] for n in dense})), rows,
+            per_row_bytes=per_row,
+            extra_cost=_Sources({n: sources[n] for n in dense}).cost(at_step)) > opts.budget:
+        groups = [[n] for n in names]  # (one row of every parameter exceeds the budget)
     with opts.bar(total, "influence_matrix") as bar, _one_core_for_reads():
-        for name in names:
-            score(name, opts.budget, out, bar)
+        for group in groups:
+            if len(group) == 1:
+                train, source = readers[group[0]], sources[group[0]]
+            else:
+                train = cast(ArrayReader, _Readers({n: readers[n] for n in group}))
+                source = cast(_ProbeSource, _Sources({n: sources[n] for n in group}))
+            for blk in blocks(train, rows, budget=opts.budget, keys=steps,
+                              per_row_bytes=per_row, extra_cost=source.cost(at_step),
+                              extra_read=source.read(at_step), on_read=bar.update,
+                              what=", ".join(group)):
+                assert blk.extra is not None  # extra_read gave it
+                pos = np.arange(blk.positions.start, blk.positions.stop)
+                local = at_step[pos]
+                cuts = np.concatenate([[0], np.flatnonzero(np.diff(local)) + 1, [pos.size]])
+                for name in group:
+                    ops = ops_of(readers[name])
+                    data = blk.data[name] if len(group) > 1 else blk.data
+                    extra = cast(Any, blk.extra)[name] if len(group) > 1 else blk.extra
+                    for k in range(cuts.size - 1):
+                        a, b = int(cuts[k]), int(cuts[k + 1])
+                        prod = _products(ops, ops.take(data, a, b), extra[k])  # (m, P)
+                        prod *= coef[pos[a:b], None]
+                        if norm_scale is not None:
+                            prod *= norm_scale(pos[a:b], int(local[a]))
+                        np.add.at(out, inverse[pos[a:b]], prod)
     return InfluenceMatrix(datum_ids, probe_ids, out, kind)
+
+
+class _Readers:
+    """Several parameters' readers as one: a read returns each one's rows by name, and
+    costs what their reads cost together (:func:`~gradlog.analysis.scan.blocks` needs only
+    these)."""
+
+    def __init__(self, parts: Mapping[str, ArrayReader]) -> None:
+        self.parts = parts
+        self.row_bytes = sum(r.row_bytes for r in parts.values())
+        self.chunk_rows = max(r.chunk_rows for r in parts.values())
+
+    def read_cost(self, rows: np.ndarray) -> int:
+        return sum(int(r.read_cost(rows)) for r in self.parts.values())
+
+    def read(self, rows: np.ndarray) -> dict[str, Any]:
+        return {n: r.read(rows) for n, r in self.parts.items()}
+
+
+class _Sources:
+    """Several parameters' probe sources as one (their blocks by name)."""
+
+    def __init__(self, parts: Mapping[str, _ProbeSource]) -> None:
+        self.parts = parts
+
+    def cost(self, at_step: np.ndarray) -> Any:
+        costs = [s.cost(at_step) for s in self.parts.values()]
+        return lambda i0, i1: sum(c(i0, i1) for c in costs)
+
+    def read(self, at_step: np.ndarray) -> Any:
+        reads = {n: s.read(at_step) for n, s in self.parts.items()}
+        return lambda i0, i1: {n: r(i0, i1) for n, r in reads.items()}
 
 
 @contextlib.contextmanager

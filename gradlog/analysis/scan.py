@@ -202,8 +202,10 @@ class ArrayReader:
         out = n * self.row_bytes  # what the caller gets
         if self.dtype.itemsize * self.numel != self.stored_row_bytes:
             out += n * self.stored_row_bytes  # decoded in the stored dtype first
-        if self.direct:  # (a probe chunk not wanted whole is read into a buffer)
-            return int(out + (0 if self.sharded else c * self.stored_row_bytes) + _PER_READ)
+        if self.direct:  # a shard's index (16 bytes a row) and a few int64 per row read;
+            # a probe chunk not wanted whole is read into a buffer
+            extra = 20 * c + 64 * n if self.sharded else c * self.stored_row_bytes
+            return int(out + extra + _PER_READ)
         if self.sharded:
             # gradlog's shard reader (gradlog.store.arrays): the rows as stored, then shard by
             # shard the decoded rows of that shard plus the whole file when at least half of

@@ -372,8 +372,8 @@ class ShardLayout:
                              os.POSIX_FADV_WILLNEED)
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + lengths[:-1]) + 1
         for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), pos.size]):
-            for start in range(a, b, 64):  # runs of consecutive chunks, 64 rows a call
-                end = min(b, start + 64)
+            for start in range(a, b, 16):  # runs of consecutive chunks, 16 rows a call
+                end = min(b, start + 16)  # (32 buffers: ~6 KB of memoryviews at once)
                 buffers: list[Any] = []
                 for k in range(start, end):
                     buffers += [flat[k * step : (k + 1) * step],
