@@ -165,13 +165,12 @@ def influence_matrix(
     # read-ahead pipeline for all (scanned one after another, each small parameter's only
     # read waited alone). Form arrays (``space``) keep a scan each.
     dense = [n for n in names if readers[n].ops is None]
-    groups = ([dense] if len(dense) > 1 else []) + [[n] for n in names
-                                                     if len(dense) <= 1 or n not in dense]
-    if len(dense) > 1 and least_budget(
-            cast(ArrayReader, _Readers({n: readers[n] for n in dense})), rows,
-            per_row_bytes=per_row,
-            extra_cost=_Sources({n: sources[n] for n in dense}).cost(at_step)) > opts.budget:
-        groups = [[n] for n in names]  # (one row of every parameter exceeds the budget)
+    together = len(dense) > 1 and least_budget(  # (one row of each fits the budget)
+        cast(ArrayReader, _Readers({n: readers[n] for n in dense})), rows,
+        per_row_bytes=per_row,
+        extra_cost=_Sources({n: sources[n] for n in dense}).cost(at_step)) <= opts.budget
+    groups = ([dense] + [[n] for n in names if n not in dense] if together
+              else [[n] for n in names])
     with opts.bar(total, "influence_matrix") as bar, _one_core_for_reads():
         for group in groups:
             if len(group) == 1:
