@@ -25,8 +25,10 @@ provider's (``AWS_*``), or pass ``storage_options`` to :func:`store_path`.
 
 from __future__ import annotations
 
+import mmap
 import os
 import posixpath
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -241,7 +243,8 @@ def listdir(path: StorePath) -> list[str]:
 def write_buffers(path: StorePath, buffers: list[Any]) -> int:
     """Create or replace the file ``path`` with ``buffers`` concatenated; returns its size.
 
-    Locally one ``writev`` (no copy); on object storage one PUT of the whole object.
+    Locally one ``writev`` (no copy), or for a file of :data:`DIRECT_MIN_BYTES` or more one
+    direct write (:func:`_write_direct`); on object storage one PUT of the whole object.
     """
     if isinstance(path, ObjectPath):
         data = b"".join(memoryview(b).cast("B") for b in buffers)
@@ -249,11 +252,25 @@ def write_buffers(path: StorePath, buffers: list[Any]) -> int:
     return _writev_file(path, buffers)
 
 
-def _writev_file(path: Path, buffers: list[Any]) -> int:
+DIRECT_MIN_BYTES = 1 << 20
+"""Local files of this size or more are written with ``O_DIRECT`` where the file system takes
+it. A buffered write spends most of its CPU time in the kernel's copy into freshly allocated
+page-cache pages: 53 ms of CPU per 33 MiB measured on the project's 2-core VM, against 8 ms
+for a copy into one reused aligned buffer written directly, at the same disk bandwidth. A
+writer thread beside compute on every core must not need a core of its own for that copy."""
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # Linux (0 elsewhere: never direct)
+_DIRECT_ALIGN = 4096  # offsets, lengths and addresses of direct writes: the largest usual
+# logical block size
+_no_direct: set[int] = set()  # st_dev of local file systems that refused O_DIRECT
+_aligned = threading.local()  # per thread: a page-aligned buffer reused across writes
+
+
+def _open_new(path: Path, extra: int = 0) -> int:
     # O_NOFOLLOW: a shard name that is a symbolic link (a crafted store) is never followed
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | extra
     try:
-        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
         if path.is_symlink():
             raise StoreFormatError(
@@ -261,8 +278,17 @@ def _writev_file(path: Path, buffers: list[Any]) -> int:
                 "store. Copy the store without links and resume the copy."
             ) from e
         raise
+
+
+def _writev_file(path: Path, buffers: list[Any]) -> int:
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(len(v) for v in views)
+    if total >= DIRECT_MIN_BYTES and _O_DIRECT:
+        written = _write_direct(path, views, total)
+        if written is not None:
+            return written
+    fd = _open_new(path)
     try:
-        views = [memoryview(b).cast("B") for b in buffers]
         total = 0
         while views:
             batch = views[:1024]  # IOV_MAX on Linux
@@ -278,6 +304,54 @@ def _writev_file(path: Path, buffers: list[Any]) -> int:
         return total
     finally:
         os.close(fd)
+
+
+def _write_direct(path: Path, views: list[memoryview], total: int) -> int | None:
+    """``views`` copied into this thread's aligned buffer, written past the page cache in
+    whole blocks, the file then cut to ``total`` bytes (the bytes on disk are exactly those of
+    a buffered write). None, having written nothing that stays, where the file system does
+    not take direct writes (tmpfs, some network file systems): the caller writes buffered,
+    as it will for that file system from then on."""
+    import errno
+
+    try:
+        device = os.stat(path.parent).st_dev
+    except OSError:
+        return None
+    if device in _no_direct:
+        return None
+    padded = -(-total // _DIRECT_ALIGN) * _DIRECT_ALIGN
+    buffer = getattr(_aligned, "buffer", None)
+    if buffer is None or len(buffer) < padded:
+        # an anonymous map is page-aligned; grown, never shrunk, freed with the thread
+        buffer = _aligned.buffer = mmap.mmap(-1, padded)
+    out = memoryview(buffer)
+    offset = 0
+    for view in views:
+        out[offset : offset + len(view)] = view
+        offset += len(view)
+    out[total:padded] = bytes(padded - total)  # (cut off below; zeros meanwhile)
+    try:
+        fd = _open_new(path, _O_DIRECT)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        _no_direct.add(device)
+        return None
+    try:
+        done = 0
+        while done < padded:
+            done += os.pwrite(fd, out[done:padded], done)
+        os.ftruncate(fd, total)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        _no_direct.add(device)  # the open was taken, the write refused
+        return None
+    finally:
+        os.close(fd)
+        out.release()
+    return total
 
 
 def write_bytes_atomic(path: StorePath, data: bytes) -> None:
