@@ -31,6 +31,13 @@ reference that is not a tool: ``minimum.py``, the arithmetic of ``hooks`` with
 checks, no generality). Its ratio is the floor for any eager implementation of these rules on
 the machine; the ``hooks`` rows minus it is gradlog's own bookkeeping.
 
+End to end: the ``gradlog record, form=F`` rows run ``GradRecorder`` (hooks backend) with form
+``full``, ``norm`` and ``projection`` (dim 1024), both ``batch_grad`` modes: forward,
+``rec.backward``, ``rec.flush()``, the records encoded, their exact float64 norms computed
+and everything written to a store (default ``durable=True``). Their floors: ``hand-written
+minimum + norm`` adds the exact norms of every record to the minimum, ``+ projection`` also
+projects every record as gradlog's default projection does (``minimum.with_form``).
+
 Usage (on a shared or small machine, keep OpenMP threads from spinning between ops, and
 prefer ``--clock cpu`` when other processes compete for the cores)::
 
@@ -145,6 +152,12 @@ def methods(
 
         out[label] = (backend.attach, step, backend.detach)
 
+    for form in RECORD_FORMS:
+        for batch_grad in ("autograd", "sum"):
+            label = f"gradlog record, form={form}" + (
+                ", batch_grad=sum" if batch_grad == "sum" else "")
+            out[label] = _recording(model, x, y, form, batch_grad)
+
     try:
         from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
     except ImportError as e:  # pragma: no cover - private API
@@ -172,6 +185,13 @@ def methods(
 
     out["hand-written minimum (reference)"] = (
         minimum_setup, lambda: minimum["step"](), none)
+    for form in ("norm", "projection"):
+        def floor(form: str = form) -> Any:
+            from minimum import with_form
+
+            return with_form(minimum["step"](), form)
+
+        out[f"hand-written minimum + {form} (reference)"] = (minimum_setup, floor, none)
 
     try:
         from opacus import GradSampleModule
@@ -194,6 +214,44 @@ def methods(
 
         out["Opacus hooks"] = (opacus_setup, opacus_step, opacus_teardown)
     return out
+
+
+RECORD_FORMS = ("full", "norm", "projection")
+"""Forms of the ``gradlog record`` rows (``projection``: its default dim, 1024)."""
+
+
+def _recording(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, form: str, batch_grad: str
+) -> tuple[Callable[[], None], Step, Callable[[], None]]:
+    """A ``GradRecorder`` end to end: forward, ``rec.backward``, ``rec.flush()`` (the step's
+    records encoded in ``form`` and written to a store in a temporary folder, committed with
+    the default ``durable=True``). With ``--clock cpu`` the writer threads' CPU time counts
+    (not the wait for the disk); with ``--clock wall`` the whole wait for the step's write."""
+    import shutil
+    import tempfile
+
+    import gradlog
+    from gradlog.losses import per_datum_losses
+
+    held: dict[str, Any] = {}
+
+    def setup() -> None:
+        held["dir"] = tempfile.mkdtemp(prefix="bench_compute_")
+        held["rec"] = gradlog.GradRecorder(
+            model, os.path.join(held["dir"], "run.gradlog"), form=form, batch_grad=batch_grad,
+        ).__enter__()
+
+    def step() -> Any:
+        rec = held["rec"]
+        model.zero_grad(set_to_none=True)
+        rec.backward(per_datum_losses(token_losses(model, (x, y)), None, "mean"))
+        rec.flush()
+
+    def teardown() -> None:
+        held.pop("rec").__exit__(None, None, None)
+        shutil.rmtree(held.pop("dir"), ignore_errors=True)
+
+    return setup, step, teardown
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -149,3 +149,40 @@ def minimum_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         if not torch.allclose(records[name][0], g, rtol=1e-3, atol=1e-6):
             raise RuntimeError(f"minimum_step's per-datum gradient of {name} is wrong")
     return _step(model, x, y, token_losses)
+
+
+_MATRICES: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+
+
+def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Tensor]:
+    """What a form adds to the per-datum step, at its least: every record's exact norm (the
+    store keeps it for every form: squares summed in float64, gradlog's own kernel), and for
+    ``projection`` the default two-sided projection to 1024 dims (``P0^T G P1`` with ranks
+    as gradlog balances them, fixed Gaussian matrices; vectors: one ``(n, min(n, 1024))``
+    matrix), taken from the dense records in the cheaper order."""
+    from gradlog.forms.projection import DEFAULT_DIM, balanced_ranks
+    from gradlog.grads import float64_sqnorms
+
+    out = {f"{name}/norm": float64_sqnorms(g.reshape(g.shape[0], -1)).sqrt_()
+           for name, g in records.items()}
+    if form != "projection":
+        return out
+    for name, g in records.items():
+        shape = tuple(g.shape[1:])
+        mats = _MATRICES.get(shape)
+        if mats is None:
+            if len(shape) == 2:
+                r0, r1 = balanced_ranks(DEFAULT_DIM, *shape)
+                mats = (torch.randn(shape[0], r0), torch.randn(shape[1], r1))
+            else:
+                mats = (torch.randn(g[0].numel(), min(g[0].numel(), DEFAULT_DIM)),)
+            _MATRICES[shape] = mats
+        if len(mats) == 2:
+            (p, q), (r0, r1) = shape, (mats[0].shape[1], mats[1].shape[1])
+            if p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1:
+                out[f"{name}/proj"] = mats[0].T @ (g @ mats[1])  # (B, r0, r1)
+            else:
+                out[f"{name}/proj"] = (mats[0].T @ g) @ mats[1]  # (B, r0, r1)
+        else:
+            out[f"{name}/proj"] = g.reshape(g.shape[0], -1) @ mats[0]  # (B, r)
+    return out
