@@ -240,6 +240,40 @@ def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)  # float64 rounding only
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 5),
+    N=st.integers(0, 12),
+    V=st.integers(1, 9),
+    pad=st.floats(0, 0.5),
+    scale=st.sampled_from([1.0, 0.25, 3.0]),
+    distinct=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_rows_sqnorms_are_the_dense_gradients_norms(
+    B: int, N: int, V: int, pad: float, scale: float, distinct: bool, seed: int
+) -> None:
+    """Rows.sqnorms (repeated rows merged, padding left out even when it holds NaN, the
+    distinct-rows shortcut) against the naive float64 norm of the dense gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    if distinct and N <= V:  # each datum's rows distinct (a position embedding)
+        index = torch.stack([torch.randperm(V, generator=gen)[:N] for _ in range(B)])
+    else:
+        index = torch.randint(0, V, (B, N), generator=gen)
+    index = torch.where(torch.rand(B, N, generator=gen) < pad, -1, index)  # (B, N)
+    values = torch.randn(B, N, 3, generator=gen, dtype=torch.float32)
+    values = torch.where((index < 0).unsqueeze(-1), float("nan"), values)
+    r = grads.Rows(index, values, V, scale)
+    want = torch.zeros(B, V, 3, dtype=D64)
+    for b in range(B):
+        for n in range(N):
+            if index[b, n] >= 0:
+                want[b, index[b, n]] += scale * values[b, n].double()
+    want_sq = want.reshape(B, -1).square().sum(1)
+    torch.testing.assert_close(r.sqnorms(), want_sq, rtol=1e-12, atol=1e-300)
+    torch.testing.assert_close(sqnorms(r), want_sq, rtol=1e-12, atol=1e-300)
+
+
 def test_float64_sqnorms_of_a_step_of_gradients() -> None:
     x = rand(32, 4096 * 70 + 3, dtype=torch.float32, seed=3)  # several scratch blocks
     torch.testing.assert_close(

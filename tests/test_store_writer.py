@@ -2,7 +2,7 @@
 readers, lossy dtypes within their documented error, resume, and crafted stores.
 
 Faults are injected at the store layer (``gradlog.store.writer._write_file``, the one function
-that writes shard files, and pyarrow's ``write_table`` for parquet parts). Expected gradients
+that writes shard files, and ``_write_parquet_atomic`` for parquet parts). Expected gradients
 come from a naive per-datum ``torch.autograd.grad`` loop, never from gradlog.
 """
 
@@ -201,16 +201,14 @@ def _replayed(steps: int) -> nn.Module:
 def test_enospc_while_committing_raises_at_exit(
     tmp_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pyarrow.parquet as pq
+    real = writer_module._write_parquet_atomic
 
-    real = pq.write_table
-
-    def full(table: Any, where: Any, **kw: Any) -> None:
+    def full(table: Any, where: Any) -> None:
         if "steps" in str(where) and "000000000005" in str(where):  # the last commit
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
-        real(table, where, **kw)
+        real(table, where)
 
-    monkeypatch.setattr(pq, "write_table", full)
+    monkeypatch.setattr(writer_module, "_write_parquet_atomic", full)
     with pytest.raises(errors.StoreWriteError, match=r"commit of step 5.*No space left"):
         _train(tmp_store)  # the error surfaces at exit, from close()
     monkeypatch.undo()

@@ -384,10 +384,7 @@ def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.
         out = factored_sqnorms(g, a, dtype=dtype)  # (B,)
         return out.mul_(material.scale**2) if material.scale != 1.0 else out
     if isinstance(material, Rows):
-        u = Rows(
-            material.index, material.values.to(dtype), material.num_rows, material.scale
-        ).unique()
-        return u.values.reshape(u.batch_size, -1).square().sum(1)  # (B,)
+        return material.sqnorms(dtype)  # (B,)
     return dense_sqnorms(material.reshape(material.shape[0], -1), dtype)  # (B,)
 
 

@@ -246,6 +246,28 @@ class Rows:
         out_values[owner[real], slot[real]] = merged[real]
         return Rows(out_index, out_values.reshape(self.values.shape), V)
 
+    def sqnorms(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Exact squared norms ``(B,)`` in ``dtype``: each datum's rows of one index summed
+        (in ``dtype``), then squared and summed; padding (index -1, which may hold anything)
+        left out. Rows that are all distinct (position embeddings) skip the merge."""
+        B, N = self.index.shape
+        V, D = self.num_rows, self.width
+        if N == 0:
+            return torch.zeros(B, dtype=dtype, device=self.values.device)
+        values = self.values.reshape(B * N, D).to(dtype)  # (B*N, D)
+        index = self.index.reshape(B * N)  # (B*N,)
+        datum = torch.arange(B, device=index.device).repeat_interleave(N)  # (B*N,)
+        key = torch.where(index >= 0, datum * V + index, B * V)  # padding: one key past all
+        uniq, inverse = torch.unique(key, return_inverse=True)  # (U,), (B*N,)
+        if uniq.numel() == B * N and int(uniq[-1]) < B * V:  # distinct rows, no padding
+            out = values.square().sum(1).view(B, N).sum(1)  # (B,)
+        else:
+            merged = values.new_zeros((uniq.numel(), D)).index_add_(0, inverse, values)
+            real = uniq < B * V  # (U,)
+            out = values.new_zeros(B).index_add_(
+                0, uniq[real] // V, merged[real].square().sum(1))  # (B,)
+        return out.mul_(self.scale**2) if self.scale != 1.0 else out
+
     def dense(self) -> torch.Tensor:
         """The per-datum gradients ``(B, num_rows, *row_shape)`` (one ``index_add_``)."""
         B, N = self.index.shape
