@@ -541,5 +541,6 @@ class StoreWriter:
                 arrays.remove_shards_past(self.n_rows)
             self._log.sync_all()  # the last commit markers, the trimmed metadata
         finally:
+            self._arrays.close()
             if self._lease is not None:
                 self._lease.release()
