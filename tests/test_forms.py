@@ -280,6 +280,48 @@ def test_float64_sqnorms_of_a_step_of_gradients() -> None:
         grads.float64_sqnorms(x), x.double().square().sum(1), rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize("slow", ["factored", "materialised"])
+def test_norms_of_factors_take_the_way_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, slow: str
+) -> None:
+    """Where the counts are close, both ways are timed once per shape and the faster kept
+    (here the other is made slow); the norms are the exact ones either way."""
+    import time
+
+    monkeypatch.setattr(grads_inner, "_MEASURED", {})
+    real = grads_inner.factored_sqnorms
+    calls: list[str] = []
+
+    def timed(g: torch.Tensor, a: torch.Tensor, *, dtype: torch.dtype = D64,
+              method: str = "auto") -> torch.Tensor:
+        calls.append(method)
+        if method == slow:
+            time.sleep(0.02)
+        return real(g, a, dtype=dtype, method=method)
+
+    monkeypatch.setattr(grads_inner, "factored_sqnorms", timed)
+    g, a = rand(3, 64, 128, seed=1), rand(3, 64, 128, seed=2)  # ghost ~ materialised here
+    want = torch.bmm(g.double().transpose(1, 2), a.double()).reshape(3, -1).square().sum(1)
+    for _ in range(3):
+        torch.testing.assert_close(sqnorms(grads.Factors(g, a)), want, rtol=1e-12, atol=0)
+    fast = "materialised" if slow == "factored" else "factored"
+    assert calls.count(slow) == 2  # timed once per shape (twice: warm-up, then timed)
+    assert calls[4:] == [fast] * 3  # then the faster way only
+    assert grads_inner.measured_method(g, a, D64) == fast
+
+
+def test_norms_of_factors_far_apart_by_count_are_not_timed(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grads_inner, "_MEASURED", {})
+    g, a = rand(2, 4, 256, seed=3), rand(2, 4, 256, seed=4)  # 4 tokens: ghost by far
+    t0 = grads_inner.time.perf_counter
+    monkeypatch.setattr(grads_inner.time, "perf_counter",
+                        lambda: pytest.fail("timed"))  # type: ignore[arg-type]
+    assert grads_inner.measured_method(g, a, D64) == "factored"
+    monkeypatch.setattr(grads_inner.time, "perf_counter", t0)
+
+
 def test_prefer_factored_follows_the_counts() -> None:
     assert grads_inner.prefer_factored(1, 8, 1, 8, 256, 256)  # few tokens: factored
     assert not grads_inner.prefer_factored(100, 512, 100, 512, 512, 512)  # many long pairs

@@ -535,7 +535,7 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
         f"({min(ratio):.2f}-{max(ratio):.2f}) |"
     )
     say(
-        f"| gradlog StoreWriter, durable=False (page cache) | "
+        f"| gradlog StoreWriter, durable=False (no sync per step) | "
         f"{statistics.median(ours_nosync):.0f} | {min(ours_nosync):.0f}-{max(ours_nosync):.0f} "
         f"| {statistics.median(ours_nosync) / statistics.median(raw):.2f} |"
     )
