@@ -13,6 +13,12 @@ SCRATCH_ELEMENTS = {"cpu": 1 << 18}
 CPU (stays in cache); elsewhere (CUDA) ``1 << 22`` (32 MiB: a few launches per parameter)."""
 
 
+_SMALL = 1 << 14
+"""Up to this many elements (128 KiB widened: heap memory that malloc reuses, not fresh pages)
+:func:`float64_sqnorms` widens the whole input at once: a step of the small GPT has 22 such
+parameters, where the blocked loop's own calls cost more than its arithmetic."""
+
+
 def norm_scratch(device: torch.device) -> torch.Tensor:
     """A block buffer for :func:`float64_sqnorms` on ``device``, to share between calls."""
     return torch.empty(SCRATCH_ELEMENTS.get(device.type, 1 << 22), dtype=torch.float64,
@@ -28,6 +34,8 @@ def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> 
     and on a GPU would double the step's gradient memory."""
     if flat.dtype == torch.float64:
         return flat.square().sum(1)  # (B,)
+    if flat.numel() <= _SMALL:  # a bias or a norm's weight: one widened copy, no loop
+        return flat.to(torch.float64).square_().sum(1)  # (B,)
     B, n = flat.shape
     per = SCRATCH_ELEMENTS.get(flat.device.type, 1 << 22)
     cols = max(1, per // max(1, B))
