@@ -67,6 +67,23 @@ def test_large_files_are_written_direct_with_the_same_bytes(
     assert (tmp_path / "shard").read_bytes() == _expected(small)
 
 
+@needs_direct
+@pytest.mark.parametrize("window", [4096, 3 * 4096, 1 << 20])
+def test_large_files_go_out_a_window_at_a_time(
+    tmp_path: Path, opened: list[int], monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    """A shard larger than the aligned buffer's window is copied and written a window at a
+    time (the buffer stays one window); the file holds exactly the buffers."""
+    monkeypatch.setattr(fs, "_DIRECT_WINDOW", window)
+    monkeypatch.setattr(fs._aligned, "buffer", None, raising=False)
+    parts = _parts((1 << 20) + 4096 * 5 + 12)  # buffers that straddle windows
+    assert fs.write_buffers(tmp_path / "shard", parts) == len(_expected(parts))
+    assert (tmp_path / "shard").read_bytes() == _expected(parts)
+    if not fs._no_direct:
+        assert any(f & DIRECT for f in opened)
+        assert len(fs._aligned.buffer) <= window
+
+
 def test_small_files_stay_buffered(tmp_path: Path, opened: list[int]) -> None:
     parts = _parts(fs.DIRECT_MIN_BYTES // 2)
     fs.write_buffers(tmp_path / "shard", parts)

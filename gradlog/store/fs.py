@@ -260,6 +260,9 @@ for a copy into one reused aligned buffer written directly, at the same disk ban
 writer thread beside compute on every core must not need a core of its own for that copy."""
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # Linux (0 elsewhere: never direct)
+_DIRECT_WINDOW = 64 << 20
+"""Bytes of a direct write copied and written at once (a multiple of the alignment): the
+aligned buffer of a writing thread never holds more, whatever a shard's size."""
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of direct writes: the largest usual
 # logical block size
 _no_direct: set[int] = set()  # st_dev of local file systems that refused O_DIRECT
@@ -307,11 +310,12 @@ def _writev_file(path: Path, buffers: list[Any]) -> int:
 
 
 def _write_direct(path: Path, views: list[memoryview], total: int) -> int | None:
-    """``views`` copied into this thread's aligned buffer, written past the page cache in
-    whole blocks, the file then cut to ``total`` bytes (the bytes on disk are exactly those of
-    a buffered write). None, having written nothing that stays, where the file system does
-    not take direct writes (tmpfs, some network file systems): the caller writes buffered,
-    as it will for that file system from then on."""
+    """``views`` written past the page cache: copied into this thread's aligned buffer a
+    window of at most :data:`_DIRECT_WINDOW` bytes at a time, each window written in whole
+    blocks, the file then cut to ``total`` bytes (the bytes on disk are exactly those of a
+    buffered write). None, having written nothing that stays, where the file system does not
+    take direct writes (tmpfs on older kernels, some network file systems): the caller
+    writes buffered, as it will for that file system from then on."""
     import errno
 
     try:
@@ -320,17 +324,11 @@ def _write_direct(path: Path, views: list[memoryview], total: int) -> int | None
         return None
     if device in _no_direct:
         return None
-    padded = -(-total // _DIRECT_ALIGN) * _DIRECT_ALIGN
+    size = min(_DIRECT_WINDOW, -(-total // _DIRECT_ALIGN) * _DIRECT_ALIGN)
     buffer = getattr(_aligned, "buffer", None)
-    if buffer is None or len(buffer) < padded:
-        # an anonymous map is page-aligned; grown, never shrunk, freed with the thread
-        buffer = _aligned.buffer = mmap.mmap(-1, padded)
-    out = memoryview(buffer)
-    offset = 0
-    for view in views:
-        out[offset : offset + len(view)] = view
-        offset += len(view)
-    out[total:padded] = bytes(padded - total)  # (cut off below; zeros meanwhile)
+    if buffer is None or len(buffer) < size:
+        # an anonymous map is page-aligned; grown up to a window, freed with the thread
+        buffer = _aligned.buffer = mmap.mmap(-1, size)
     try:
         fd = _open_new(path, _O_DIRECT)
     except OSError as e:
@@ -338,10 +336,25 @@ def _write_direct(path: Path, views: list[memoryview], total: int) -> int | None
             raise
         _no_direct.add(device)
         return None
+    out = memoryview(buffer)[:size]
     try:
-        done = 0
-        while done < padded:
-            done += os.pwrite(fd, out[done:padded], done)
+        written = filled = 0  # bytes in the file, bytes in the window
+        pending = [v for v in views if len(v)]
+        while pending or filled:
+            while pending and filled < size:  # fill the window
+                take = min(size - filled, len(pending[0]))
+                out[filled : filled + take] = pending[0][:take]
+                filled += take
+                pending[0] = pending[0][take:]
+                if not len(pending[0]):
+                    pending.pop(0)
+            whole = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the last window: padded
+            out[filled:whole] = bytes(whole - filled)  # (cut off below; zeros meanwhile)
+            done = 0
+            while done < whole:
+                done += os.pwrite(fd, out[done:whole], written + done)
+            written += filled
+            filled = 0
         os.ftruncate(fd, total)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
