@@ -638,9 +638,11 @@ def test_a_loss_that_starts_coupling_later_is_refused_on_the_next_checked_step(
         return F.cross_entropy(out, y, reduction="none")  # (B,)
 
     path = tmp_path / "r.gradlog"
-    with pytest.raises(BackendError, match="depends on the other datums"):
-        with gradlog.GradRecorder(model, path, check_every=3) as rec:
-            for step in range(9):
-                model.zero_grad()
-                rec.backward(losses(step))
+    with (
+        pytest.raises(BackendError, match="depends on the other datums"),
+        gradlog.GradRecorder(model, path, check_every=3) as rec,
+    ):
+        for step in range(9):
+            model.zero_grad()
+            rec.backward(losses(step))
     assert gradlog.open(path).steps["step"].to_pylist() == [0, 1, 2, 3, 4, 5]
