@@ -35,6 +35,8 @@ from gradlog.store.opening import inside
 
 __all__ = ["CallIndex", "RecordArrays", "Target"]
 
+_Shard = tuple[StorePath, ShardLayout, np.ndarray]  # a shard file, its layout, its rows
+
 _GROWTH = 2  # arrays' record axes grow geometrically: a metadata rewrite per doubling
 _FIRST_SHARDS = 256  # the first declaration covers 256 shards: no rewrite for 256 calls
 
@@ -155,7 +157,7 @@ class RecordArrays:
         if round_end > self.capacity:
             first = _FIRST_SHARDS * self.rows_per_shard
             self.set_rows(max(round_end, _GROWTH * self.capacity, first))
-        shards: list[tuple[StorePath, list[Any], int]] = []  # (file, buffers, bytes)
+        shards: list[_Shard] = []
         for key, layout in self.layouts.items():
             rows = self._stored_rows(key, payload.pop(key))
             if rows.shape != (batch, *layout.row_shape):
@@ -170,8 +172,7 @@ class RecordArrays:
             for shard in range(start // c, -(-stop // c)):
                 lo = shard * c - start
                 block = rows[max(0, lo) : lo + c]
-                shards.append((directory / layout.shard_key(shard), layout.encode(block),
-                               block.nbytes))
+                shards.append((directory / layout.shard_key(shard), layout, block))
             del rows
         self._write_shards(shards)
         del shards
@@ -192,18 +193,19 @@ class RecordArrays:
         self.log.wrote(part)
         self.log.write_seconds += time.perf_counter() - t0
 
-    def _write_shards(self, shards: list[tuple[StorePath, list[Any], int]]) -> None:
+    def _write_shards(self, shards: list[_Shard]) -> None:
         """Write a call's shard files: with two or more files of
         :data:`~gradlog.store.fs.DIRECT_MIN_BYTES` or more (written past the page cache, each
         write waiting for the disk), in two lanes, this thread and a helper, so that two
         writes are in flight and one lane's copy overlaps the other's wait (346 -> 390-452
         MB/s measured on this project's VM disk; a third lane did not help). Lanes are
-        balanced by bytes, largest files first."""
-        large = sorted((s for s in shards if s[2] >= sfs.DIRECT_MIN_BYTES),
-                       key=lambda s: -s[2])
+        balanced by bytes, largest files first. Each shard is encoded in its lane when its
+        turn comes (a compressed one's bytes are not all held at once)."""
+        large = sorted((s for s in shards if s[2].nbytes >= sfs.DIRECT_MIN_BYTES),
+                       key=lambda s: -s[2].nbytes)
         if len(large) < 2 or not isinstance(self.root, Path):
-            for file, buffers, _ in shards:
-                self.files.write_file(file, buffers)
+            for file, layout, block in shards:
+                self.files.write_file(file, layout.encode(block))
                 self.log.wrote(file)
             return
         lanes: tuple[list[Any], list[Any]] = ([], [])
@@ -211,8 +213,8 @@ class RecordArrays:
         for item in large:
             lane = 0 if load[0] <= load[1] else 1
             lanes[lane].append(item)
-            load[lane] += item[2]
-        lanes[0].extend(s for s in shards if s[2] < sfs.DIRECT_MIN_BYTES)
+            load[lane] += item[2].nbytes
+        lanes[0].extend(s for s in shards if s[2].nbytes < sfs.DIRECT_MIN_BYTES)
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="gradlog-shards")
         helper = self._helper.submit(self._write_lane, lanes[1])
@@ -225,9 +227,9 @@ class RecordArrays:
         for file, _, _ in shards:
             self.log.wrote(file)
 
-    def _write_lane(self, shards: list[tuple[StorePath, list[Any], int]]) -> None:
-        for file, buffers, _ in shards:
-            self.files.write_file(file, buffers)
+    def _write_lane(self, shards: list[_Shard]) -> None:
+        for file, layout, block in shards:
+            self.files.write_file(file, layout.encode(block))
 
     def close(self) -> None:
         """Stop the helper thread of :meth:`_write_shards`, if one was started."""
