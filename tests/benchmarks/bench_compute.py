@@ -178,13 +178,15 @@ def methods(
 
     minimum: dict[str, Step] = {}
 
-    def minimum_setup() -> None:
+    def minimum_setup(bitwise: bool = False) -> None:
         from minimum import minimum_step  # this folder (the script's own directory)
 
-        minimum["step"] = minimum_step(model, x, y, token_losses)
+        minimum["step"] = minimum_step(model, x, y, token_losses, bitwise)
 
     out["hand-written minimum (reference)"] = (
         minimum_setup, lambda: minimum["step"](), none)
+    out["hand-written minimum, bitwise p.grad (reference)"] = (
+        lambda: minimum_setup(bitwise=True), lambda: minimum["step"](), none)
     for form in ("norm", "projection"):
         def floor(form: str = form) -> Any:
             from minimum import with_form

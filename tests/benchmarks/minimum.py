@@ -13,7 +13,9 @@ What it computes, per step, for every parameter: the per-datum gradients, kept i
 
 - Linear: ``G_b^T A_b`` by one batched matmul into a buffer reused across steps, the bias's
   ``sum_n g_{b,n}``, and ``p.grad`` of the weight as the sum of the per-datum gradients (the
-  weight-gradient matmul of autograd never runs: a custom autograd Function).
+  weight-gradient matmul of autograd never runs: a custom autograd Function); with
+  ``bitwise=True``, the arithmetic of the default mode: autograd's weight-gradient matmul
+  gives ``p.grad`` as in a plain step, and the per-datum matmul runs beside it.
 - LayerNorm: ``sum_n g * x_hat`` and ``sum_n g`` from a tensor hook on the output.
 - Token embedding: the per-datum rows added into a zeroed (B, V, d) buffer; the position
   embedding's per-datum gradient is the gradient of the token embedding's output (their
@@ -59,15 +61,19 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias:
             slot["bias"] = g.sum(1).mul_(scale)  # (B, d_out)
             grad_b = grad.reshape(-1, d_out).sum(0)
-        return grad_x, per.sum(0).div_(scale), grad_b, None
+        if slot["bitwise"]:  # autograd's own weight-gradient matmul, as a plain step runs it
+            grad_w = grad.reshape(-1, d_out).t().mm(x.reshape(-1, d_in))
+        else:
+            grad_w = per.sum(0).div_(scale)
+        return grad_x, grad_w, grad_b, None
 
 
-def _patch(model: nn.Module, B: int, out: dict[str, dict[str, Any]]) -> None:
+def _patch(model: nn.Module, B: int, out: dict[str, dict[str, Any]], bitwise: bool) -> None:
     scale = float(B)  # a mean batch loss: output gradients carry 1/B
     tok, pos = cast(nn.Embedding, model.tok_emb), cast(nn.Embedding, model.pos_emb)
 
     for name, module in model.named_modules():
-        slot = out.setdefault(name, {"B": B, "scale": scale})
+        slot = out.setdefault(name, {"B": B, "scale": scale, "bitwise": bitwise})
         if isinstance(module, nn.Linear):
 
             def linear(x: torch.Tensor, m: nn.Linear = module, s: dict[str, Any] = slot) -> Any:
@@ -119,9 +125,10 @@ def _records(slots: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-          token_losses: Callable[..., torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+          token_losses: Callable[..., torch.Tensor], bitwise: bool
+          ) -> Callable[[], dict[str, torch.Tensor]]:
     slots: dict[str, dict[str, Any]] = {}
-    _patch(model, x.shape[0], slots)
+    _patch(model, x.shape[0], slots, bitwise)
 
     def step() -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -132,13 +139,18 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 def minimum_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 token_losses: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+                 token_losses: Callable[..., torch.Tensor], bitwise: bool = False
+                 ) -> Callable[[], Any]:
     """Patch ``model`` (a CharGPT) in place and return its per-datum training step.
+
+    ``bitwise``: the arithmetic of the default ``batch_grad="autograd"`` mode instead, where
+    ``p.grad`` is what a plain step computes: each Linear's weight-gradient matmul runs as
+    in a plain backward, beside the per-datum one.
 
     A patched copy is checked first against autograd on the unpatched model (datum 0's
     gradient of every parameter), so that the reference computes what the methods it is
     compared with do; the returned step has not run yet (its buffers are not allocated)."""
-    records = _step(copy.deepcopy(model), x, y, token_losses)()
+    records = _step(copy.deepcopy(model), x, y, token_losses, bitwise)()
     loss0 = token_losses(model, (x[:1], y[:1])).mean()
     names = [n for n, _ in model.named_parameters()]
     grads = torch.autograd.grad(loss0, [p for _, p in model.named_parameters()])
@@ -148,7 +160,7 @@ def minimum_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     for name, g in zip(names, grads):
         if not torch.allclose(records[name][0], g, rtol=1e-3, atol=1e-6):
             raise RuntimeError(f"minimum_step's per-datum gradient of {name} is wrong")
-    return _step(model, x, y, token_losses)
+    return _step(model, x, y, token_losses, bitwise)
 
 
 _MATRICES: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
