@@ -24,6 +24,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 import gradlog
 from gradlog import errors
 from gradlog.recording.staging import to_storage_torch
+from gradlog.store import chunks
 from gradlog.store.chunks import ShardLayout
 from gradlog.store.dtypes import (
     default_compression,
@@ -78,11 +79,20 @@ def _zarr_writes(directory: Path, layout: ShardLayout, data: np.ndarray) -> None
     arr[:] = data
 
 
-@pytest.mark.parametrize("compression", ["none", "lz4", "zstd"])
+@pytest.mark.parametrize(
+    ("compression", "packed"),
+    [("none", True), ("none", False), ("lz4", False), ("zstd", False)],
+    ids=["none-packed", "none-views", "lz4", "zstd"],
+)
 @pytest.mark.parametrize(("shape", "dtype"), CASES)
 def test_gradlog_writes_the_bytes_zarr_writes(
-    tmp_path: Path, compression: str, shape: tuple[int, ...], dtype: str
+    tmp_path: Path, compression: str, shape: tuple[int, ...], dtype: str, packed: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Small uncompressed shards are packed into one buffer, large ones written as views of
+    their rows (forced here): both give zarr's bytes."""
+    if not packed:
+        monkeypatch.setattr(chunks, "PACK_MAX_BYTES", 0)
     rng = np.random.default_rng(0)
     data = (rng.standard_normal((7, *shape)) * 100).astype(dtype)  # 7 rows: shards 3, 3, 1
     layout = ShardLayout(shape, np.dtype(dtype), 3, compression)

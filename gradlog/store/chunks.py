@@ -33,10 +33,14 @@ import numpy as np
 from gradlog.errors import StoreCorruptError, StoreFormatError
 from gradlog.store.fs import StorePath, open_ranges
 
-__all__ = ["INNER_ROWS", "MISSING", "ShardLayout", "crc32c_bytes"]
+__all__ = ["INNER_ROWS", "MISSING", "PACK_MAX_BYTES", "ShardLayout", "crc32c_bytes"]
 
 INNER_ROWS = 1
 """Rows per inner chunk: one datum, so that reading one datum reads only its bytes."""
+
+PACK_MAX_BYTES = 1 << 20
+"""Uncompressed shards of fewer row bytes are encoded into one buffer (:meth:`ShardLayout.
+encode`); larger ones as views of their rows (no copy: a direct write copies them once)."""
 
 MISSING = np.uint64(2**64 - 1)
 """Offset and length of an inner chunk that a shard does not hold (Zarr v3 sharding)."""
@@ -213,12 +217,14 @@ class ShardLayout:
         """Encode up to ``rows_per_shard`` rows as one shard: a list of buffers to write in
         order (``os.writev``); rows past ``len(rows)`` are left out (index entries missing).
 
-        ``rows`` must have the array dtype and be C-contiguous; uncompressed rows are not
-        copied.
+        ``rows`` must have the array dtype and be C-contiguous. Uncompressed rows of
+        :data:`PACK_MAX_BYTES` or more are not copied; fewer come as one packed buffer.
         """
         n = len(rows)
         if not 1 <= n <= self.rows_per_shard:
             raise ValueError(f"a shard holds 1..{self.rows_per_shard} rows, got {n}")
+        if self.compression == "none" and 0 < n * self.row_bytes < PACK_MAX_BYTES:
+            return [self._packed(rows)]
         compressor = None
         if self.compression != "none":
             from numcodecs import Blosc
@@ -238,6 +244,25 @@ class ShardLayout:
         index_bytes = index.tobytes()
         parts += [index_bytes, crc32c_bytes(index_bytes)]
         return parts
+
+    def _packed(self, rows: np.ndarray) -> np.ndarray:
+        """An uncompressed shard as one buffer, the bytes of the parts above joined: a
+        small shard costs one copy of its rows instead of Python work per row (a
+        ``projection`` step writes 37 shards of 16 rows on the small GPT)."""
+        n, size = len(rows), self.row_bytes
+        step = size + 4
+        out = np.empty(n * step + self.index_bytes, dtype=np.uint8)
+        body = out[: n * step].reshape(n, step)
+        body[:, :size] = rows.reshape(n, self.row_elements).view(np.uint8)
+        sums = np.fromiter((crc32c.crc32c(row) for row in body[:, :size]), "<u4", count=n)
+        body[:, size:] = sums.view(np.uint8).reshape(n, 4)
+        index = np.full((self.rows_per_shard, 2), MISSING, dtype="<u8")
+        index[:n, 0] = np.arange(n, dtype="<u8") * np.uint64(step)
+        index[:n, 1] = step
+        tail = out[n * step :]
+        tail[:-4] = index.view(np.uint8).reshape(-1)
+        tail[-4:] = np.frombuffer(crc32c_bytes(tail[:-4]), dtype=np.uint8)
+        return out
 
     # -- reading ------------------------------------------------------------------------------
     def decode_index(self, encoded: bytes, where: str) -> np.ndarray:
