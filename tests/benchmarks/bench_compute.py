@@ -28,8 +28,10 @@ private ExpandedWeights (``call_for_per_sample_grads``; it refuses the broadcast
 position ids, so it gets them expanded to ``(B, T)``), Opacus hooks if installed, and a
 reference that is not a tool: ``minimum.py``, the arithmetic of ``hooks`` with
 ``batch_grad="sum"`` hand-written for this one model with as little Python as it allows (no
-checks, no generality). Its ratio is the floor for any eager implementation of these rules on
-the machine; the ``hooks`` rows minus it is gradlog's own bookkeeping.
+checks, no generality), and its ``bitwise p.grad`` variant with the arithmetic of the default
+mode (autograd's own weight-gradient matmul beside the per-datum one). Their ratios are the
+floors for any eager implementation of these rules on the machine; the ``hooks`` rows minus
+them are gradlog's own bookkeeping.
 
 End to end: the ``gradlog record, form=F`` rows run ``GradRecorder`` (hooks backend) with form
 ``full``, ``norm`` and ``projection`` (dim 1024), both ``batch_grad`` modes: forward,
