@@ -44,6 +44,7 @@ Usage (the results are appended to RESULTS.md beside this file)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -51,6 +52,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,6 +166,27 @@ def raw_write(grads: list[Grads], steps: int, where: Path) -> float:
     dt = time.perf_counter() - t0
     shutil.rmtree(where)
     return steps * payload_bytes(grads[0]) / dt / 1e6
+
+
+@contextlib.contextmanager
+def busy_compute() -> Iterator[None]:
+    """Matmuls on every torch thread, in a background thread, while the body runs: a training
+    step's compute on all cores beside the writer (each op releases the GIL, as training's
+    do; its Python between ops holds it)."""
+    stop = threading.Event()
+    a = torch.randn(384, 384)
+
+    def burn() -> None:
+        while not stop.is_set():
+            torch.mm(a, a)
+
+    thread = threading.Thread(target=burn, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 # -- gradlog writes -------------------------------------------------------------------------
@@ -529,7 +552,8 @@ def main() -> None:
     )
     parser.add_argument("--backend", default="hooks", help="backend of the overlap benchmark")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (the disk)")
-    parser.add_argument("--skip", default="", help="comma-separated: codecs,reads,overlap,zarr")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated: busy,codecs,reads,overlap,zarr")
     parser.add_argument("--no-results", action="store_true", help="do not append RESULTS.md")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
@@ -566,20 +590,29 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
         f"\n### {size} GPT {SIZES[size]}: {len(grads[0])} tensors, {mib:.1f} MiB of float32 "
         "per-datum gradients per step"
     )
-    raw, ours, ours_nosync = [], [], []
+    raw: list[float] = []
+    ours: list[float] = []
+    ours_nosync: list[float] = []
+    busy_raw: list[float] = []
+    busy_ours: list[float] = []
     for r in range(args.rounds):
 
-        def ours_write(r: int = r) -> None:
-            ours.append(gradlog_write(grads, args.steps, base / f"g{r}.gradlog"))
+        def ours_write(r: int = r, into: list[float] = ours) -> None:
+            into.append(gradlog_write(grads, args.steps, base / f"g{r}.gradlog"))
             shutil.rmtree(base / f"g{r}.gradlog")
 
-        def raw_write_(r: int = r) -> None:
-            raw.append(raw_write(grads, args.steps, base / f"raw{r}"))
+        def raw_write_(r: int = r, into: list[float] = raw) -> None:
+            into.append(raw_write(grads, args.steps, base / f"raw{r}"))
 
-        for measure in (raw_write_, ours_write) if r % 2 == 0 else (ours_write, raw_write_):
-            measure()  # alternate the order: neither always follows the other
+        for first in (raw_write_, ours_write) if r % 2 == 0 else (ours_write, raw_write_):
+            first()  # alternate the order: neither always follows the other
         ours_nosync.append(gradlog_write(grads, args.steps, base / f"n{r}.gradlog", durable=False))
         shutil.rmtree(base / f"n{r}.gradlog")
+        if "busy" not in skip:
+            pair = [lambda: raw_write_(into=busy_raw), lambda: ours_write(into=busy_ours)]
+            for measure in pair if r % 2 == 0 else pair[::-1]:
+                with busy_compute():
+                    measure()
     ratio = [o / r for o, r in zip(ours, raw)]
     say("\n| writer (float32, full form) | MB/s median | min-max | vs raw (median of paired) |")
     say("|---|---|---|---|")
@@ -597,6 +630,19 @@ def run_size(size: str, args: Any, skip: set[str], read_steps: int, base: Path) 
         f"{statistics.median(ours_nosync):.0f} | {min(ours_nosync):.0f}-{max(ours_nosync):.0f} "
         f"| {statistics.median(ours_nosync) / statistics.median(raw):.2f} |"
     )
+    if busy_raw:
+        busy = [o / r for o, r in zip(busy_ours, busy_raw)]
+        say(
+            f"| raw tofile + fsync beside compute on every core | "
+            f"{statistics.median(busy_raw):.0f} | {min(busy_raw):.0f}-{max(busy_raw):.0f} | "
+            f"1.00 (beside compute) |"
+        )
+        say(
+            f"| gradlog StoreWriter, durable, beside compute on every core | "
+            f"{statistics.median(busy_ours):.0f} | {min(busy_ours):.0f}-{max(busy_ours):.0f} | "
+            f"**{statistics.median(busy):.2f}** ({min(busy):.2f}-{max(busy):.2f}) of raw beside "
+            "compute |"
+        )
     if "zarr" not in skip:
         z = zarr_v1_write(grads, max(2, args.steps // 2), base / "z.zarr")
         shutil.rmtree(base / "z.zarr")
