@@ -15,6 +15,9 @@ What is measured (each size: the small and medium GPT of ``../shared/PEERS.md``,
   Raw and gradlog alternate (in alternating order) for ``--rounds`` rounds, each after an
   ``os.sync()`` that writes back the previous measurement's dirty pages; medians are reported
   with the median of the paired ratios.
+  The same pair then runs again beside compute on every core (``busy_compute``: matmuls on
+  every torch thread in a background thread), each paired with the other, for the issue's
+  "writer beside compute on all cores" (``--skip busy`` leaves it out).
   zarr-python writing the format-1 layout (one ``arr[a:b] = g`` per parameter and step) is
   timed once for reference.
 - **Codecs**: each storage dtype and compressor: on-disk ratio (float32 bytes / bytes of the
