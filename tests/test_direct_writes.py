@@ -141,7 +141,7 @@ def test_other_errors_of_a_direct_write_are_raised(
 def test_a_store_with_direct_shards_reads_back_the_oracle(
     tmp_path: Path, opened: list[int], compression: str
 ) -> None:
-    """A Linear(256, 256) at B 16 has 4 MiB shards (written direct, in two lanes with the
+    """A Linear(256, 256) at B 16 has 4 MiB shards (written direct, in lanes beside the
     other layer's), its bias 16 KiB ones (buffered); all read back the loop backend's
     per-datum gradients, and verify; compressed shards are encoded in their lanes."""
     torch.manual_seed(0)
@@ -161,3 +161,37 @@ def test_a_store_with_direct_shards_reads_back_the_oracle(
     assert want["loop"]["0.weight"].shape == (16, 256, 256)
     if DIRECT and not fs._no_direct and compression == "none":
         assert any(f & DIRECT for f in opened)
+
+
+@pytest.mark.parametrize("failing", ["0.weight", "2.weight"], ids=["own-lane", "helper-lane"])
+def test_a_failed_shard_in_any_lane_is_a_clear_error_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Four 4 MiB shards a call go out in lanes (the writer thread's and helpers'); a disk
+    that fills while one lane writes stops the run with the writer's error, whichever lane
+    it was, and the step is not committed: the steps before it read back whole."""
+    import gradlog.store.writer as writer_module
+    from gradlog import errors
+
+    real = writer_module._write_file
+
+    def full(path: Any, buffers: list[Any]) -> int:
+        where = str(path).replace("\\", "/")
+        if f"/{failing}/" in where and "/c.1." in where:  # step 1's shard of that weight
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, buffers)
+
+    monkeypatch.setattr(writer_module, "_write_file", full)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())][:-1])
+    x = torch.randn(16, 256)
+    path = tmp_path / "r.gradlog"
+    with (pytest.raises(errors.StoreWriteError, match="No space left on device"),
+          gradlog.GradRecorder(model, path) as rec):
+        for step in range(3):
+            rec.backward((model(x + step) ** 2).sum(1), step=step)
+    monkeypatch.undo()
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0]
+    assert run.grads("2.weight", step=0).shape == (16, 256, 256)
+    assert verify(path).ok
