@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,11 @@ def test_an_intact_store_verifies(tmp_store: Path, dtype: str) -> None:
         "checksums",
         "schemas",
         "probes",
+        "optimizer",
     ]
     assert report.check("commit log").summary == "3 committed steps (0..2)"
     assert report.check("probes").summary == "no probes"
+    assert report.check("optimizer").summary == "no optimizer state"
     assert report.check("checksums").summary.startswith("12 chunk files read")  # 4 params x 3
     result = _cli(tmp_store)
     assert result.exit_code == 0, result.output
@@ -347,3 +350,128 @@ def test_uncommitted_probe_parts_are_notes_and_a_step_may_lack_probes(tmp_store:
     assert any("temporary probes/index/.step-000000000003" in n for n in report.notes)
     _probe_part(tmp_store, 1).unlink()  # the last committed step without probes: allowed
     assert verify(tmp_store).ok
+
+
+# -- optimizer state (FORMAT.md section 14) ---------------------------------------------------
+def _record_adam(path: Path, steps: int = 3) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradlog.GradRecorder(model, path, backend="loop", optimizer=opt) as rec:
+        for s in range(steps):
+            x, y = torch.randn(4, 3), torch.randn(4, 2)
+            rec.backward(((model(x) - y) ** 2).sum(1), step=s)
+            opt.step()
+            opt.zero_grad()
+
+
+def _optimizer_file(path: Path, step: int) -> Path:
+    return path / "optimizer" / f"step-{step:012d}.npz"
+
+
+def _rewrite_npz(file: Path, edit: Any) -> None:
+    """Rewrite ``file`` with ``edit(members)`` applied: a well-formed file with wrong content."""
+    with np.load(file, allow_pickle=False) as npz:
+        members = {k: npz[k] for k in npz.files}
+    edit(members)
+    with open(file, "wb") as f:
+        np.savez(f, **members)
+
+
+def _edit_meta(members: dict[str, np.ndarray], change: Any) -> None:
+    meta = json.loads(str(members["meta"][()]))
+    change(meta)
+    members["meta"] = np.array(json.dumps(meta))
+
+
+def _flip_precond(file: Path) -> None:
+    """Flip a bit in the last byte of member ``precond/2.weight``'s float32 data."""
+    import zipfile
+
+    with zipfile.ZipFile(file) as z:
+        info = z.getinfo("precond/2.weight.npy")
+    data = bytearray(file.read_bytes())
+    at = info.header_offset  # a local file header: 30 bytes, the name, the extra field
+    name_len, extra_len = struct.unpack("<HH", data[at + 26 : at + 30])
+    end = at + 30 + name_len + extra_len + info.compress_size
+    data[end - 1] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+OPTIMIZER_DAMAGE = {
+    "a flipped byte in a preconditioner": (
+        lambda p: _flip_precond(_optimizer_file(p, 1)),
+        "optimizer/step-000000000001.npz: the preconditioner of '2.weight' is damaged",
+    ),
+    "a truncated file": (
+        lambda p: _optimizer_file(p, 2).write_bytes(_optimizer_file(p, 2).read_bytes()[:100]),
+        "optimizer/step-000000000002.npz: the optimizer state of step 2 cannot be read",
+    ),
+    "a lost preconditioner": (
+        lambda p: _rewrite_npz(_optimizer_file(p, 0), lambda m: m.pop("precond/0.bias")),
+        "optimizer/step-000000000000.npz lacks the preconditioner of '0.bias'",
+    ),
+    "a short preconditioner": (
+        lambda p: _rewrite_npz(_optimizer_file(p, 1),
+                               lambda m: m.update({"precond/0.weight": m["precond/0.weight"][:5]})),
+        "the preconditioner of '0.weight' has shape (5,), the parameter 12 entries",
+    ),
+    "a negative preconditioner": (
+        lambda p: _rewrite_npz(_optimizer_file(p, 1),
+                               lambda m: m.update({"precond/2.bias": -m["precond/2.bias"]})),
+        "the preconditioner of '2.bias' holds negative or non-finite entries",
+    ),
+    "a parameter the store does not record": (
+        lambda p: _rewrite_npz(_optimizer_file(p, 2), lambda m: _edit_meta(
+            m, lambda meta: meta["params"].update({"9.weight": None}))),
+        "meta names parameters the store does not record: ['9.weight']",
+    ),
+    "an unknown kind": (
+        lambda p: _rewrite_npz(_optimizer_file(p, 2), lambda m: _edit_meta(
+            m, lambda meta: meta.update({"kind": "lion"}))),
+        "optimizer/step-000000000002.npz: meta",
+    ),
+}
+
+
+def test_an_intact_store_with_optimizer_state_verifies(tmp_store: Path) -> None:
+    _record_adam(tmp_store)
+    report = verify(tmp_store)
+    assert report.ok, [c.problems for c in report.checks]
+    assert report.check("optimizer").summary == (
+        "3 optimizer state files read (78 preconditioner values), zip crc32 verified")
+    assert verify(_stored_without_optimizer(tmp_store)).check("optimizer").summary == (
+        "no optimizer state")
+
+
+def _stored_without_optimizer(path: Path) -> Path:
+    shutil.rmtree(path / "optimizer")
+    return path
+
+
+@pytest.mark.parametrize("damage", list(OPTIMIZER_DAMAGE), ids=list(OPTIMIZER_DAMAGE))
+def test_damaged_optimizer_state_is_detected(tmp_store: Path, damage: str) -> None:
+    _record_adam(tmp_store)
+    do, expected = OPTIMIZER_DAMAGE[damage]
+    do(tmp_store)
+    report = verify(tmp_store)
+    problems = report.check("optimizer").problems
+    assert any(expected in p for p in problems), problems
+    assert not report.ok
+    assert all(c.ok for c in report.checks if c.name != "optimizer")
+    assert _cli(tmp_store).exit_code == 1
+
+
+def test_optimizer_state_of_uncommitted_steps_and_missing_files_are_notes(
+    tmp_store: Path,
+) -> None:
+    _record_adam(tmp_store)
+    (tmp_store / "steps/step-000000000002.parquet").unlink()  # a crash before step 2 commits
+    (tmp_store / "optimizer/.step-000000000003.npz.tmp").write_bytes(b"partial")
+    _optimizer_file(tmp_store, 1).unlink()  # a step stepped without optimizer=
+    report = verify(tmp_store)
+    assert report.ok, [c.problems for c in report.checks]
+    assert "uncommitted optimizer/step-000000000002.npz (ignored by readers)" in report.notes
+    assert any("temporary optimizer/.step-000000000003.npz.tmp" in n for n in report.notes)
+    assert any("committed step(s) 1 have no optimizer state" in n for n in report.notes)
+    assert report.check("optimizer").summary.startswith("1 optimizer state files read")

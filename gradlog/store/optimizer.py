@@ -26,11 +26,12 @@ state; readers that do not know the directory ignore it. Imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "optimizer_part_name",
     "optimizer_steps",
     "read_optimizer_step",
+    "verify_optimizer_state",
     "write_optimizer_step",
 ]
 
@@ -152,11 +154,15 @@ class OptimizerStep:
             )
         self._dtype = storage_dtype(dtype)
 
-    def _open(self) -> Any:
-        """The file, opened (a local file is read member by member; an object whole)."""
-        source: Any = (io.BytesIO(self._where.read_bytes()) if sfs.is_object(self._root)
-                       else self._where)
-        return np.load(source, allow_pickle=False)
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[Any]:
+        """The file, opened (a local file is read member by member; an object whole), and
+        closed however the read ends (``np.load`` of a path leaks it when the zip is bad)."""
+        with contextlib.ExitStack() as stack:
+            where = self._where
+            source: Any = (stack.enter_context(open(where, "rb")) if isinstance(where, Path)
+                           else io.BytesIO(where.read_bytes()))
+            yield stack.enter_context(np.load(source, allow_pickle=False))
 
     def close(self) -> None:
         """Nothing to release (each read opens and closes the file): kept for symmetry."""
@@ -190,3 +196,87 @@ def read_optimizer_step(root: StorePath, step: int) -> OptimizerStep:
         StoreCorruptError: the file is unreadable (a damaged zip or crc32).
     """
     return OptimizerStep(root, step)
+
+
+def verify_optimizer_state(
+    root: StorePath, committed: set[int], params: Mapping[str, Mapping[str, Any]]
+) -> tuple[list[str], list[str], str]:
+    """Check every optimizer state file of a committed step, reading every byte of it:
+    ``(problems, notes, summary)`` for ``gradlog verify`` (:mod:`gradlog.store.verify`).
+
+    Problems: a file that does not read (zip, crc32 or JSON damage), metadata that breaks
+    ``optimizer.schema.json`` or names a parameter the store does not record, an ``adam``
+    file lacking a stepped parameter's preconditioner, or one of the wrong length, or with
+    an entry that is negative or not finite (``1 / (sqrt(v) + eps)`` is finite and > 0, or 0
+    where the step's gradient was 0). Notes: files of uncommitted steps and temporaries
+    (readers ignore them), unknown names, and committed steps without a file while others
+    have one (``kind="optimizer"`` refuses those steps with its own error).
+    """
+    directory = root / OPTIMIZER_DIR
+    if not directory.exists():
+        return [], [], "no optimizer state"
+    problems: list[str] = []
+    notes: list[str] = []
+    kept: list[int] = []
+    for name in sorted(sfs.listdir(directory)):
+        m = _PART.match(name)
+        if name.startswith("."):
+            notes.append(f"temporary {OPTIMIZER_DIR}/{name} (a crash's leftover, ignored)")
+        elif m is None:
+            notes.append(f"unknown file {OPTIMIZER_DIR}/{name} (ignored by readers)")
+        elif int(m.group(1)) not in committed:
+            notes.append(f"uncommitted {OPTIMIZER_DIR}/{name} (ignored by readers)")
+        else:
+            kept.append(int(m.group(1)))
+    n_values = 0
+    for step in kept:
+        where = f"{OPTIMIZER_DIR}/{optimizer_part_name(step)}"
+        try:
+            state = OptimizerStep(root, step)
+            problems += [f"{where}: {p}" for p in _meta_problems(state.meta, params)]
+            for param, group in state.meta.get("params", {}).items():
+                if state.meta.get("kind") != "adam" or group is None or param not in params:
+                    continue
+                values = state.preconditioner(param)  # the whole member: its crc32 checked
+                if values is None:
+                    problems.append(f"{where} lacks the preconditioner of {param!r}.")
+                    continue
+                n_values += values.size
+                numel = int(params[param]["numel"])
+                if values.shape != (numel,):
+                    problems.append(f"{where}: the preconditioner of {param!r} has shape "
+                                    f"{values.shape}, the parameter {numel} entries.")
+                elif not (np.isfinite(values) & (values >= 0)).all():
+                    problems.append(f"{where}: the preconditioner of {param!r} holds negative "
+                                    "or non-finite entries.")
+        except (StoreCorruptError, StoreFormatError) as exc:
+            problems.append(str(exc))
+    missing = sorted(committed - set(kept)) if kept else []
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        notes.append(f"committed step(s) {shown} have no optimizer state "
+                     "(kind='optimizer' refuses them)")
+    summary = (f"{len(kept)} optimizer state files read ({n_values} preconditioner values), "
+               "zip crc32 verified")
+    return problems, notes, summary
+
+
+def _meta_problems(meta: Any, params: Mapping[str, Any]) -> list[str]:
+    """How a file's ``meta`` breaks ``optimizer.schema.json`` (validated with ``jsonschema``
+    when installed, else its required structure) or names parameters not recorded."""
+    try:
+        from gradlog.store.schema import violation
+
+        broken = violation("optimizer", meta)
+        found = [f"meta {broken}"] if broken is not None else []
+    except ImportError:  # jsonschema is optional: the structure gradlog reads
+        found = []
+        if not isinstance(meta, dict) or meta.get("kind") not in ("adam", "sgd"):
+            found.append("meta has no 'kind' of 'adam' or 'sgd'.")
+        elif not isinstance(meta.get("params"), dict):
+            found.append("meta has no 'params' object.")
+    if isinstance(meta, dict) and isinstance(meta.get("params"), dict):
+        unknown = sorted(set(meta["params"]) - set(params))
+        if unknown:
+            found.append(f"meta names parameters the store does not record: {unknown[:5]}.")
+    return found

@@ -1,6 +1,6 @@
 """``gradlog verify RUN``: check a store from end to end, reading every byte of its records.
 
-:func:`verify` runs seven checks and reports every problem it finds (it does not stop at the
+:func:`verify` runs eight checks and reports every problem it finds (it does not stop at the
 first):
 
 - **root**: the root ``zarr.json`` parses, names a gradlog store of a known version, its
@@ -22,7 +22,11 @@ first):
   step and holds one row per probe in ``probe_ids`` order with finite losses and norms, the
   committed probe rows are ``0 .. n-1`` (a gap is a lost part; a committed step may have no
   probe part), and every probe array covers them with every chunk holding one read and its
-  crc32c verified.
+  crc32c verified;
+- **optimizer** (FORMAT.md section 14; "no optimizer state" for a store without it): every
+  optimizer state file of a committed step reads whole (zip crc32), its metadata is valid
+  and names recorded parameters, and each ``adam`` preconditioner has the parameter's length
+  and finite entries >= 0.
 
 Uncommitted leftovers of a crash (index and probe parts of steps that never committed,
 temporaries) are reported as notes, not problems: readers ignore them and ``resume=True``
@@ -48,6 +52,7 @@ from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
 from gradlog.store.fs import StorePath
+from gradlog.store.optimizer import verify_optimizer_state
 from gradlog.store.probes import (
     PROBE_INDEX_DIR,
     PROBES_GROUP,
@@ -114,7 +119,8 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
         run = StoreReader(root, cross_check=False)  # the checks below report each problem
     except GradlogError as e:
         check.problems.append(str(e))
-        for name in ("commit log", "index", "arrays", "checksums", "schemas", "probes"):
+        for name in ("commit log", "index", "arrays", "checksums", "schemas", "probes",
+                     "optimizer"):
             report.checks.append(Check(name, skipped="the store does not open"))
         return report
     attrs = run.attrs
@@ -129,6 +135,11 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
     _check_checksums(run, arrays, records, report)
     _check_schemas(attrs, step_rows, records, report)
     _check_probes(run, steps, report)
+    check = Check("optimizer")
+    report.checks.append(check)
+    problems, notes, check.summary = verify_optimizer_state(root, set(steps), attrs["params"])
+    check.problems += problems
+    report.notes += notes
     for c in report.checks:
         if len(c.problems) > max_problems:
             extra = len(c.problems) - max_problems
