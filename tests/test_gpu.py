@@ -352,7 +352,8 @@ def test_records_are_staged_through_pinned_memory(tmp_path: Path) -> None:
 
 
 def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
-    """``gpu_suite.py --cpu`` (tiny shapes, three forms, no pytest run) prints every table."""
+    """``gpu_suite.py --cpu`` (tiny shapes, three forms, no pytest run) prints every table,
+    the profile's too."""
     spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
     assert spec is not None and spec.loader is not None
     suite = importlib.util.module_from_spec(spec)
@@ -365,6 +366,9 @@ def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
     finally:
         del sys.modules["gpu_suite"]
     text = out.read_text()
-    for title in ("## Compute: GPT", "## Compute: Llama", "## Writer", "## Chunked head"):
+    for title in ("## Compute: GPT", "## Compute: Llama", "## Writer", "## Chunked head",
+                  "## Where the time goes: GPT tiny, norm", "## Where the time goes: Llama tiny, "
+                  "projection"):
         assert title in text, text
+    assert "| `aten::" in text, text  # the profile tables hold operations
     assert "error" not in text.lower(), text

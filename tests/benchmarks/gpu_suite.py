@@ -33,6 +33,12 @@ Sections (``--sections``, comma-separated; all by default):
   the median per-step times. Stores go to a temporary folder under ``--workdir``
   (``durable=False``: the page cache absorbs the writes, disk is the next table's job).
   ``full`` of the Llama shape (15 GB per step) is left to the writer table's model.
+- ``profile`` (tables "Where the time goes"): ``torch.profiler`` over a plain and a recorded
+  step (``batch_grad="sum"``; forms ``--profile-forms``, default ``norm`` and ``projection``)
+  of each shape: the operations and kernels with the most self device time (self CPU time
+  with ``--cpu``) per recorded step beside the same rows of the plain step, so that a GPU
+  session sees at once whether per-datum matmuls, norms, casts or copies take the time
+  (a kernel's name says e.g. whether a matmul ran on tensor cores).
 - ``writer`` (table "Writer"): the GPT-2-small shape at B 4 recording ``full`` float32 to
   local disk (``durable=True``, fsync per step), steady state over several steps, against
   max(plain step, device-to-host copy of the step's records into pinned memory, raw
@@ -78,7 +84,7 @@ from gradlog.testing import zoo
 from gradlog.testing.llama import LlamaConfig, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["tests", "forms", "writer", "head"]
+SECTIONS = ["tests", "forms", "profile", "writer", "head"]
 
 
 @dataclass(frozen=True)
@@ -521,6 +527,77 @@ def _head_row(
     return base if base is not None else peak
 
 
+def section_profile(say: Report, args: argparse.Namespace, device: torch.device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    where = "device" if cuda else "CPU"
+    for shape in args.shapes:
+        plain_model = build(shape, device)
+        model = copy.deepcopy(plain_model)
+        batch = batch_of(shape, device)
+        plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for key in args.profile_forms:
+            label, options = FORMS[key]
+            say(f"## Where the time goes: {shape.label}, {label}, batch_grad=sum "
+                f"(self {where} ms per step, {args.profile_steps} profiled steps)")
+            say()
+            root = Path(tempfile.mkdtemp(prefix="gpu_suite_p_", dir=args.workdir))
+            try:
+                full = 4 * shape.B * sum(p.numel() for p in model.parameters())
+                with gradlog.GradRecorder(model, root / "run.gradlog", check_every=0,
+                                          durable=False, batch_grad="sum",
+                                          **options(full)) as rec:
+                    rows = {}
+                    for name, m, o, r in (("plain", plain_model, plain_opt, None),
+                                          ("recorded", model, opt, rec)):
+                        block_of(m, o, batch, r, args.amp, 2)()  # warm-up: plans, kernels
+                        Clock(device).sync()
+                        with profile(activities=activities) as prof:
+                            block_of(m, o, batch, r, args.amp, args.profile_steps)()
+                            Clock(device).sync()
+                        rows[name] = _self_times(prof, cuda, args.profile_steps)
+                _profile_table(say, rows["plain"], rows["recorded"])
+            except Exception as e:  # a failure is a result: report it, go on
+                traceback.print_exc()
+                say(f"ERROR {type(e).__name__}: {str(e)[:300]}")
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            say()
+        del plain_model, model, plain_opt, opt
+        _free(device)
+
+
+def _self_times(prof: Any, cuda: bool, steps: int) -> dict[str, tuple[float, float]]:
+    """Per event name: (self ms per step on the device, or the CPU without CUDA; calls per
+    step). Kernels and the operations that launch them are both rows on a GPU."""
+    out = {}
+    for e in prof.key_averages():
+        if cuda:  # (torch 2.4 names it self_cuda_time_total; later ones self_device_...)
+            us = getattr(e, "self_device_time_total", None)
+            us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        out[e.key] = (us / 1e3 / steps, e.count / steps)
+    return out
+
+
+def _profile_table(say: Report, plain: dict[str, tuple[float, float]],
+                   recorded: dict[str, tuple[float, float]], top: int = 18) -> None:
+    say("| operation or kernel | recorded ms | calls | plain ms | calls |")
+    say("|---|---|---|---|---|")
+    extra = {k: v[0] - plain.get(k, (0.0, 0.0))[0] for k, v in recorded.items()}
+    for key in sorted(extra, key=lambda k: -extra[k])[:top]:
+        r, p = recorded[key], plain.get(key, (0.0, 0.0))
+        say(f"| `{key[:90]}` | {r[0]:.2f} | {r[1]:.0f} | {p[0]:.2f} | {p[1]:.0f} |")
+    total_r = sum(v[0] for k, v in recorded.items())
+    total_p = sum(v[0] for k, v in plain.items())
+    say(f"| all rows (kernels and their operations overlap on a GPU) | {total_r:.1f} | | "
+        f"{total_p:.1f} | |")
+
+
 # --- main ---------------------------------------------------------------------------------
 
 
@@ -537,6 +614,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=None, help="comma-separated: gpt,llama")
     parser.add_argument("--forms", default=",".join(FORMS),
                         help=f"comma-separated subset of {list(FORMS)}")
+    parser.add_argument("--profile-forms", default="norm,projection",
+                        help="comma-separated forms of the profile section")
+    parser.add_argument("--profile-steps", type=int, default=2,
+                        help="profiled steps per row of the profile section")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="folder for temporary stores (default: the current folder)")
@@ -560,8 +641,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         wanted.remove("tests")
     args.sections = wanted
     args.forms = [f for f in args.forms.split(",") if f]
-    if set(args.forms) - set(FORMS):
-        parser.error(f"unknown forms {sorted(set(args.forms) - set(FORMS))}; from {list(FORMS)}")
+    args.profile_forms = [f for f in args.profile_forms.split(",") if f]
+    for forms in (args.forms, args.profile_forms):
+        if set(forms) - set(FORMS):
+            parser.error(f"unknown forms {sorted(set(forms) - set(FORMS))}; from {list(FORMS)}")
     return args
 
 
@@ -585,6 +668,8 @@ def main(argv: list[str] | None = None) -> None:
             section_tests(say, args)
         elif section == "forms":
             section_forms(say, args, device)
+        elif section == "profile":
+            section_profile(say, args, device)
         elif section == "writer":
             section_writer(say, args, device)
         elif section == "head":
