@@ -347,6 +347,7 @@ def test_scans_stay_under_a_memory_cap_smaller_than_the_store(wide_run: gradlog.
             a={"step": slice(0, 12)}, kind="cosine", max_memory=m
         ),
         "stats": lambda m: run.stats("0.weight", max_memory=m),
+        "influence_matrix": lambda m: run.influence_matrix(max_memory=m).scores,
     }
     for name, scan in scans.items():
         # Once first, unmeasured: a first call also pays one-time costs that are not the
@@ -365,6 +366,11 @@ def test_scans_stay_under_a_memory_cap_smaller_than_the_store(wide_run: gradlog.
             assert {k: v for k, v in free.items() if k not in numbers} == {
                 k: v for k, v in capped.items() if k not in numbers
             }, name
+        elif isinstance(free, np.ndarray) and name == "influence_matrix":
+            # float32 products (matrix.py): blocks of other sizes round differently, ~1e-7
+            # of the product of the norms
+            np.testing.assert_allclose(capped, free, rtol=0, atol=1e-6 * abs(free).max(),
+                                       err_msg=name)
         elif isinstance(free, np.ndarray):
             np.testing.assert_allclose(capped, free, rtol=1e-9, atol=1e-15, err_msg=name)
         else:  # the block size changes only the summation order
