@@ -550,16 +550,20 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
                 with gradlog.GradRecorder(model, root / "run.gradlog", check_every=0,
                                           durable=False, batch_grad="sum",
                                           **options(full)) as rec:
-                    rows = {}
+                    rows, wall = {}, {}
                     for name, m, o, r in (("plain", plain_model, plain_opt, None),
                                           ("recorded", model, opt, rec)):
+                        block = block_of(m, o, batch, r, args.amp, args.profile_steps)
                         block_of(m, o, batch, r, args.amp, 2)()  # warm-up: plans, kernels
-                        Clock(device).sync()
+                        wall[name] = Clock(device)(block) * 1e3 / args.profile_steps
                         with profile(activities=activities) as prof:
-                            block_of(m, o, batch, r, args.amp, args.profile_steps)()
+                            block()
                             Clock(device).sync()
                         rows[name] = _self_times(prof, cuda, args.profile_steps)
                 _profile_table(say, rows["plain"], rows["recorded"])
+                say(f"| wall time per step, unprofiled (a step whose device time is well "
+                    f"below it waits on the host) | {wall['recorded']:.1f} | | "
+                    f"{wall['plain']:.1f} | |")
             except Exception as e:  # a failure is a result: report it, go on
                 traceback.print_exc()
                 say(f"ERROR {type(e).__name__}: {str(e)[:300]}")
