@@ -333,11 +333,16 @@ def test_damaged_probes_are_detected(tmp_store: Path, damage: str) -> None:
     _record(tmp_store, probes=True)
     do, expected = PROBE_DAMAGE[damage]
     do(tmp_store)
-    report = verify(tmp_store)
-    problems = report.check("probes").problems
+    _assert_only_failing(tmp_store, "probes", expected)
+
+
+def _assert_only_failing(path: Path, check: str, expected: str) -> None:
+    """``verify`` fails check ``check`` alone, with a problem that contains ``expected``."""
+    report = verify(path)
+    problems = report.check(check).problems
     assert any(expected in p for p in problems), problems
     assert not report.ok
-    assert all(c.ok for c in report.checks if c.name != "probes")
+    assert all(c.ok for c in report.checks if c.name != check)
 
 
 def test_uncommitted_probe_parts_are_notes_and_a_step_may_lack_probes(tmp_store: Path) -> None:
@@ -454,11 +459,7 @@ def test_damaged_optimizer_state_is_detected(tmp_store: Path, damage: str) -> No
     _record_adam(tmp_store)
     do, expected = OPTIMIZER_DAMAGE[damage]
     do(tmp_store)
-    report = verify(tmp_store)
-    problems = report.check("optimizer").problems
-    assert any(expected in p for p in problems), problems
-    assert not report.ok
-    assert all(c.ok for c in report.checks if c.name != "optimizer")
+    _assert_only_failing(tmp_store, "optimizer", expected)
     assert _cli(tmp_store).exit_code == 1
 
 
