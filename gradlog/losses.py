@@ -95,7 +95,7 @@ def _graph(losses: torch.Tensor) -> bool:
 def _below(root: Any, depth: int, through: tuple[str, ...] | None = None) -> Iterator[Any]:
     """Autograd nodes within ``depth`` steps below ``root`` (walking on only through node
     types in ``through``, when given)."""
-    level, seen = [root], {id(root)}
+    level, seen = [root], {id(root): root}  # (held: a freed wrapper's id is reused)
     for _ in range(depth):
         following = []
         for node in level:
@@ -104,7 +104,7 @@ def _below(root: Any, depth: int, through: tuple[str, ...] | None = None) -> Ite
                 continue
             for child, _ in node.next_functions:
                 if child is not None and id(child) not in seen:
-                    seen.add(id(child))
+                    seen[id(child)] = child
                     following.append(child)
         level = following
 

@@ -501,12 +501,12 @@ def _leaves_of(*tensors: torch.Tensor | None) -> set[int]:
     """ids of the leaf tensors the autograd graphs of ``tensors`` reach."""
     out: set[int] = set()
     stack: list[Any] = [t.grad_fn for t in tensors if t is not None]  # autograd Nodes
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # (held: torch 2.4 frees an unheld wrapper, reusing its id)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad of a leaf
         if isinstance(variable, torch.Tensor):
             out.add(id(variable))

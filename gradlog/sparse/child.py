@@ -81,15 +81,17 @@ def hook_nodes(
         k_for: Children kept of ``n``.
         counter: Called once per hooked node's backward (statistics).
     """
-    stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    # Nodes by id, held: a node's Python wrapper may be freed once no one holds it (torch
+    # 2.4) and its id reused by the next one, which would then look seen.
+    stop = {id(n): n for n in (t.grad_fn for t in inputs) if n is not None}
     hook = functools.partial(_on_node, k_for, counter)
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         children = [n for n, _ in node.next_functions if n is not None]
         metadata = cast(dict[str, Any], node.metadata)  # (a property; stubs say method)
         if len(children) >= 2 and not metadata.get(_MARK):  # (an inner call hooked it already)

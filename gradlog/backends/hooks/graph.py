@@ -73,6 +73,9 @@ def _outputs_feeding_others(outs: list[torch.Tensor],
                             inputs: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The outputs whose autograd edge another output's history reaches inside the call
     (the walk stops at the call's inputs and at leaves)."""
+    # (node wrappers held while their ids are keys: torch 2.4 frees one no one holds, and
+    # its id goes to the next)
+    held = [t.grad_fn for t in outs] + [x.grad_fn for x, _ in inputs]
     edges = {(id(t.grad_fn), t.output_nr): t for t in outs if t.grad_fn is not None}
     stop = {id(x.grad_fn) for x, _ in inputs if x.grad_fn is not None}
     fed: list[torch.Tensor] = []
@@ -92,6 +95,7 @@ def _outputs_feeding_others(outs: list[torch.Tensor],
                     seen.add(id(child))
                     keep.append(child)
                     stack.append(child)
+    del held
     return fed
 
 
