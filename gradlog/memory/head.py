@@ -361,9 +361,9 @@ def _chunk_grads(
     with contextlib.ExitStack() as stack:
         if replay and plan.preserve_rng_state:
             stack.enter_context(
-                torch.random.fork_rng(
-                    devices=[x.device] if rng_device is not None else [],
-                    device_type=x.device.type,
+                torch.random.fork_rng(  # (torch 2.4 looks the device type's module up
+                    devices=[x.device] if rng_device is not None else [],  # even for none)
+                    device_type=x.device.type if rng_device is not None else "cpu",
                 )
             )
         if replay:  # backward may run outside (or inside another) autocast region

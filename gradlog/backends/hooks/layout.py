@@ -102,8 +102,12 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
         for call in live:
             locate_batch(call, B, sequence_first)
         widest = max((len(c.out_shape) for c in live if c.lead == B), default=0)
+        # A leading dimension of size 1 in a batch-first model is a broadcast one (nanoGPT's
+        # arange positions, (1, T, d)), even where T == B made locate_batch take T for it.
+        broadcast = [] if sequence_first else [c for c in live if c.out_shape
+                                               and c.out_shape[0] == 1 != B]
         candidates = [c for c in live if c.lead != B or len(c.out_shape) < widest
-                      or c.refusal is not None]
+                      or c.refusal is not None or any(c is b for b in broadcast)]
     if not candidates:
         return
     consumers = find_consumers(batch_loss.grad_fn, {id(c) for c in candidates})
