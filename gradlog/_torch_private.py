@@ -13,7 +13,9 @@ it is public API, but every layer that replays a computation (the hooks backend'
 check, chunked heads, the test zoo) needs the same capture and restore, and this is the
 lowest module that may hold it.
 
-Torch versions: tested on 2.13 here; written for 2.4-2.13 with getattr fallbacks.
+Torch versions: CI runs 2.13; the suite was also run on 2.4.1 and 2.6.0 (README). Node
+wrappers: torch 2.4 (at least) frees the Python object of an autograd node no one holds and
+reuses its id, so graph walks that key nodes by ``id`` hold every node they visit.
 
 This module imports only torch and the standard library (layer 1).
 """
