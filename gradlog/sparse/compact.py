@@ -4,6 +4,7 @@ and compact (meProp) paths of :func:`~gradlog.sparse.sparse_backprop`."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,5 +157,7 @@ def _coordinates(sel: _Selection, per: str, d_out: int) -> tuple[torch.Tensor, t
 
 def _sparse(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     # Invariants hold by construction (distinct in-range indices); checking them costs a pass.
-    return torch.sparse_coo_tensor(indices, values, size, check_invariants=False)
+    with warnings.catch_warnings():  # torch 2.11 warns that they are off even when told so
+        warnings.filterwarnings("ignore", "Sparse invariant checks are implicitly disabled")
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=False)
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import os
 import platform
 import shutil
@@ -532,6 +533,9 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # (torch 2.11 warns that events are cleared per cycle unless they are accumulated)
+    accumulate = ({"acc_events": True}
+                  if "acc_events" in inspect.signature(profile).parameters else {})
     where = "device" if cuda else "CPU"
     for shape in args.shapes:
         plain_model = build(shape, device)
@@ -556,7 +560,7 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
                         block = block_of(m, o, batch, r, args.amp, args.profile_steps)
                         block_of(m, o, batch, r, args.amp, 2)()  # warm-up: plans, kernels
                         wall[name] = Clock(device)(block) * 1e3 / args.profile_steps
-                        with profile(activities=activities) as prof:
+                        with profile(activities=activities, **accumulate) as prof:
                             block()
                             Clock(device).sync()
                         rows[name] = _self_times(prof, cuda, args.profile_steps)
