@@ -260,9 +260,17 @@ def test_a_loss_coupling_the_datums_is_refused() -> None:
         per_datum(model, info_nce, "hooks")
 
 
-def test_the_datum_check_passes_a_gpt_whose_length_equals_the_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("node_shapes", [True, False], ids=["node shapes", "torch < 2.6"])
+def test_the_datum_check_passes_a_gpt_whose_length_equals_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_shapes: bool
+) -> None:
+    """Its (1, T, d) position embedding is shared, though T == B; also where autograd nodes
+    carry no output shapes (torch < 2.6), which the layout then guesses from sizes."""
+    from gradlog.backends.hooks import layout
     from gradlog.testing.zoo import gpt_batch, per_token_ce, tiny_gpt
 
+    if not node_shapes:
+        monkeypatch.setattr(layout, "autograd_node_shapes_known", lambda node: False)
     model = tiny_gpt()
     x, y, mask = gpt_batch(8, 8)  # B == T
     with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
