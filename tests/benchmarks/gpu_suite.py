@@ -7,6 +7,11 @@ Usage::
     python tests/benchmarks/gpu_suite.py --out results.md --sections forms,head
     python tests/benchmarks/gpu_suite.py --shapes gpt --forms projection,norm --reps 9
 
+gradlog must be installed (``pip install -e .``; on a machine without a package index, with
+the dependencies carried as wheels: ``pip install --no-deps --no-build-isolation -e .``): a
+source folder on ``PYTHONPATH`` lacks ``gradlog.schemas`` and ``gradlog.cli``, and the suite
+refuses it.
+
 ``--out FILE`` also writes the tables to FILE (and the whole pytest output to
 ``FILE.pytest.txt``); ``--workdir`` is where temporary stores go (the Writer table's disk).
 
@@ -656,8 +661,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def check_installed() -> None:
+    """Refuse a gradlog imported from an uninstalled source folder: its package data
+    (``gradlog.schemas``, ``gradlog.cli``) lives at the top level and is mapped into the
+    package only by an install, so ``verify`` and the CLI would fail mid-run."""
+    import importlib.util
+
+    missing = [m for m in ("gradlog.schemas", "gradlog.cli") if importlib.util.find_spec(m) is None]
+    if missing:
+        where = Path(gradlog.__file__).parent
+        sys.exit(f"gradlog at {where} is not installed ({', '.join(missing)} cannot be "
+                 "imported). Install it first: `pip install -e .`, or offline, with "
+                 "its dependencies present: `pip install --no-deps --no-build-isolation -e .`.")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    check_installed()
     device = torch.device("cpu" if args.cpu else "cuda")
     say = Report(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
