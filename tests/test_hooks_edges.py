@@ -658,3 +658,31 @@ def test_a_loss_that_starts_coupling_later_is_refused_on_the_next_checked_step(
             model.zero_grad()
             rec.backward(losses(step))
     assert gradlog.open(path).steps["step"].to_pylist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "expected"),
+    [
+        (7, 11, [[7, 8, 9, 10]]),  # inside datum 1: a view, T is never padded in
+        (6, 18, [[6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]),  # whole datums
+        (4, 9, [[4, 5, -1, -1, -1], [6, 7, 8, -1, -1]]),  # split: each datum's rows first
+        (5, 13, [[5, -1, -1, -1, -1, -1], [6, 7, 8, 9, 10, 11], [12, -1, -1, -1, -1, -1]]),
+    ],
+)
+def test_a_chunk_of_rows_is_laid_out_no_longer_than_the_chunk(
+    start: int, stop: int, expected: list[list[int]]
+) -> None:
+    from types import SimpleNamespace
+
+    from gradlog.backends.hooks.layout import chunk_as_datums
+    from gradlog.memory import ChunkInfo
+
+    chunk = ChunkInfo(lead_shape=(3, 6), start=start, stop=stop, differentiated=True)
+    entry = SimpleNamespace(rule=SimpleNamespace(feature_dims=1, name="linear"))
+    rows = torch.arange(start, stop, dtype=torch.float64) + 1  # (rows,): row r holds r + 1
+    x = rows[:, None].repeat(1, 2)  # (rows, 2)
+    n, datums, args, _, grads = chunk_as_datums(chunk, entry, 3, (x,), {}, [rows])
+    assert n == len(expected) and datums == slice(start // 6, start // 6 + n)
+    want = torch.tensor(expected, dtype=torch.float64) + 1  # padding (-1) becomes 0
+    torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(args[0], want[..., None].repeat(1, 1, 2), rtol=0, atol=0)

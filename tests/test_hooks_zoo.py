@@ -329,8 +329,12 @@ def test_tiny_llama_rmsnorm_rotary_swiglu(tmp_path: Path) -> None:
     assert_zoo_model(model, lambda m: (per_token_ce(m(x), y), None), tmp_path, fallback=[])
 
 
-@pytest.mark.parametrize("chunk_size", [4, 7, 18])  # rows of (B, T) = (3, 6): chunks split datums
-def test_chunked_lm_head_rows_are_attributed_to_datums(tmp_path: Path, chunk_size: int) -> None:
+# rows of (B, T) = (3, 6): chunks inside one datum (2), splitting datums at any offset (4, 7,
+# [1, 10, 7]), of whole datums (12), or all rows (18)
+@pytest.mark.parametrize("chunk_size", [2, 4, 7, 12, 18, [1, 10, 7]])
+def test_chunked_lm_head_rows_are_attributed_to_datums(
+    tmp_path: Path, chunk_size: int | list[int]
+) -> None:
     llama = pytest.importorskip("gradlog.testing.llama")
     memory = pytest.importorskip("gradlog.memory")
     config = llama.LlamaConfig(

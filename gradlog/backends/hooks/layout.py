@@ -246,8 +246,12 @@ def chunk_as_datums(
     grads: list[torch.Tensor | None],
 ) -> tuple[int, slice, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
     """Lay out a chunk of flattened rows (rows ``start:stop`` of ``(B, T)`` flattened, from
-    :func:`gradlog.memory.chunked_linear_loss`) as ``(datums spanned, T, ...)``, zero-padded
-    where the chunk starts or ends inside a datum (zero inputs and gradients add nothing).
+    :func:`gradlog.memory.chunked_linear_loss`) as ``(datums spanned, width, ...)``: each
+    datum's rows of the chunk first, zero rows after them (zero inputs and gradients add
+    nothing to a row-wise layer's gradient). ``width`` is at most the chunk's length, never
+    the whole ``T``: a chunk of 32 rows of a 4096-token datum is a ``(1, 32, ...)`` view, where
+    padding it to ``T`` made every chunk's per-datum matmul 128 times longer (45 s a step at
+    the memory puzzle's shape on an H200).
     Returns the number of datums, their slice, and the re-laid arguments and gradients."""
     if entry.rule.feature_dims is None:
         raise UnsupportedLayerError(
@@ -266,18 +270,33 @@ def chunk_as_datums(
         per *= n  # rows per datum
     start, stop = chunk.start, chunk.stop
     first, last = start // per, (stop - 1) // per + 1
-    offset, n_rows = start - first * per, stop - start
+    n_rows, spanned = stop - start, last - first
+    # One datum, or whole datums: the rows are already (datums, rows each) in order.
+    aligned = spanned == 1 or (start % per == 0 and n_rows == spanned * per)
+    width = n_rows // spanned if aligned else min(per, n_rows)
+    places: dict[torch.device, torch.Tensor] = {}
+
+    def place(device: torch.device) -> torch.Tensor:
+        """Row ``r`` of the chunk goes to ``datum * width + (its position in the datum's
+        part of the chunk)``."""
+        if device not in places:
+            r = torch.arange(start, stop, device=device)  # (rows,)
+            datum = r // per  # (rows,)
+            places[device] = (datum - first) * width + r - (datum * per).clamp_min(start)
+        return places[device]
 
     def as_datums(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n_rows:
             return t
-        full = t.new_zeros(((last - first) * per, *t.shape[1:]))  # (datums*T, ...)
-        full[offset : offset + n_rows] = t
-        return full.view(last - first, per, *t.shape[1:])  # (datums, T, ...)
+        if aligned:
+            return t.reshape(spanned, width, *t.shape[1:])  # (datums, width, ...)
+        full = t.new_zeros((spanned * width, *t.shape[1:]))  # (datums*width, ...)
+        full.index_copy_(0, place(t.device), t)
+        return full.view(spanned, width, *t.shape[1:])  # (datums, width, ...)
 
     parts, rebuild = flatten((args, kwargs))
     new_args, new_kwargs = rebuild([as_datums(t) for t in parts])
-    return last - first, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
+    return spanned, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
 
 
 def batch_first(
