@@ -269,6 +269,25 @@ def test_labels_already_flattened_to_rows() -> None:
 
 
 @pytest.mark.parametrize(
+    ("vocab", "hidden", "budget", "rows"),
+    [
+        (32_000, 1024, None, 131),  # the 16 MiB budget
+        (128_256, 1024, None, 32),
+        (128_256, 4096, None, 128),  # at least hidden // 32 rows: logits 1/32 of the weight
+        (128_256, 8192, None, 256),
+        (50_257, 768, None, 83),
+        (128_256, 4096, 16 * 2**20, 32),  # an explicit budget is kept as given
+    ],
+)
+def test_default_chunks_hold_at_least_a_32nd_of_the_weight(
+    vocab: int, hidden: int, budget: int | None, rows: int
+) -> None:
+    from gradlog.memory.rows import chunk_sizes
+
+    assert chunk_sizes(None, budget, 100_000, vocab, hidden)[0] == rows
+
+
+@pytest.mark.parametrize(
     ("kwargs", "bounds"),
     [
         ({"memory_budget_bytes": V * 4 * 16}, [(0, 16), (16, 32), (32, 40)]),  # 16 rows

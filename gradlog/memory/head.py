@@ -114,9 +114,11 @@ def chunked_linear_loss(
             label equals it are invalid: loss 0, no gradient, not counted by ``"mean"``.
             ``None``, or any other kind of labels, counts every row.
         memory_budget_bytes: With ``chunk_size=None``: bytes of float32 logits one chunk may
-            hold, ``rows = budget // (V * 4)`` (default 16 MiB: 131 rows at V = 32K, 32 at
-            128K; see :data:`~gradlog.memory.DEFAULT_MEMORY_BUDGET_BYTES`). ``fn``'s own peak
-            is a small multiple of it (logits, their upcast, softmax, its gradient).
+            hold, ``rows = budget // (V * 4)``. By default 16 MiB, but at least ``d // 32``
+            rows (logits 1/32 of the weight's size; fewer rows leave a GPU waiting on
+            memory): 131 rows at V = 32K and d 1024, 32 at 128K and d 1024, 128 at d 4096;
+            see :data:`~gradlog.memory.DEFAULT_MEMORY_BUDGET_BYTES`. ``fn``'s own peak is a
+            small multiple of it (logits, their upcast, softmax, its gradient).
         preserve_rng_state: Save the random-number state (CPU, and the device of ``x``) before
             each chunk's forward and restore it for the backward re-run, as
             ``torch.utils.checkpoint`` does, so dropout inside ``fn`` draws the same masks; the
@@ -169,7 +171,7 @@ def chunked_linear_loss(
             "feed this head."
         )
     rows_labels = flatten_labels(labels, lead, n_rows, "labels")
-    sizes = chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0])
+    sizes = chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0], d)
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_wanted = torch.is_grad_enabled() and any(needs)
     plan = _Plan(
