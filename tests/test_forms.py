@@ -159,6 +159,45 @@ def test_factors_match_autograd_linear_with_padding_and_bias(orientation: str) -
     assert isinstance(bias, FullForm)  # a bias's factored form is its full form
 
 
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_factors_of_16_bit_values_give_the_float32_products(
+    narrow: torch.dtype, masked: bool
+) -> None:
+    """Factors holding widened 16-bit values (a layer under autocast) and marked ``narrow``:
+    the same per-datum gradients as without the mark (the products are exact in float32),
+    against float64."""
+    g = rand(3, 9, 5, seed=3).to(narrow).float()
+    a = rand(3, 9, 7, seed=4).to(narrow).float()
+    mask = (torch.arange(9) < torch.tensor([[9], [4], [0]])) if masked else None
+    f = Factors(g, a, mask, scale=3.0, narrow=narrow)
+    want = loop_dense(Factors(g.double(), a.double(), mask, 3.0))
+    torch.testing.assert_close(f.dense().double(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads.select(f, 1, 3).dense(), f.dense()[1:3])
+    assert grads.select(f, 1, 3).narrow == narrow  # (a slice keeps the promise)
+
+
+def test_the_16_bit_matmul_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path of ``outer_sums`` (``bmm`` into float32 from 16-bit operands), called on
+    the meta device so that CI without a GPU runs its signature and shapes."""
+    from gradlog.grads.material import MixedMatmul, outer_sums
+
+    if not MixedMatmul.available:
+        pytest.skip("this torch has no bmm with out_dtype (torch < 2.8): the float32 path runs")
+    monkeypatch.setattr(MixedMatmul, "devices", frozenset({"meta"}))
+    left = torch.empty(2, 5, 3, device="meta")
+    right = torch.empty(2, 5, 4, device="meta")
+    out = torch.empty(2, 3, 4, device="meta")
+    got = outer_sums(left, right, 2.0, out, torch.bfloat16)
+    assert got is out and got.shape == (2, 3, 4) and got.dtype == torch.float32
+    assert MixedMatmul.available  # not refused
+
+
+def test_factors_refuse_an_unknown_narrow_dtype() -> None:
+    with pytest.raises(InputError, match="narrow"):
+        Factors(rand(1, 2, 3, seed=0), rand(1, 2, 3, seed=1), narrow=torch.float32)
+
+
 def test_factors_worthwhile_matches_the_byte_count() -> None:
     assert factors_worthwhile(63, 128, 128) and not factors_worthwhile(64, 128, 128)
     assert factors_worthwhile(2047, 4096, 4096) and not factors_worthwhile(2048, 4096, 4096)

@@ -519,7 +519,8 @@ def test_bf16_autocast_per_datum_gradients_against_float32(tmp_path: Path, backe
 
 def test_rules_accumulate_bf16_captures_in_float32() -> None:
     """A Linear under autocast: its output gradient is bf16; the per-datum weight gradient is
-    the float32 product of that bf16 gradient with the input, not a bf16 product."""
+    the float32 product of that bf16 gradient with the input as autocast's matmul took it
+    (rounded to bf16), not a bf16 product, nor one with the unrounded input."""
     gen = torch.Generator().manual_seed(0)
     layer = nn.Linear(16, 8)
     x = torch.randn(4, 64, 16, generator=gen)  # (B, T, d_in)
@@ -538,10 +539,13 @@ def test_rules_accumulate_bf16_captures_in_float32() -> None:
     finally:
         be.detach()
     g = r.to(torch.bfloat16).double()  # the captured output gradient, exactly
-    exact = torch.einsum("bto,bti->boi", g, x.double())  # (B, d_out, d_in)
+    a = x.to(torch.bfloat16).double()  # the input autocast's matmul took
+    exact = torch.einsum("bto,bti->boi", g, a)  # (B, d_out, d_in)
     assert grads["weight"].dtype == torch.float32
     err = float((grads["weight"].double() - exact).norm() / exact.norm())
     assert err < 1e-6  # float32 accumulation (a bf16 product: ~2e-3)
+    unrounded = torch.einsum("bto,bti->boi", g, x.double())  # (B, d_out, d_in)
+    assert float((grads["weight"].double() - unrounded).norm() / unrounded.norm()) > 1e-4
     assert float((grads["bias"].double() - g.sum(1)).norm() / g.sum(1).norm()) < 1e-6
 
 

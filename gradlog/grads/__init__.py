@@ -24,6 +24,7 @@ from gradlog.grads.material import (
     entries,
     factors_worthwhile,
     material_shape,
+    outer_sums,
     select,
 )
 from gradlog.grads.norms import SCRATCH_ELEMENTS, dense_sqnorms, float64_sqnorms, norm_scratch
@@ -48,6 +49,7 @@ __all__ = [
     "ghost_cost",
     "material_shape",
     "norm_scratch",
+    "outer_sums",
     "prefer_factored",
     "rows_inner",
     "select",

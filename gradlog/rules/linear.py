@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.grads import Factors
+from gradlog.grads import Factors, outer_sums
 from gradlog.rules.base import Capture, RuleResult, attributes, one_feature_dim, register_rule
 
 __all__ = ["as_rows", "conv1d_gpt2", "linear"]
@@ -38,7 +38,11 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.Tensor:
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture,
+               narrow: torch.dtype | None) -> torch.Tensor:
     """``scale * left_b^T right_b`` for each b: (B, N, p), (B, N, q) -> (B, p, q)."""
     B, N, p = left.shape
     q = right.shape[-1]
@@ -47,8 +51,7 @@ def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture) -> torch.T
     if N == 1:  # one row per datum: an outer product, cheaper than a k=1 matmul
         lhs = left[:, 0, :, None] * scale if scale != 1 else left[:, 0, :, None]  # (B, p, 1)
         return torch.mul(lhs, right[:, 0, None, :], out=out)  # (B, p, q)
-    # beta=0 ignores out's (uninitialised) contents; alpha folds the scale into the matmul.
-    return out.baddbmm_(left.transpose(1, 2), right, beta=0.0, alpha=scale)  # (B, p, q)
+    return outer_sums(left, right, scale, out, narrow)  # (B, p, q)
 
 
 @register_rule(nn.Linear, name="linear", feature_dims=one_feature_dim, covers=_WEIGHT_BIAS,
@@ -75,15 +78,25 @@ def _affine(cap: Capture, wanted: frozenset[str], d_in: int, d_out: int, dtype: 
     weight ``G_b^T A_b`` (``transposed``: W stored (d_in, d_out), ``A_b^T G_b``), or its
     factors when its form takes them; the bias ``sum_n g_{b,n}``."""
     B = cap.batch_size
-    g = _as(as_rows(cap.grad_output, B, d_out, f"{what} output gradient"), dtype)
-    out: RuleResult = {}  # g: (B, N, d_out)
+    g = as_rows(cap.grad_output, B, d_out, f"{what} output gradient")  # (B, N, d_out)
+    # A 16-bit output gradient of float32 weights: the layer ran under autocast, whose matmul
+    # took the input in that dtype too; the weight's gradients are those of that matmul.
+    narrow = g.dtype if g.dtype in _NARROW and dtype == torch.float32 else None
+    g = _as(g, dtype)
+    out: RuleResult = {}
     if "weight" in wanted:
-        a = _as(as_rows(cap.input, B, d_in, f"{what} input"), dtype)  # (B, N, d_in)
+        a = as_rows(cap.input, B, d_in, f"{what} input")  # (B, N, d_in)
+        if narrow is not None and a.dtype == torch.float32:
+            a = a.to(narrow)  # as autocast rounded it
+        elif narrow is not None and a.dtype != narrow:
+            narrow = None  # not autocast's pattern: no promise about the values
+        a = _as(a, dtype)
         left, right = (a, g) if transposed else (g, a)
         if "weight" in cap.factored:  # never formed: the form encodes from the factors
-            out["weight"] = Factors(left.detach(), right.detach(), scale=cap.scale)
-        else:
-            out["weight"] = _outer_sum(left, right, cap)  # (B, d_out, d_in) or transposed
+            out["weight"] = Factors(left.detach(), right.detach(), scale=cap.scale,
+                                    narrow=narrow)
+        else:  # (B, d_out, d_in) or transposed
+            out["weight"] = _outer_sum(left, right, cap, narrow)
     if "bias" in wanted:
         out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
     return out
