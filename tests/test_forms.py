@@ -265,16 +265,22 @@ def test_float64_norms_of_float32_gradients_are_accurate(n: int) -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     B=st.integers(1, 9),
-    n=st.integers(1, 3000),
+    n=st.integers(1, 40000),
     scratch=st.sampled_from([None, 1, 64, 1 << 18]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.float64]),
+    one_pass=st.booleans(),  # the GPU's way (one vector_norm per block), run here
 )
 def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
-                                          dtype: torch.dtype) -> None:
+                                          dtype: torch.dtype, one_pass: bool) -> None:
+    import gradlog.grads.norms as norms
+
     x = (rand(B, n, dtype=torch.float64, seed=n) * 3).to(dtype)
+    devices = frozenset({"cpu"}) if one_pass else frozenset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norms, "ONE_PASS_DEVICES", devices)
+        got = grads.float64_sqnorms(x, None if scratch is None else torch.empty(scratch,
+                                                                                dtype=D64))
     want = x.double().square().sum(1)  # the naive float64 sum: the oracle
-    buf = None if scratch is None else torch.empty(scratch, dtype=D64)
-    got = grads.float64_sqnorms(x, buf)
     assert got.dtype == D64 and got.shape == (B,)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)  # float64 rounding only
 
