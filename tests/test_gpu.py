@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,6 +189,48 @@ def test_bf16_autocast_records_match_the_oracle(
         err = _relative_errors(ours, truth[name], floor)
         assert float(err.median()) < 1.5e-2, f"{name}: {err.tolist()}"
         assert float(err.max()) < 4e-2, f"{name}: {err.tolist()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["full", "norm"])
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_autocast_matmuls_on_tensor_cores_equal_the_float32_ones(
+    tmp_path: Path, model_name: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 autocast a Linear's per-datum matmul takes the 16-bit operands into a
+    float32 result (torch >= 2.8): the same records and norms as the float32 matmul of the
+    widened operands, to float32 rounding (the products are exact either way), and the path
+    is really taken (not refused at the first call)."""
+    from gradlog.grads.material import MixedMatmul
+
+    case = _case(model_name, torch.float32)
+    runs = {}
+    for mixed in (True, False):
+        if not mixed:
+            monkeypatch.setattr(MixedMatmul, "devices", frozenset())
+        runs[mixed], _ = _record_on_cuda(case, tmp_path / f"{mixed}.gradlog",
+                                         {"form": form}, torch.float32, autocast=True)
+    if hasattr(torch.ops.aten.bmm, "dtype_out"):
+        assert MixedMatmul.available, "bmm with out_dtype was refused on this GPU"
+    fast, slow = runs[True], runs[False]
+    for name in fast.param_names:
+        np.testing.assert_allclose(np.asarray(fast.norms(name).column("norm")),
+                                   np.asarray(slow.norms(name).column("norm")),
+                                   rtol=1e-5, atol=1e-9, err_msg=name)
+        if form == "full":
+            np.testing.assert_allclose(fast.grads(name, step=0), slow.grads(name, step=0),
+                                       rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.gpu
+def test_one_pass_float64_norms_on_cuda_equal_the_naive_sums() -> None:
+    from gradlog.grads import float64_sqnorms
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3 * (1 << 20) + 5, generator=gen)  # several blocks of the CUDA scratch
+    want = x.double().square().sum(1)
+    got = float64_sqnorms(x.to(CUDA)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
 
 
 # --- device synchronisation ---------------------------------------------------------------
