@@ -10,9 +10,13 @@ of GPT-2 small's recorded step to the host (RESULTS.md).
 Table: per form (``batch_grad="sum"``, ``durable=False``, ``check_every=0``), the plain step
 (forward, backward, SGD step on a hook-free copy) and the recorded step (forward,
 ``rec.backward``, SGD step), paired: each repetition times one of each; medians over
-repetitions, and the host work gradlog adds (their difference). ``--profile FORM`` then
-prints the main thread's cProfile of that form's recorded steps (cumulative; the writer's
-threads are not in it).
+repetitions, and the host work gradlog adds (their difference). ``--stages`` then times
+the first form's steps by stage, unprofiled: perf_counter wrappers around a few of
+gradlog's internal functions (the forward capture, the hooks' reset, shared-output walk and
+per-call compute, the rules, the accumulation, the spot check, the encoding), each called a
+few hundred times a step at most, so the wrappers add little. ``--profile FORM`` prints the
+main thread's cProfile of that form's recorded steps (cumulative; the writer's threads are
+not in it; it doubles the step and inflates loops of small calls most).
 
 Usage::
 
@@ -25,12 +29,14 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import functools
 import pstats
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +53,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="a form to profile after timing")
+    parser.add_argument("--stages", action="store_true",
+                        help="time the first form's steps by stage (internal functions)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -58,17 +66,102 @@ def main() -> None:
     print()
     print("| form | plain ms | recorded ms | added host ms | recorded / plain |")
     print("|---|---|---|---|---|")
+    forms = [f for f in args.forms.split(",") if f]
     with tempfile.TemporaryDirectory(prefix="bench_host_") as root:
-        for form in [f for f in args.forms.split(",") if f]:
+        for form in forms:
             _row(form, args, x, y, Path(root))
+        if args.stages and forms:
+            _stages(forms[0], args, x, y, Path(root))
+
+
+def _model(args: argparse.Namespace, T: int) -> torch.nn.Module:
+    return zoo.tiny_gpt(vocab=64, block_size=T, n_layer=args.layers, n_head=4, n_embd=16,
+                        tie_weights=True, dtype=torch.float32)
+
+
+def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
+            root: Path) -> None:
+    """Per step: plain forward and backward, recorded forward and ``rec.backward``, and the
+    time inside a few internal functions (nested: a row's time includes the rows it calls)."""
+    import gradlog.backends.hooks as hooks
+    import gradlog.backends.hooks.accumulate as accumulate
+    import gradlog.backends.hooks.checks as checks
+    import gradlog.planning as planning
+    import gradlog.rules.layer_norm as layer_norm
+    import gradlog.rules.linear as linear
+
+    spent: dict[str, float] = {}
+    wrapped = [
+        (hooks.HooksBackend, "_capture", "forward: capture per module call"),
+        (hooks.HooksBackend, "backward", "backward: hooks backend (autograd's own included)"),
+        (hooks.HooksBackend, "_reset", "  reset: spot-check draw, op-use walk"),
+        (hooks.HooksBackend, "_route_shared_outputs", "  shared-output walk"),
+        (hooks.HooksBackend, "_compute", "  per call: layout, rule, accumulation"),
+        (linear, "_affine", "    Linear rule"),
+        (layer_norm, "_affine", "    LayerNorm rule"),
+        (accumulate.Accumulator, "add", "    accumulation"),
+        (checks.SpotCheck, "check", "  spot check"),
+        (planning, "encode", "encoding: forms and exact norms"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+    for owner, name, label in wrapped:
+        setattr(owner, name, _timer(getattr(owner, name), label, spent))
+    try:
+        model = _model(args, x.shape[1])
+        plain = copy.deepcopy(model)
+        with gradlog.GradRecorder(model, root / f"stages-{form}.gradlog", form=form,
+                                  batch_grad="sum", durable=False, check_every=0) as rec:
+            for _ in range(args.warmup):
+                rec.backward(zoo.per_token_ce(model(x), y))
+                model.zero_grad()
+            rec.flush()
+            spent.clear()
+            steps = {"plain forward": 0.0, "plain backward": 0.0, "recorded forward": 0.0,
+                     "rec.backward": 0.0}
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                loss = zoo.per_token_ce(plain(x), y).mean()
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                losses = zoo.per_token_ce(model(x), y)
+                t3 = time.perf_counter()
+                rec.backward(losses)
+                t4 = time.perf_counter()
+                plain.zero_grad()
+                model.zero_grad()
+                for key, dt in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    steps[key] += dt
+            rec.flush()
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    print()
+    print(f"Stages of a `{form}` step (ms per step, mean of {args.reps}; nested rows)")
+    print()
+    print("| stage | ms |")
+    print("|---|---|")
+    ordered = [(label, spent[label]) for _, _, label in wrapped if label in spent]
+    for label, total in [*steps.items(), *ordered]:
+        print(f"| {label} | {total / args.reps * 1e3:.1f} |")
+
+
+def _timer(fn: Callable[..., Any], label: str, spent: dict[str, float]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+    return timed
 
 
 def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
          root: Path) -> None:
     """Time one form's recorded step against the plain step, paired; print its row."""
-    V, T = 64, x.shape[1]
-    model = zoo.tiny_gpt(vocab=V, block_size=T, n_layer=args.layers, n_head=4, n_embd=16,
-                         tie_weights=True, dtype=torch.float32)
+    model = _model(args, x.shape[1])
     plain = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
