@@ -32,10 +32,10 @@ grad are selected, and a recorded parameter frozen later is refused by name
 (:func:`gradlog.params.check_differentiable`) before autograd's own, vaguer errors.
 
 Autocast. Under ``torch.autocast`` captured inputs and output gradients may be bfloat16 or
-float16 while parameters are float32: rules widen them and accumulate per-datum gradients in
-the parameters' dtype. Autograd's own ``p.grad`` of such a layer is rounded to the narrow
-dtype, so :attr:`low_precision` names those parameters and the checks of ``sum_b w_b g_b``
-against ``p.grad`` allow :data:`~gradlog.backends.base.LOW_PRECISION_RTOL` of its epsilon.
+float16 while parameters are float32: rules widen them (a Linear's input rounded first, as
+autocast's matmul took it) and accumulate in the parameters' dtype. Autograd's ``p.grad`` is
+rounded to the narrow dtype, so :attr:`low_precision` names those parameters and the checks
+of ``sum_b w_b g_b`` against ``p.grad`` allow ``LOW_PRECISION_RTOL`` of its epsilon.
 
 Batch dimension. Every per-datum result must have B rows. Layers that treat leading
 dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leading dimension
