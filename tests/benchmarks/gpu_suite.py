@@ -19,7 +19,9 @@ Without CUDA the suite runs in ``--cpu`` mode by itself. It uses gradlog's publi
 (``GradRecorder``, ``gradlog.open``, ``gradlog.memory.chunked_linear_loss``, the model builders
 of ``gradlog.testing``), so it measures what a user gets.
 
-Sections (``--sections``, comma-separated; all by default):
+Sections (``--sections``, comma-separated; all by default, run in the order given; the
+default runs tests, profile, head, writer, then forms, whose rows go from the compact forms to
+``full``, so that a run stopped by a device-time limit has the tables that say most):
 
 - ``tests``: ``pytest -m gpu`` over every test file holding a ``gpu`` mark
   (``tests/test_gpu.py``: every backend and the zoo on CUDA, bf16 autocast, no
@@ -28,8 +30,8 @@ Sections (``--sections``, comma-separated; all by default):
   shape (``gradlog.demo`` GPT: vocab 50257, d 768, 12 layers, 12 heads, tied head, T 1024,
   B 8) and a ~1B Llama shape (``gradlog.testing.llama``: vocab 32000, dim 2048, 16 layers,
   16 heads, SwiGLU 5632, T 256, B 4; its head through ``chunked_linear_loss``), random
-  init, float32 parameters, bf16 autocast, SGD. Every form (full, auto, auto within 1% of
-  full's bytes, projection dim 1024, topk 1%, norm) with ``batch_grad="autograd"`` and
+  init, float32 parameters, bf16 autocast, SGD. Every form (norm, projection dim 1024,
+  auto within 1% of full's bytes, topk 1%, auto, full) with ``batch_grad="autograd"`` and
   ``"sum"``; hooks backend. Paired: every repetition runs ``--block`` plain steps on a
   hook-free copy of the model and then ``--block`` recorded steps on a second copy (forward,
   ``rec.backward``, optimizer step, ``rec.flush()`` after the block: the D2H copies and the
@@ -90,7 +92,9 @@ from gradlog.testing import zoo
 from gradlog.testing.llama import LlamaConfig, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["tests", "forms", "profile", "writer", "head"]
+# Quick and telling sections first, the long Compute table last, and in it the compact forms
+# before the heavy full ones: a run cut short by a lease's device time keeps what matters.
+SECTIONS = ["tests", "profile", "head", "writer", "forms"]
 
 
 @dataclass(frozen=True)
@@ -122,13 +126,13 @@ CPU_HEAD = {"B": 2, "T": 32, "d": 32, "V": 512}
 
 # key -> (label, GradRecorder options from full's bytes per step)
 FORMS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
-    "full": ("full", lambda full: {"form": "full"}),
-    "auto": ("auto", lambda full: {"form": "auto"}),
+    "norm": ("norm", lambda full: {"form": "norm"}),
+    "projection": ("projection 1024", lambda full: {"form": {"form": "projection", "dim": 1024}}),
     "auto1": ("auto, 1% of full",
               lambda full: {"form": "auto", "form_budget": max(full // 100, 1)}),
-    "projection": ("projection 1024", lambda full: {"form": {"form": "projection", "dim": 1024}}),
     "topk": ("topk 1%", lambda full: {"form": {"form": "topk", "fraction": 0.01}}),
-    "norm": ("norm", lambda full: {"form": "norm"}),
+    "auto": ("auto", lambda full: {"form": "auto"}),
+    "full": ("full", lambda full: {"form": "full"}),
 }
 
 
