@@ -298,8 +298,8 @@ def test_float64_sqnorms_are_float64_sums(B: int, n: int, scratch: int | None,
 def test_rows_sqnorms_are_the_dense_gradients_norms(
     B: int, N: int, V: int, pad: float, scale: float, distinct: bool, seed: int
 ) -> None:
-    """Rows.sqnorms (repeated rows merged, padding left out even when it holds NaN, the
-    distinct-rows shortcut) against the naive float64 norm of the dense gradients."""
+    """Rows.sqnorms (repeated rows merged, padding left out even when it holds NaN, distinct
+    rows), Rows.dense and Rows.unique against the naive float64 dense gradients."""
     gen = torch.Generator().manual_seed(seed)
     if distinct and N <= V:  # each datum's rows distinct (a position embedding)
         index = torch.stack([torch.randperm(V, generator=gen)[:N] for _ in range(B)])
@@ -317,6 +317,13 @@ def test_rows_sqnorms_are_the_dense_gradients_norms(
     want_sq = want.reshape(B, -1).square().sum(1)
     torch.testing.assert_close(r.sqnorms(), want_sq, rtol=1e-12, atol=1e-300)
     torch.testing.assert_close(sqnorms(r), want_sq, rtol=1e-12, atol=1e-300)
+    torch.testing.assert_close(r.dense().double(), want, rtol=1e-6, atol=1e-6)  # float32 sums
+    u = r.unique()  # distinct rows, sorted, padding after them, the scale folded in
+    torch.testing.assert_close(u.dense().double(), want, rtol=1e-6, atol=1e-6)
+    for b in range(B):
+        used = u.index[b][u.index[b] >= 0].tolist()
+        assert used == sorted(set(used)) and u.index[b, len(used):].eq(-1).all()
+        assert u.values[b, len(used):].eq(0).all() and u.scale == 1.0
 
 
 def test_float64_sqnorms_of_a_step_of_gradients() -> None:

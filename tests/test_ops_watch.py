@@ -5,6 +5,8 @@ of every entry, never recorded wrong in silence. Each step against the loop orac
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -74,9 +76,9 @@ def _full_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     done = [0]
     original = SpotCheck._check_all
 
-    def counting(self: SpotCheck, *args: object) -> None:
+    def counting(self: SpotCheck, *args: object) -> Any:
         done[0] += 1
-        original(self, *args)  # type: ignore[arg-type]
+        return original(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SpotCheck, "_check_all", counting)
     return done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from typing import Any
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradlog
+from gradlog.backends.hooks.checks import Verdict
 from gradlog.errors import (
     BackendError,
     ConfigError,
@@ -22,6 +25,7 @@ from gradlog.errors import (
     ParamSelectionError,
     UnsupportedLayerError,
 )
+from gradlog.recording.encoding import FormEncoder
 from gradlog.testing.zoo import gpt_batch, mlp, mlp_batch, per_token_ce, tiny_gpt
 
 
@@ -566,3 +570,99 @@ def test_integers_beyond_int64_are_refused_at_the_call(
             rec.backward(_losses(model), datum_ids=ids, step=step)
         rec.backward(_losses(model), datum_ids=np.array([0, 1, 2, 3], dtype=np.uint64), step=0)
     assert gradlog.open(path).datums.column("datum_id").to_pylist() == [0, 1, 2, 3]
+
+
+def test_records_that_do_not_add_up_are_refused_after_encoding_and_not_stored(
+        tmp_path: Any) -> None:
+    """The backward's spot check is read once the step is encoded (its one wait for the
+    device, see test_a_steady_step_waits_for_no_device_after_its_loss_checks): a step whose
+    records do not add up (a parameter also used in the loss code, outside the forward) is
+    still refused by the ``rec.backward`` call that recorded it, nothing of it stored, its
+    datums not counted, and recording goes on."""
+    model = mlp()
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, check_every=0) as rec:
+        rec.backward(_losses(model, seed=0), step=0)
+        x, y = mlp_batch(4, seed=1)
+        outside = (x @ model[0].weight.T).square().sum(1)  # (B,) a use no hook sees
+        with pytest.raises(BackendError, match=r"0\.weight.*do not add up"):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none") + outside, step=1)
+        assert model[0].weight.grad is not None  # p.grad complete
+        model.zero_grad(set_to_none=True)
+        rec.backward(_losses(model, seed=2), step=2)
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0, 2]
+    assert run.datums.column("datum_id").to_pylist() == list(range(8))
+
+
+_WAITS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive",
+          "masked_select", "repeat_interleave"}
+"""Operations that wait for a CUDA device (a scalar read, an output sized by the data)."""
+
+
+class _Waits(TorchDispatchMode):
+    """The gradlog source line (file:function) of each operation in :data:`_WAITS`, and of
+    indexing by a bool mask (sized by the data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        masked = name in ("index", "index_put_", "index_put") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()))
+        if name in _WAITS or masked:
+            frames = [f for f in traceback.extract_stack() if "/gradlog/" in f.filename]
+            where = frames[-1] if frames else None
+            self.sites.append(f"{name} at " + (
+                f"{where.filename.rsplit('/gradlog/', 1)[1]}:{where.name}" if where else "?"))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("form", ["norm", "projection", "full", "auto", "topk"])
+def test_a_steady_step_waits_for_no_device_after_its_loss_checks(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, form: str) -> None:
+    """On the CPU, a proxy for CUDA's synchronisations: in a steady recorded step the only
+    operations before the reading of the backward's checks (``Verdict.bad``, once the step
+    is encoded) that would wait for a device are the losses' checks before the backward.
+    The backward, the exact norms (embedding rows' included: a sort, not ``unique``) and the
+    forms' encoding wait for nothing, and the checks are read after the encoding, so on a
+    GPU the host encodes while the device still runs the backward. The GPU suite checks
+    the real thing (test_gpu.py)."""
+    waits = _Waits()
+    original = Verdict.bad
+
+    def bad(self: Verdict) -> list[str]:
+        waits.sites.append("the checks read")
+        return original(self)
+
+    def encode(self: FormEncoder, grads: Any) -> Any:
+        out = encoded(self, grads)
+        waits.sites.append("encoded")
+        return out
+
+    encoded = FormEncoder.encode
+    monkeypatch.setattr(Verdict, "bad", bad)
+    monkeypatch.setattr(FormEncoder, "encode", encode)
+    model = tiny_gpt(vocab=32, block_size=8, n_layer=2, n_embd=16, dtype=torch.float32)
+    x, y, mask = gpt_batch(4, 8, vocab=32)
+    form_options = {"topk": {"form": "topk", "fraction": 0.1}}.get(form, form)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", form=form_options,
+                              batch_grad="sum", check_every=0) as rec:
+        for _ in range(2):  # the forms planned, the first backward's datum check done
+            rec.backward(per_token_ce(model(x), y), mask=mask)
+            model.zero_grad(set_to_none=True)
+        losses = per_token_ce(model(x), y)
+        waits.sites.clear()
+        with waits:
+            rec.backward(losses, mask=mask)
+    assert waits.sites.count("the checks read") == 1, waits.sites
+    assert waits.sites.index("encoded") < waits.sites.index("the checks read"), waits.sites
+    early = waits.sites[: waits.sites.index("the checks read")]
+    loss_checks = ("recording/inputs.py:__call__", "losses.py:")
+    late = [s for s in early if s != "encoded" and not s.split(" at ")[1].startswith(
+        loss_checks)]
+    assert not late, f"operations that wait for a device: {late}; all: {waits.sites}"

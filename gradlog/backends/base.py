@@ -154,6 +154,14 @@ class Backend(abc.ABC):
     """Set by the recorder on its self-checked batches (``check_every``): a backend that can
     check one datum's own gradient (the hooks backend) does so on them as well."""
 
+    defer_checks: bool = False
+    """Set by the recorder: the backward may leave its checks' outcome on the device until
+    :meth:`settle` (the hooks backend's spot check, its one wait for the device), which
+    the recorder calls once the step's records are encoded."""
+
+    def settle(self) -> None:  # noqa: B027 - only backends with deferred checks need it
+        """Raise what the last backward's deferred checks found (:attr:`defer_checks`)."""
+
     def attach(self) -> None:  # noqa: B027 - optional hook for backends that install hooks
         """Called when recording starts."""
 

@@ -262,62 +262,75 @@ class Rows:
     def unique(self) -> Rows:
         """The same gradients with each datum's rows distinct, all-zero rows dropped,
         ``scale`` folded in, sorted by row index, padded with index -1 and zero values
-        after them (still N wide)."""
+        after them (still N wide). Sizes are known in advance: nothing waits for the
+        device (see :meth:`sqnorms`)."""
         B, N = self.index.shape
         D = self.width
         V = self.num_rows
         values = self.values.reshape(B * N, D)  # (B*N, D)
         if self.scale != 1.0:
             values = values * self.scale
-        index = self.index.reshape(B * N)  # (B*N,)
-        datum = torch.arange(B, device=index.device).repeat_interleave(N)  # (B*N,)
-        keep = (index >= 0) & (values != 0).any(-1)  # (B*N,)
-        key = torch.where(keep, datum * V + index, B * V)  # dropped entries sort last
-        uniq, inverse = torch.unique(key, sorted=True, return_inverse=True)  # (U,), (B*N,)
-        merged = values.new_zeros((uniq.numel(), D)).index_add_(0, inverse, values)  # (U, D)
-        real = uniq < B * V  # (U,) not the "dropped" key
-        owner = torch.where(real, uniq // V, 0)  # (U,) datum of each distinct row
-        counts = torch.bincount(owner[real], minlength=B)  # (B,)
+        keep = (self.index >= 0).reshape(-1) & (values != 0).any(-1)  # (B*N,)
+        key, group = self._groups(keep)  # (B*N,) each: sorted keys, then group keys
+        merged = values.new_zeros((B * N, D)).index_add_(0, group[1], values[group[0]])
+        real = key < B * V  # (B*N,) a distinct kept row (else dropped or an empty group)
+        owner = torch.where(real, key // V, 0)  # (B*N,) datum of each distinct row
+        counts = torch.zeros(B, dtype=torch.long, device=key.device).index_add_(
+            0, owner, real.long())  # (B,) distinct rows per datum
         starts = torch.cumsum(counts, 0) - counts  # (B,) first distinct row of each datum
-        slot = torch.arange(uniq.numel(), device=index.device) - starts[owner]  # (U,)
-        out_index = index.new_full((B, N), -1)  # (B, N)
-        out_values = values.new_zeros((B, N, D))  # (B, N, D)
-        out_index[owner[real], slot[real]] = uniq[real] % V
-        out_values[owner[real], slot[real]] = merged[real]
-        return Rows(out_index, out_values.reshape(self.values.shape), V)
+        slot = torch.arange(B * N, device=key.device) - starts[owner]  # (B*N,)
+        at = torch.where(real, owner * N + slot, B * N)  # (B*N,) past the end: discarded
+        out_index = self.index.new_full((B * N + 1,), -1).index_copy_(
+            0, at, torch.where(real, key % V, -1))[: B * N]  # (B*N,)
+        out_values = values.new_zeros((B * N + 1, D)).index_copy_(
+            0, at, torch.where(real.unsqueeze(1), merged, 0.0))[: B * N]  # (B*N, D)
+        return Rows(out_index.view(B, N), out_values.reshape(self.values.shape), V)
+
+    def _groups(self, keep: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Entries grouped by (datum, row) by a sort, for sums per distinct row without a
+        size read from the device. Returns each group's key ``datum * V + row`` (``B * V``
+        for entries not kept and for the empty groups past the last), and ``(order,
+        group)``: the entries in key order and the group of each, for
+        ``index_add_(0, group, values[order])`` into ``B * N`` rows."""
+        B, N = self.index.shape
+        V = self.num_rows
+        datum = torch.arange(B, device=self.index.device).unsqueeze(1)  # (B, 1)
+        key = torch.where(keep.view(B, N), datum * V + self.index, B * V).reshape(-1)
+        key, order = torch.sort(key)  # (B*N,) entries not kept last
+        first = torch.ones_like(key, dtype=torch.bool)  # (B*N,) the first entry of its key
+        first[1:] = key[1:] != key[:-1]
+        group = first.cumsum(0) - 1  # (B*N,) 0, 1, ... per distinct key
+        group_key = key.new_full((B * N,), B * V).scatter_(0, group, key)  # (B*N,)
+        return group_key, (order, group)
 
     def sqnorms(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """Exact squared norms ``(B,)`` in ``dtype``: each datum's rows of one index summed
         (in ``dtype``), then squared and summed; padding (index -1, which may hold anything)
-        left out. Rows that are all distinct (position embeddings) skip the merge."""
+        left out. Every size is known in advance (a sort, not ``unique``), so nothing waits
+        for the device: the recorder encodes a step without a sync (see
+        ``StepPipeline.record``)."""
         B, N = self.index.shape
         V, D = self.num_rows, self.width
-        if N == 0:
-            return torch.zeros(B, dtype=dtype, device=self.values.device)
-        values = self.values.reshape(B * N, D).to(dtype)  # (B*N, D)
-        index = self.index.reshape(B * N)  # (B*N,)
-        datum = torch.arange(B, device=index.device).repeat_interleave(N)  # (B*N,)
-        key = torch.where(index >= 0, datum * V + index, B * V)  # padding: one key past all
-        uniq, inverse = torch.unique(key, return_inverse=True)  # (U,), (B*N,)
-        if uniq.numel() == B * N and int(uniq[-1]) < B * V:  # distinct rows, no padding
-            out = values.square().sum(1).view(B, N).sum(1)  # (B,)
-        else:
-            merged = values.new_zeros((uniq.numel(), D)).index_add_(0, inverse, values)
-            real = uniq < B * V  # (U,)
-            out = values.new_zeros(B).index_add_(
-                0, uniq[real] // V, merged[real].square().sum(1))  # (B,)
+        values = self.values.reshape(B * N, D)  # (B*N, D)
+        key, (order, group) = self._groups((self.index >= 0).reshape(-1))
+        merged = values.new_zeros((B * N, D), dtype=dtype).index_add_(
+            0, group, values[order].to(dtype))  # (B*N, D) each distinct row's sum
+        real = key < B * V  # not padding, not an empty group
+        sq = torch.where(real, merged.square().sum(1), 0.0)  # (B*N,)
+        out = values.new_zeros(B, dtype=dtype).index_add_(0, torch.where(real, key // V, 0), sq)
         return out.mul_(self.scale**2) if self.scale != 1.0 else out
 
     def dense(self) -> torch.Tensor:
         """The per-datum gradients ``(B, num_rows, *row_shape)`` (one ``index_add_``)."""
         B, N = self.index.shape
         V, D = self.num_rows, self.width
-        out = self.values.new_zeros((B * V, D))  # (B*V, D)
-        valid = (self.index >= 0).reshape(-1)  # (B*N,)
+        out = self.values.new_zeros((B * V + 1, D))  # (B*V + 1, D) the last row: padding's
+        valid = (self.index >= 0).reshape(-1, 1)  # (B*N, 1)
         flat = self.index + torch.arange(B, device=self.index.device).unsqueeze(1) * V
-        flat = flat.reshape(-1)[valid]  # (n_valid,)
-        out.index_add_(0, flat, self.values.reshape(B * N, D)[valid], alpha=self.scale)
-        return out.reshape(B, *self.shape)
+        flat = torch.where(valid[:, 0], flat.reshape(-1), B * V)  # (B*N,) (no mask: no sync)
+        values = torch.where(valid, self.values.reshape(B * N, D), 0.0)  # padding may be NaN
+        out.index_add_(0, flat, values, alpha=self.scale)
+        return out[: B * V].reshape(B, *self.shape)
 
 
 Material: TypeAlias = torch.Tensor | Factors | Rows

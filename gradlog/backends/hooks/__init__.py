@@ -185,10 +185,8 @@ class HooksBackend(Backend):
         if any(p.device.type == "cpu" for p in self.params.values()):
             keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
         self._entries = plan_entries(self.model, self.params, self.batch_grad)
-        self._sequence_first = [
-            name for name, m in self.model.named_modules()
-            if getattr(m, "batch_first", True) is False
-        ]
+        self._sequence_first = [name for name, m in self.model.named_modules()
+                                if getattr(m, "batch_first", True) is False]
         for entry in self._entries:  # (pre-hooks before the user's: prune's)
             self._handles.append(entry.module.register_forward_pre_hook(
                 functools.partial(self._on_enter, entry), prepend=True))
@@ -231,11 +229,8 @@ class HooksBackend(Backend):
         """Which module computes which recorded parameters, by which rule."""
         return {
             "name": self.name,
-            "modules": [
-                {"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
-                 "params": sorted(set(e.names.values()))}
-                for e in self._entries
-            ],
+            "modules": [{"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
+                         "params": sorted(set(e.names.values()))} for e in self._entries],
             "fallback": [e.name for e in self._entries if e.fallback],
             "ops": sorted({f"{e.name}: {e.rule.name}"
                            for e in (self._ops.entries.values() if self._ops else ())}),
@@ -347,6 +342,7 @@ class HooksBackend(Backend):
             raise BackendError("the hooks backend is not attached; the recorder attaches it "
                                "when recording starts (use GradRecorder as a context manager).")
         check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
+        self._spot.settle()  # the last backward's, if its caller did not settle it
         B = int(losses.shape[0])
         self._reset(B, batch_loss)
         self._pool.reclaim()
@@ -376,7 +372,7 @@ class HooksBackend(Backend):
             checks.check_coverage(self.params, self._got_grad, results.covered, self._entries,
                                   self._ops is None or self._ops.watching)
             self._spot.check(collections.ChainMap(materials, results.acc), self.low_precision,
-                             1.0 / self._scale)
+                             1.0 / self._scale, defer=self.defer_checks)
             if self._ops is not None:
                 self._ops.checked()
             out = {
@@ -399,6 +395,9 @@ class HooksBackend(Backend):
             self._autocast = set()  # (what the next forward runs under)
             self._saved_tensor_hooks = "none"
             self._pool.release()
+
+    def settle(self) -> None:
+        self._spot.settle()
 
     def _model_tensors(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]  # (their CUDA devices)

@@ -34,6 +34,7 @@ __all__ = [
     "HOOK_KINDS",
     "Layout",
     "SpotCheck",
+    "Verdict",
     "check_coverage",
     "check_datum",
     "check_versions",
@@ -54,7 +55,8 @@ class SpotCheck:
     """``sum_b w_b g_b`` against the parameter's gradient in this backward, at a few random
     entries per parameter: catches uses the hooks did not see (a parameter also used by
     hand in a parent's forward) on every step, for the cost of reading B x k numbers and
-    one device sync. The recorder's full self-check runs every ``check_every`` steps.
+    one device sync (:meth:`settle`, which the recorder defers until the step is encoded).
+    The recorder's full self-check runs every ``check_every`` steps.
 
     Args:
         params: The recorded parameters, by name.
@@ -67,6 +69,7 @@ class SpotCheck:
         self.total: dict[str, torch.Tensor] = {}
         self.index: dict[str, torch.Tensor] = {}
         self.full = False  # this backward compares every entry
+        self.pending: Verdict | None = None  # the last check's, until settled
 
     def draw(self, batch_size: int, full: bool = False) -> None:
         """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new:
@@ -98,9 +101,24 @@ class SpotCheck:
             prior = self.total.get(name)
             self.total[name] = seen if prior is None else prior + seen
 
+    def settle(self) -> None:
+        """Raise if the last :meth:`check` found records that do not add up (once)."""
+        verdict, self.pending = self.pending, None
+        if verdict is not None:
+            verdict.settle()
+
     def check(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
-              weight: float) -> None:
-        """Raise when the records of a parameter, weighted, do not add up to its gradient.
+              weight: float, *, defer: bool = False) -> None:
+        """Compare and :meth:`settle`; ``defer``: the outcome is :attr:`pending` until the
+        caller settles it, and nothing here waits for the device."""
+        self.pending = self._compare(records, low_precision, weight)
+        if not defer:
+            self.settle()
+
+    def _compare(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
+                 weight: float) -> Verdict | None:
+        """Whether the records of each parameter, weighted, add up to its gradient (None:
+        nothing to compare).
 
         Args:
             records: Per-datum gradients or materials, by parameter name.
@@ -108,8 +126,7 @@ class SpotCheck:
             weight: ``w_b`` (1/B for a mean batch loss).
         """
         if self.full:
-            self._check_all(records, low_precision, weight)
-            return
+            return self._check_all(records, low_precision, weight)
         names, rows, totals = [], [], []
         for name, total in self.total.items():
             acc = records.get(name)
@@ -118,7 +135,7 @@ class SpotCheck:
                 rows.append(entries(acc, self.index[name]))  # (B, k)
                 totals.append(total)  # (k,)
         if not names:
-            return
+            return None
         if len({(r.dtype, r.device) for r in rows + totals}) > 1:  # cat needs one kind
             rows = [r.to(torch.float64) for r in rows]
             totals = [t.to(torch.float64) for t in totals]
@@ -130,16 +147,14 @@ class SpotCheck:
         total = torch.cat(totals).to(torch.float64)  # (n*k,)
         gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
         scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
-        bad = _over_tolerance(names, gap, scale, rtol, atol)  # the backward's only sync
-        if bad:
-            raise BackendError(_not_adding_up(bad, "spot check of a few entries"))
+        return _over_tolerance(names, gap, scale, rtol, atol, "spot check of a few entries")
 
     def _check_all(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
-                   weight: float) -> None:
+                   weight: float) -> Verdict | None:
         """:meth:`check` at every entry, a block of entries at a time (B x 2^20 float64)."""
         names = [n for n in self.total if records.get(n) is not None]
         if not names:
-            return
+            return None
         rtol, atol = check_tolerance(
             (self.params[n].dtype for n in names),
             [low_precision[n] for n in names if n in low_precision],
@@ -157,10 +172,31 @@ class SpotCheck:
             worst.append(torch.stack(w).amax())
             largest.append(torch.stack(m).amax())
         over = torch.stack(worst) - rtol * torch.stack(largest).amax() - atol  # (n,)
-        bad = [n for n, g in zip(names, over.tolist()) if g > 0]
+        return Verdict(names, over, "every entry, on a forward whose op-level uses went "
+                       "unwatched", _WATCH_HINT)
+
+
+class Verdict:
+    """A check's outcome still on the device: per parameter, by how much its records miss
+    the tolerance (> 0: they do not add up). :meth:`settle` reads it, the one wait for the
+    device; the recorder settles after encoding the step, so that the step's device work is
+    queued by then and the host does not sit idle in between (on an H200, ~40 ms of a
+    GPT-2 small step went to host work done after an earlier wait)."""
+
+    __slots__ = ("hint", "how", "names", "over")
+
+    def __init__(self, names: list[str], over: torch.Tensor, how: str, hint: str = "") -> None:
+        self.names, self.over, self.how, self.hint = names, over, how, hint
+
+    def bad(self) -> list[str]:
+        """The parameters whose records miss the tolerance (waits for the device)."""
+        return [n for n, g in zip(self.names, self.over.tolist()) if g > 0]
+
+    def settle(self) -> None:
+        """Raise :class:`BackendError` naming the parameters whose records do not add up."""
+        bad = self.bad()
         if bad:
-            raise BackendError(_not_adding_up(bad, "every entry, on a forward whose op-level "
-                                              "uses went unwatched") + _WATCH_HINT)
+            raise BackendError(_not_adding_up(bad, self.how) + self.hint)
 
 
 _WATCH_HINT = (
@@ -182,16 +218,13 @@ def _not_adding_up(bad: list[str], how: str) -> str:
 
 
 def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rtol: float,
-                    atol: float) -> list[str]:
-    """The names whose entries (``gap`` and ``scale`` hold k per name, in order) differ by
+                    atol: float, how: str) -> Verdict:
+    """Whether the names' entries (``gap`` and ``scale`` hold k per name, in order) differ by
     more than the tolerance. Floor: a parameter whose true gradient is 0 (a key bias under
     softmax) holds only rounding noise, so the tolerance also scales with the largest
     gradient seen."""
     over = gap - rtol * (scale + scale.max()) - atol  # (n*k,) > 0: does not add up
-    over = over.reshape(len(names), -1).amax(1)  # (n,)
-    if not bool((over > 0).any()):  # one device sync
-        return []
-    return [n for n, g in zip(names, over.tolist()) if g > 0]
+    return Verdict(names, over.reshape(len(names), -1).amax(1), how)  # (n,)
 
 
 def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
@@ -310,7 +343,8 @@ def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[
     a = torch.stack([o.to(ours[0].device) for o in ours])  # (n, k)
     c = torch.stack([t.to(ours[0].device) for t in theirs])  # (n, k)
     scale = a.abs() + c.abs()  # (n, k)
-    bad = _over_tolerance(names, (a - c).abs().reshape(-1), scale.reshape(-1), rtol, atol)
+    bad = _over_tolerance(names, (a - c).abs().reshape(-1), scale.reshape(-1), rtol, atol,
+                          "datum check").bad()
     if bad and not trusted:
         warnings.warn(
             f"gradlog's datum check: the per-datum gradients of {bad[:6]} for datum {b} "
