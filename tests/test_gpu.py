@@ -433,7 +433,8 @@ def test_records_are_staged_through_pinned_memory(tmp_path: Path) -> None:
 
 def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
     """``gpu_suite.py --cpu`` (tiny shapes, three forms, no pytest run) prints every table,
-    the profile's too."""
+    the profile's and the floor's too (every Linear call of the tiny GPT, 2 layers of 6 and
+    its head; the Llama's 2 of 7, its chunked head left out)."""
     spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
     assert spec is not None and spec.loader is not None
     suite = importlib.util.module_from_spec(spec)
@@ -447,6 +448,7 @@ def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
         del sys.modules["gpu_suite"]
     text = out.read_text()
     for title in ("## Compute: GPT", "## Compute: Llama", "## Writer", "## Chunked head",
+                  "## The device's floor", "| GPT tiny | 13 |", "| Llama tiny | 14 |",
                   "## Where the time goes: GPT tiny, norm", "## Where the time goes: Llama tiny, "
                   "projection"):
         assert title in text, text

@@ -20,8 +20,8 @@ Without CUDA the suite runs in ``--cpu`` mode by itself. It uses gradlog's publi
 of ``gradlog.testing``), so it measures what a user gets.
 
 Sections (``--sections``, comma-separated; all by default, run in the order given; the
-default runs tests, profile, head, writer, then forms, whose rows go from the compact forms to
-``full``, so that a run stopped by a device-time limit has the tables that say most):
+default runs tests, profile, floor, head, writer, then forms, whose rows go from the compact
+forms to ``full``, so that a run stopped by a device-time limit has the tables that say most):
 
 - ``tests``: ``pytest -m gpu`` over every test file holding a ``gpu`` mark
   (``tests/test_gpu.py``: every backend and the zoo on CUDA, bf16 autocast, no
@@ -46,6 +46,17 @@ default runs tests, profile, head, writer, then forms, whose rows go from the co
   with ``--cpu``) per recorded step beside the same rows of the plain step, so that a GPU
   session sees at once whether per-datum matmuls, norms, casts or copies take the time
   (a kernel's name says e.g. whether a matmul ran on tensor cores).
+- ``floor`` (table "The device's floor"): what a compact form's step cannot do without on
+  the device, per shape: a plain step, and the arithmetic every Linear layer's per-datum
+  gradients add to it, timed alone on tensors captured from one step (inputs ``A`` and
+  output gradients ``G`` of every call whose input has the batch first): the per-datum
+  matmuls ``G_b^T A_b`` by gradlog's own kernel (``gradlog.grads.outer_sums``: bf16 operands
+  into float32 on tensor cores where torch has it), their exact norms
+  (``gradlog.grads.float64_sqnorms``), a projection to 1024 dims from them, and the batch
+  weight-gradient matmuls ``G^T A`` that summing the per-datum ones could replace
+  (``batch_grad="sum"``). Ratios: (plain + matmuls + norms) / plain, the floor of ``norm``
+  with the plain step's own weight gradients, and the same without the batch matmuls (the
+  fused floor). The Llama's head runs on flattened chunks and is left out.
 - ``writer`` (table "Writer"): the GPT-2-small shape at B 4 recording ``full`` float32 to
   local disk (``durable=True``, fsync per step), steady state over several steps, against
   max(plain step, device-to-host copy of the step's records into pinned memory, raw
@@ -94,7 +105,7 @@ from gradlog.testing.llama import LlamaConfig, tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 # Quick and telling sections first, the long Compute table last, and in it the compact forms
 # before the heavy full ones: a run cut short by a lease's device time keeps what matters.
-SECTIONS = ["tests", "profile", "head", "writer", "forms"]
+SECTIONS = ["tests", "profile", "floor", "head", "writer", "forms"]
 
 
 @dataclass(frozen=True)
@@ -537,6 +548,116 @@ def _head_row(
     return base if base is not None else peak
 
 
+def section_floor(say: Report, args: argparse.Namespace, device: torch.device) -> None:
+    say("## The device's floor for compact forms (ms per step, medians of "
+        f"{max(3, args.reps)})")
+    say()
+    say("| shape | Linear calls | plain step | per-datum matmuls | exact norms | projection | "
+        "batch weight-grad matmuls | floor: (plain + matmuls + norms) / plain | "
+        "fused floor (without the batch matmuls) |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        try:
+            say(_floor_row(shape, args, device))
+        except Exception as e:  # a failure is a result: report it, go on
+            traceback.print_exc()
+            say(f"| {shape.label} | ERROR {type(e).__name__}: {str(e)[:200]} |")
+        _free(device)
+    say()
+
+
+def _floor_row(shape: Shape, args: argparse.Namespace, device: torch.device) -> str:
+    from gradlog.forms.projection import DEFAULT_DIM, balanced_ranks
+    from gradlog.grads import float64_sqnorms, norm_scratch, outer_sums
+    from gradlog.grads.material import MixedMatmul
+
+    clock = Clock(device)
+    reps = max(3, args.reps)
+    model = build(shape, device)
+    batch = batch_of(shape, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    plain = block_of(model, opt, batch, None, args.amp, 1)
+    plain()  # warm-up
+    plain_s = statistics.median(clock(plain) for _ in range(reps))
+    captured = _capture_linears(model, batch, shape.B, args.amp)
+    del model, opt
+    _free(device)
+    mixed = MixedMatmul.available and device.type in MixedMatmul.devices
+    narrow = next((g.dtype for g, _ in captured if g.dtype != torch.float32), None)
+    if narrow is not None and not mixed:  # float32 operands holding 16-bit values
+        captured = [(g.float(), a.float()) for g, a in captured]
+    B = shape.B
+    out = torch.empty(B * max(g.shape[2] * a.shape[2] for g, a in captured),
+                      dtype=torch.float32, device=device)
+    scratch = norm_scratch(device)
+    mats = {}
+    for g, a in captured:
+        ranks = balanced_ranks(DEFAULT_DIM, g.shape[2], a.shape[2])
+        mats[g.shape[2], a.shape[2]] = (torch.randn(g.shape[2], ranks[0], device=device),
+                                        torch.randn(a.shape[2], ranks[1], device=device))
+
+    def per_datum(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        dst = out[: B * g.shape[2] * a.shape[2]].view(B, g.shape[2], a.shape[2])
+        return outer_sums(g, a, 1.0, dst, narrow)  # (B, p, q) float32
+
+    def matmuls() -> None:
+        for g, a in captured:
+            per_datum(g, a)
+
+    def norms() -> None:
+        for g, a in captured:
+            float64_sqnorms(per_datum(g, a).view(B, -1), scratch)
+
+    def projections() -> None:
+        for g, a in captured:
+            m0, m1 = mats[g.shape[2], a.shape[2]]
+            m0.T @ (per_datum(g, a) @ m1)  # (B, r0, r1)
+
+    def batch_matmuls() -> None:
+        for g, a in captured:
+            g.reshape(-1, g.shape[2]).t().mm(a.reshape(-1, a.shape[2]))
+
+    t = {}
+    for name, fn in (("matmuls", matmuls), ("norms", norms), ("projections", projections),
+                     ("batch", batch_matmuls)):
+        fn()  # warm-up
+        t[name] = statistics.median(clock(fn) for _ in range(reps))
+    norm_s, proj_s = t["norms"] - t["matmuls"], t["projections"] - t["matmuls"]
+    floor = (plain_s + t["matmuls"] + norm_s) / plain_s
+    fused = (plain_s - t["batch"] + t["matmuls"] + norm_s) / plain_s
+    return (f"| {shape.label} | {len(captured)} | {plain_s * 1e3:.1f} | "
+            f"{t['matmuls'] * 1e3:.1f} | {norm_s * 1e3:.1f} | {proj_s * 1e3:.1f} | "
+            f"{t['batch'] * 1e3:.1f} | **{floor:.3f}** | **{fused:.3f}** |")
+
+
+def _capture_linears(model: nn.Module, batch: Any, B: int,
+                     amp: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(G, A)`` of every ``nn.Linear`` call of one step whose input has the batch first,
+    as ``(B, N, d_out)`` and ``(B, N, d_in)``, in the dtypes autocast ran the call in (the
+    input rounded as autocast's matmul took it)."""
+    calls: list[list[Any]] = []
+
+    def forward_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        x = args[0]
+        if x.dim() >= 2 and x.shape[0] == B and output.requires_grad:
+            call: list[Any] = [x.detach().to(output.dtype).reshape(B, -1, x.shape[-1])]
+            calls.append(call)
+            output.register_hook(lambda g: call.append(g.detach().reshape(B, -1, g.shape[-1])))
+
+    handles = [m.register_forward_hook(forward_hook) for m in model.modules()
+               if isinstance(m, nn.Linear)]
+    try:
+        x, y = batch
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+            losses = token_losses(model, x, y)  # (B, T)
+        losses.mean(1).mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return [(call[1], call[0]) for call in calls if len(call) == 2]
+
+
 def section_profile(say: Report, args: argparse.Namespace, device: torch.device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -702,6 +823,8 @@ def main(argv: list[str] | None = None) -> None:
             section_forms(say, args, device)
         elif section == "profile":
             section_profile(say, args, device)
+        elif section == "floor":
+            section_floor(say, args, device)
         elif section == "writer":
             section_writer(say, args, device)
         elif section == "head":
