@@ -97,12 +97,11 @@ DENSE_ENCODED = ("projection", "topk", "norm")
 need the factors to stay compact)."""
 
 
-def dense_for_fused(
-    config: FormRequests, keep: frozenset[str], fused: frozenset[str]
-) -> frozenset[str]:
-    """``keep`` without the fused weights (``batch_grad="sum"``) whose form encodes dense
-    gradients: those are formed in the backward, and their sum is the weight gradient."""
-    return keep - {name for name in keep & fused if _form_name(config, name) in DENSE_ENCODED}
+def dense_when_fused(config: FormRequests, fused: frozenset[str]) -> frozenset[str]:
+    """The fused weights (``batch_grad="sum"``) whose form encodes dense gradients: a call
+    that fuses forms them in the backward anyway (their sum is the weight gradient), so the
+    form takes them as they are; a call that does not (under autocast) hands factors."""
+    return frozenset(name for name in fused if _form_name(config, name) in DENSE_ENCODED)
 
 
 def material_tokens(materials: Mapping[str, Material], tokens: int | None = None) -> int:

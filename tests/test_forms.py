@@ -175,6 +175,15 @@ def test_factors_of_16_bit_values_give_the_float32_products(
     torch.testing.assert_close(f.dense().double(), want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grads.select(f, 1, 3).dense(), f.dense()[1:3])
     assert grads.select(f, 1, 3).narrow == narrow  # (a slice keeps the promise)
+    want_sq = want.reshape(3, -1).square().sum(1)  # the exact norms: float64 Gram matrices
+    # (factored), or of the gradients formed in float32 (materialised, narrow: on CUDA from
+    # the 16-bit operands), squared and summed in float64
+    for method, rtol in (("factored", 1e-12), ("materialised", 1e-6)):
+        c = f.canonical() if masked else f
+        got = grads_inner.factored_sqnorms(c.g, c.a, method=method, narrow=c.narrow)
+        torch.testing.assert_close(got * (1.0 if masked else 9.0), want_sq, rtol=rtol,
+                                   atol=1e-300)
+    torch.testing.assert_close(sqnorms(f), want_sq, rtol=1e-6, atol=1e-300)
 
 
 def test_the_16_bit_matmul_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,11 +354,11 @@ def test_norms_of_factors_take_the_way_measured_faster(
     calls: list[str] = []
 
     def timed(g: torch.Tensor, a: torch.Tensor, *, dtype: torch.dtype = D64,
-              method: str = "auto") -> torch.Tensor:
+              method: str = "auto", narrow: torch.dtype | None = None) -> torch.Tensor:
         calls.append(method)
         if method == slow:
             time.sleep(0.02)
-        return real(g, a, dtype=dtype, method=method)
+        return real(g, a, dtype=dtype, method=method, narrow=narrow)
 
     monkeypatch.setattr(grads_inner, "factored_sqnorms", timed)
     g, a = rand(3, 64, 128, seed=1), rand(3, 64, 128, seed=2)  # ghost ~ materialised here

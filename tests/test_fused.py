@@ -239,8 +239,8 @@ def test_projections_of_fused_layers_come_from_their_formed_gradients(tmp_path: 
     with gradlog.GradRecorder(model, tmp_path / "p.gradlog", dtype="float64", check_every=1,
                               batch_grad="sum", form=form) as rec:
         rec.backward(loss_fn(model))
-        fused = rec._backend.fused_params
-        assert fused and not (rec._backend.keep_material & fused)  # dense material
+        fused, backend = rec._backend.fused_params, rec._backend
+        assert fused and backend.dense_when_fused == fused & backend.keep_material  # dense
     run = gradlog.open(tmp_path / "p.gradlog")
     full = _record(reference, loss_fn, tmp_path / "full.gradlog")
     projected = [n for n in run.param_names if run.form(n).name == "projection"]
@@ -257,3 +257,71 @@ def test_projections_of_fused_layers_come_from_their_formed_gradients(tmp_path: 
     loss_fn(plain).mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_calls_that_do_not_fuse_hand_factors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """Under autocast a Linear call is not fused (its output's dtype is not the weight's: the
+    weight gradient is autograd's), so a form that encodes dense gradients takes the call's
+    factors, as with batch_grad="autograd", rather than per-datum gradients formed only for
+    their norms (16 GB a step for a ~1B Llama on a GPU). Without autocast the same calls fuse
+    and hand their dense records. Norms equal the autograd mode's."""
+    from gradlog.backends.hooks.accumulate import Accumulator
+
+    kinds: dict[str, set[str]] = {}
+    add = Accumulator.add
+
+    def noting(self: Accumulator, entry: Any, result: Any, cap: Any, rows: Any = None) -> None:
+        for attr, value in result.items():
+            kinds.setdefault(entry.names[attr], set()).add(type(value).__name__)
+        add(self, entry, result, cap, rows)
+
+    monkeypatch.setattr(Accumulator, "add", noting)
+    x, y, mask = gpt_batch(4, 6)
+    norms = {}
+    for amp, batch_grad in ((True, "sum"), (True, "autograd"), (False, "sum")):
+        torch.manual_seed(0)
+        model = tiny_gpt(dtype=torch.float32)
+        kinds.clear()
+        path = tmp_path / f"{amp}{batch_grad}.gradlog"
+        with gradlog.GradRecorder(model, path, form="norm", batch_grad=batch_grad) as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                losses = per_token_ce(model(x), y)  # (B, T)
+            rec.backward(losses, mask=mask)
+        weights = {n for n in kinds if n.endswith("weight") and (".attn." in n or ".mlp." in n)}
+        assert weights and {n: kinds[n] for n in weights} == {
+            n: {"Factors" if amp else "Tensor"} for n in weights}, kinds
+        norms[amp, batch_grad] = {n: np.asarray(gradlog.open(path).norms(n).column("norm"))
+                                  for n in weights}
+    for name, want in norms[True, "autograd"].items():
+        np.testing.assert_allclose(norms[True, "sum"][name], want, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_factors_of_a_module_called_twice_merge_with_their_scale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_grad: str) -> None:
+    """A Linear called twice under autocast hands factors per call; merged, they keep the
+    backward's scale and their 16-bit promise (``Factors.narrow``): the exact norms equal
+    those of the dense records of a ``full`` run of the same step."""
+    from gradlog.grads import inner
+
+    promised = []
+    real = inner.factored_sqnorms
+
+    def noting(g: torch.Tensor, a: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        promised.append(kwargs.get("narrow"))
+        return real(g, a, **kwargs)
+
+    monkeypatch.setattr(inner, "factored_sqnorms", noting)
+    norms = {}
+    for form in ("norm", "full"):
+        model, loss_fn = _case("reuse")
+        model = model.float()
+        path = tmp_path / f"{form}.gradlog"
+        with gradlog.GradRecorder(model, path, form=form, batch_grad=batch_grad) as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = loss_fn(model)
+            rec.backward(losses)
+        norms[form] = np.asarray(gradlog.open(path).norms("mix.weight").column("norm"))
+    np.testing.assert_allclose(norms["norm"], norms["full"], rtol=1e-6)
+    assert promised and set(promised) == {torch.bfloat16}, promised

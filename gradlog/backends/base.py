@@ -138,6 +138,10 @@ class Backend(abc.ABC):
         """Set by the recorder: parameters whose form is not ``full``. A backend may return
         their per-datum gradients as factors or sparse rows (the hooks backend does), which
         the forms encode without forming the gradients; others return dense gradients."""
+        self.dense_when_fused: frozenset[str] = frozenset()
+        """Set by the recorder: weights of :attr:`keep_material` whose calls that take their
+        gradient from the records (:attr:`fused_params`) return the dense gradients they
+        form anyway; their other calls (under autocast) return factors."""
         self.low_precision: dict[str, torch.dtype] = {}
         """Set by each backward: recorded parameter name -> the narrower floating dtype
         (autocast's bfloat16 or float16) in which autograd computed its ``p.grad``. Such a

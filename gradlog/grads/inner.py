@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gradlog.errors import ConfigError
-from gradlog.grads.material import MAX_ELEMENTS, Factors, Material, Rows
+from gradlog.grads.material import MAX_ELEMENTS, Factors, Material, Rows, outer_sums
 from gradlog.grads.norms import dense_sqnorms
 
 __all__ = [
@@ -297,7 +297,8 @@ def factored_group_dots(
 
 
 def factored_sqnorms(
-    g: torch.Tensor, a: torch.Tensor, *, dtype: torch.dtype = torch.float64, method: str = "auto"
+    g: torch.Tensor, a: torch.Tensor, *, dtype: torch.dtype = torch.float64, method: str = "auto",
+    narrow: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Ghost norms: ``||g_b^T a_b||^2 = sum((g_b g_b^T) * (a_b a_b^T))``, ``(B,)``, exact.
 
@@ -313,6 +314,9 @@ def factored_sqnorms(
             (a 1-8% error measured at N 64, 512x512), where the materialised path stays
             within float32 rounding of the gradient.
         method: ``"factored"``, ``"materialised"`` or ``"auto"`` (:func:`prefer_factored`).
+        narrow: :attr:`Factors.narrow`: the materialised path forms float32 gradients from
+            16-bit operands on a GPU's tensor cores (:func:`outer_sums`), as the Linear rule
+            does.
     """
     B, N, p = g.shape
     q = a.shape[2]
@@ -330,8 +334,9 @@ def factored_sqnorms(
         if method == "factored":
             out[i : i + gb.shape[0]] = _ghost(gb, ab, dtype)  # (b,)
         else:
-            x = torch.bmm(gb.transpose(1, 2), ab).reshape(gb.shape[0], -1)  # (b, p q)
-            out[i : i + gb.shape[0]] = dense_sqnorms(x, dtype)  # (b,)
+            x = torch.empty((gb.shape[0], p, q), dtype=work, device=g.device)  # (b, p, q)
+            x = outer_sums(gb, ab, 1.0, x, narrow if work == torch.float32 else None)
+            out[i : i + gb.shape[0]] = dense_sqnorms(x.reshape(gb.shape[0], -1), dtype)  # (b,)
     return out
 
 
@@ -384,7 +389,8 @@ _MEASURE_WITHIN = 4
 decides (a measurement would only confirm it, at the slower way's price)."""
 
 
-def measured_method(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> str:
+def measured_method(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
+                    narrow: torch.dtype | None = None) -> str:
     """The ghost norm or materialise-then-reduce for factors ``g`` (B, N, p), ``a`` (B, N, q):
     on the CPU the faster of the two as timed on the first material of this shape (each run
     twice, the second timed; they agree to rounding, both being exact), when their counted
@@ -392,7 +398,7 @@ def measured_method(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> str
     other; otherwise, and on other devices (timing there would synchronise), the count."""
     B, N, p = g.shape
     q = a.shape[2]
-    key = (g.device.type, g.dtype, a.dtype, dtype, B, N, p, q)
+    key = (g.device.type, g.dtype, a.dtype, dtype, narrow, B, N, p, q)
     method = _MEASURED.get(key)
     if method is not None:
         return method
@@ -404,7 +410,7 @@ def measured_method(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> str
         for way in ("factored", "materialised"):
             for _ in range(2):  # the first run allocates and warms the caches
                 t0 = time.perf_counter()
-                factored_sqnorms(g, a, dtype=dtype, method=way)
+                factored_sqnorms(g, a, dtype=dtype, method=way, narrow=narrow)
                 seconds[way] = time.perf_counter() - t0
         method = min(seconds, key=seconds.__getitem__)
     _MEASURED[key] = method
@@ -423,7 +429,8 @@ def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.
         if material.mask is not None:  # zero the dropped rows (they may hold anything)
             c = Factors(g, a, material.mask).canonical()
             g, a = c.g, c.a
-        out = factored_sqnorms(g, a, dtype=dtype, method=measured_method(g, a, dtype))
+        method = measured_method(g, a, dtype, material.narrow)
+        out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=material.narrow)
         return out.mul_(material.scale**2) if material.scale != 1.0 else out
     if isinstance(material, Rows):
         return material.sqnorms(dtype)  # (B,)

@@ -69,12 +69,10 @@ def make_backend(
     backend.defer_checks = True  # settled in StepPipeline.record, once the step is encoded
     backend.attach()
     if config.batch_grad == "sum":
-        # Fused layers form their per-datum gradients in the backward anyway (their sum is
+        # Fused calls form their per-datum gradients in the backward anyway (their sum is
         # the weight gradient): forms that encode dense gradients take them as they are,
         # rather than factors they would form again for the exact norms.
-        backend.keep_material = planning.dense_for_fused(
-            config, backend.keep_material, backend.fused_params
-        )
+        backend.dense_when_fused = planning.dense_when_fused(config, backend.fused_params)
     return backend
 
 

@@ -437,7 +437,8 @@ class HooksBackend(Backend):
             self.low_precision = {}
         self._batch = batch_size
         self._scale = float(batch_size) if self.batch_reduction == "mean" else 1.0
-        self._results = Accumulator(self.params, self._pool, batch_size, self.keep_material)
+        self._results = Accumulator(self.params, self._pool, batch_size, self.keep_material,
+                                    self.dense_when_fused)
         self._got_grad: set[str] = set()
         self._partial: list[Call] = []
         self._touched: list[Call] = []
@@ -466,10 +467,9 @@ class HooksBackend(Backend):
         if self._probing or call.done or call.via_consumers:
             return
         if not self._armed:  # a backward gradlog does not record: just let go of the inputs
-            if torch.is_grad_enabled():
-                # create_graph=True (a gradient penalty in the loss): the recorded backward
-                # will differentiate this gradient; kept to refuse it
-                # (checks.refuse_double_backward)
+            if torch.is_grad_enabled():  # create_graph=True (a gradient penalty in the
+                # loss): the recorded backward will differentiate this gradient; kept to
+                # refuse it (checks.refuse_double_backward)
                 call.twice = True
             else:
                 call.release()
@@ -526,7 +526,8 @@ class HooksBackend(Backend):
                 scale=self._scale,
                 expanded=expanded,
                 alloc=self._pool.empty,
-                factored=self._results.factored(entry) if rows is None else frozenset(),
+                factored=frozenset() if rows is not None else self._results.factored(
+                    entry, fused=call.fused is not None),
                 batch_dim=call.bd,
             )
             self._recomputing = True

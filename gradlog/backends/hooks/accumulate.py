@@ -34,24 +34,30 @@ class Accumulator:
         batch_size: B, the datums of the backward.
         keep_material: Parameters whose form is not ``full``: their factors and rows are
             kept as they are (:meth:`merge_materials`), never densified.
+        dense_when_fused: Those of them whose fused calls hand dense records (:meth:`factored`).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], pool: BufferPool, batch_size: int,
-                 keep_material: frozenset[str]) -> None:
+                 keep_material: frozenset[str],
+                 dense_when_fused: frozenset[str] = frozenset()) -> None:
         self.params = params
         self.pool = pool
         self.batch_size = batch_size
         self.keep_material = keep_material
+        self.dense_when_fused = dense_when_fused
         self.acc: dict[str, torch.Tensor] = {}  # dense (B, *p.shape) per parameter
         self.material: dict[str, list[Factors | Rows]] = {}  # see _keep
         self.covered: set[str] = set()  # parameters some call contributed to
 
-    def factored(self, entry: Entry) -> frozenset[str]:
+    def factored(self, entry: Entry, fused: bool = False) -> frozenset[str]:
         """Attributes of the entry whose rule may hand over factors (their form is not
-        ``full``; chunked heads never: their calls cover slices of the batch)."""
+        ``full``, and ``fused``, not one whose dense records give the weight gradient:
+        ``dense_when_fused``; chunked heads never: their calls cover slices of the batch)."""
         if not self.keep_material:
             return frozenset()
-        return frozenset(a for a, n in entry.names.items() if n in self.keep_material)
+        dense = self.dense_when_fused if fused else frozenset()
+        return frozenset(a for a, n in entry.names.items()
+                         if n in self.keep_material and n not in dense)
 
     def add(self, entry: Entry, result: RuleResult, cap: Capture,
             rows: slice | None = None) -> None:
@@ -158,9 +164,12 @@ class Accumulator:
             elif len(parts) == 1:
                 out[name] = parts[0]
             elif kinds == {Factors}:
-                fs = [cast(Factors, m).canonical() for m in parts]
+                factors = cast(list[Factors], parts)
+                kept = {(f.scale, f.narrow) for f in factors}  # one each: kept, masks zeroed
+                scale, narrow = kept.pop() if len(kept) == 1 else (1.0, None)
+                fs = [Factors(f.g, f.a, f.mask, f.scale / scale).canonical() for f in factors]
                 out[name] = Factors(torch.cat([f.g for f in fs], 1),
-                                    torch.cat([f.a for f in fs], 1))
+                                    torch.cat([f.a for f in fs], 1), None, scale, narrow)
             else:
                 rs = [cast(Rows, m) for m in parts]
                 values = [r.values * r.scale if r.scale != 1.0 else r.values for r in rs]
