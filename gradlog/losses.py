@@ -13,12 +13,16 @@ backward):
   sequence would get half its gradient): refused, naming ``mask=labels != -100``. The labels
   are read from the loss's own graph, so this is exact; per-token losses of other origins
   that hold exact zeros get a warning instead (they may be ignored labels, or true zeros).
+
+A check that reads values from the device can be left to :class:`DeviceChecks`: the recorder
+reads all of a batch's at once, right before its backward touches ``p.grad``, so that the
+host's own work before the backward runs while the device finishes the forward.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,17 +36,45 @@ from gradlog._torch_private import (
 )
 from gradlog.errors import InputError
 
-__all__ = ["per_datum_losses"]
+__all__ = ["DeviceChecks", "per_datum_losses"]
+
+
+class DeviceChecks:
+    """Checks of a batch whose outcome is still on the device, read together by
+    :meth:`settle` (one wait for the device): each a flag (a 0-dim bool tensor, True when the
+    check fails) and what raises its error then."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Callable[[], None]]] = []
+
+    def add(self, failed: torch.Tensor, fail: Callable[[], None]) -> None:
+        self._pending.append((failed, fail))
+
+    def settle(self) -> None:
+        """Raise the first failed check's error (each check is read once)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        device = pending[0][0].device
+        flags = torch.stack([f.reshape(()).to(device, torch.bool) for f, _ in pending])
+        for (_, fail), failed in zip(pending, flags.tolist()):
+            if failed:
+                fail()
 
 
 def per_datum_losses(
-    losses: torch.Tensor, mask: torch.Tensor | None, token_reduction: str
+    losses: torch.Tensor, mask: torch.Tensor | None, token_reduction: str,
+    checks: DeviceChecks | None = None,
 ) -> torch.Tensor:
     """Reduce ``(B,)`` or ``(B, T)`` losses to ``(B,)``: datum b's loss over its own tokens.
 
     With ``(B, T)`` losses, ``mask`` (bool or 0/1, same shape) marks the tokens that count;
     ``token_reduction`` is ``"mean"`` over a datum's unmasked tokens or their ``"sum"``. A
     datum with no unmasked token has loss 0 and gradient 0. Works under ``torch.func.vmap``.
+    ``checks``: where the check of ignored labels leaves its count (read later), instead of
+    reading it now.
     """
     if not isinstance(losses, torch.Tensor):
         raise InputError(
@@ -71,7 +103,7 @@ def per_datum_losses(
             f"mask must be a tensor of the losses' shape {tuple(losses.shape)}, got {shape}."
         )
     if token_reduction == "mean":
-        _refuse_ignored_in_mean(losses, mask)
+        _refuse_ignored_in_mean(losses, mask, checks)
     if mask is None:
         return losses.mean(1) if token_reduction == "mean" else losses.sum(1)
     keep = mask.to(device=losses.device) != 0  # (B, T)
@@ -134,9 +166,11 @@ def _refuse_flattened(losses: torch.Tensor) -> None:
             )
 
 
-def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> None:
+def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None,
+                            checks: DeviceChecks | None = None) -> None:
     """Refuse per-token losses whose ignored labels (``ignore_index``, loss 0) a ``mean`` over
-    each datum's tokens would count; warn on exact zeros of losses of unknown origin."""
+    each datum's tokens would count (with ``checks``: when they are read); warn on exact
+    zeros of losses of unknown origin."""
     if not _graph(losses):
         return
     found = None
@@ -149,17 +183,23 @@ def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> 
         ignored = (target.reshape(losses.shape) == ignore).to(losses.device)  # (B, T)
         if mask is not None:
             ignored = ignored & (mask.to(losses.device) != 0)
-        count = int(ignored.sum())
-        if count:
+        count = ignored.sum()
+
+        def refuse() -> None:
             where = "the mask keeps" if mask is not None else "with no mask="
             raise InputError(
                 f"per-token losses of shape {tuple(losses.shape)} come from cross_entropy/"
-                f"nll_loss with ignore_index={ignore}, and {where} {count} positions whose "
-                f"labels are {ignore} (their loss is 0): token_reduction='mean' would count "
-                "them in each datum's mean (a half-padded sequence would get half its "
+                f"nll_loss with ignore_index={ignore}, and {where} {int(count)} positions "
+                f"whose labels are {ignore} (their loss is 0): token_reduction='mean' would "
+                "count them in each datum's mean (a half-padded sequence would get half its "
                 f"gradient). Pass mask=(labels != {ignore}) (the tokens that count), or "
                 "token_reduction='sum'."
             )
+
+        if checks is not None:
+            checks.add(count > 0, refuse)
+        elif int(count):
+            refuse()
         return
     if mask is None and bool((losses.detach() == 0).any()):
         warnings.warn(

@@ -22,7 +22,7 @@ from gradlog.backends import Backend, LossFn, PerDatumGrads
 from gradlog.config import RecorderConfig, RecordingOptions, split_options
 from gradlog.errors import GradlogError, InputError
 from gradlog.forms import Form
-from gradlog.losses import per_datum_losses
+from gradlog.losses import DeviceChecks, per_datum_losses
 from gradlog.params import check_differentiable, select_params
 from gradlog.recording.encoding import FormEncoder
 from gradlog.recording.inputs import check_mask, lr_value
@@ -202,17 +202,25 @@ class GradRecorder:
         backend, lifecycle = pipeline.backend, pipeline.lifecycle
         check_mask(mask)  # before anything of this call is noted
         lifecycle.note_attempt(step)
-        reduced = self._reduce(losses, mask)
-        pipeline.check_losses(reduced, datum_ids)
+        # The checks that read the losses' values (a NaN, ignored labels) wait for the device:
+        # read together as late as p.grad allows, after the backend's walks of the graph.
+        loss_checks = DeviceChecks()
+        reduced = self._reduce(losses, mask, loss_checks)
+        pipeline.check_losses(reduced, datum_ids, loss_checks)
         check_differentiable(self.params, reduced)  # frozen parameters, losses without grad
         lr = None if lr is None else lr_value(lr, "lr")
         step = lifecycle.resolve(step)
         if not lifecycle.records(step):
+            loss_checks.settle()
             backend.reduce_batch(reduced).backward()
             lifecycle.skip(step, int(reduced.shape[0]), datum_ids)
             return reduced.detach()
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
+            if backend.settles_loss_checks:  # before it touches p.grad, after its walks
+                backend.loss_checks = loss_checks
+            else:
+                loss_checks.settle()
             return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
 
         tokens_per_datum = losses.shape[1] if losses.dim() == 2 else 1
@@ -263,8 +271,9 @@ class GradRecorder:
                                self._weight_scale)
 
     # -- internals --------------------------------------------------------------------------
-    def _reduce(self, raw: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return per_datum_losses(raw, mask, self.config.token_reduction)
+    def _reduce(self, raw: torch.Tensor, mask: torch.Tensor | None,
+                checks: DeviceChecks | None = None) -> torch.Tensor:
+        return per_datum_losses(raw, mask, self.config.token_reduction, checks)
 
     def _require_open(self) -> StepPipeline:
         if self._pipeline is None:

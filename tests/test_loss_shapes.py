@@ -106,3 +106,33 @@ def test_exact_zero_losses_of_unknown_origin_warn(tmp_path: Path) -> None:
         losses = raw * keep  # (B, T): zeros at the padded positions
         with pytest.warns(UserWarning, match="exact zeros and no mask"):
             rec.backward(losses)
+
+
+def test_a_refused_batch_records_from_the_same_losses_with_its_mask(tmp_path: Path) -> None:
+    """The losses' checks are read late, after the hooks backend's walks of the graph (they
+    then overlap the forward's device work): a batch refused for its ignored labels, then
+    recorded from the same losses with ``mask=``, records what a fresh forward records,
+    with nothing of the refused call left hooked (a GPT with shared position outputs)."""
+    from gradlog.testing.zoo import gpt_batch, tiny_gpt
+
+    x, y, _ = gpt_batch(4, 6)
+    y[1, 3:] = -100
+    y[3, 1:] = -100
+    keep = y != -100
+    runs = {}
+    for name in ("again", "fresh"):
+        torch.manual_seed(0)
+        model = tiny_gpt(dtype=D64)
+        path = tmp_path / f"{name}.gradlog"
+        with gradlog.GradRecorder(model, path) as rec:
+            losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # (B, T)
+            if name == "again":
+                with pytest.raises(InputError, match=r"ignore_index=-100.*8 positions"):
+                    rec.backward(losses)
+                assert all(p.grad is None for p in model.parameters())
+            rec.backward(losses, mask=keep)
+        runs[name] = gradlog.open(path)
+    for param in runs["fresh"].param_names:
+        torch.testing.assert_close(torch.from_numpy(runs["again"].grads(param)),
+                                   torch.from_numpy(runs["fresh"].grads(param)), rtol=1e-12,
+                                   atol=1e-15, msg=param)

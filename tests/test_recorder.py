@@ -575,7 +575,7 @@ def test_integers_beyond_int64_are_refused_at_the_call(
 def test_records_that_do_not_add_up_are_refused_after_encoding_and_not_stored(
         tmp_path: Any) -> None:
     """The backward's spot check is read once the step is encoded (its one wait for the
-    device, see test_a_steady_step_waits_for_no_device_after_its_loss_checks): a step whose
+    device, see test_a_steady_step_waits_for_the_device_twice_and_late): a step whose
     records do not add up (a parameter also used in the loss code, outside the forward) is
     still refused by the ``rec.backward`` call that recorded it, nothing of it stored, its
     datums not counted, and recording goes on."""
@@ -623,30 +623,38 @@ class _Waits(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("form", ["norm", "projection", "full", "auto", "topk"])
-def test_a_steady_step_waits_for_no_device_after_its_loss_checks(
+def test_a_steady_step_waits_for_the_device_twice_and_late(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, form: str) -> None:
-    """On the CPU, a proxy for CUDA's synchronisations: in a steady recorded step the only
-    operations before the reading of the backward's checks (``Verdict.bad``, once the step
-    is encoded) that would wait for a device are the losses' checks before the backward.
-    The backward, the exact norms (embedding rows' included: a sort, not ``unique``) and the
-    forms' encoding wait for nothing, and the checks are read after the encoding, so on a
-    GPU the host encodes while the device still runs the backward. The GPU suite checks
+    """On the CPU, a proxy for CUDA's synchronisations: a steady recorded step reads values
+    from the device in two places only, each as late as it may. The losses' checks (a NaN,
+    ignored labels) are read inside the backend's backward, after its walks of the graph
+    and before it touches ``p.grad``; the backward's own checks after the step is encoded.
+    Before the second, no operation would wait for a device: the backward, the exact norms
+    (embedding rows' included: a sort, not ``unique``) and the forms' encoding. So on a GPU
+    the host's walks overlap the forward and its encoding the backward. The GPU suite checks
     the real thing (test_gpu.py)."""
+    from gradlog.backends.hooks import HooksBackend
+    from gradlog.losses import DeviceChecks
+
     waits = _Waits()
-    original = Verdict.bad
 
-    def bad(self: Verdict) -> list[str]:
-        waits.sites.append("the checks read")
-        return original(self)
+    def marking(cls: Any, method: str, mark: str, before: bool = True) -> None:
+        original = getattr(cls, method)
 
-    def encode(self: FormEncoder, grads: Any) -> Any:
-        out = encoded(self, grads)
-        waits.sites.append("encoded")
-        return out
+        def marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if before and (method != "_reset" or args[0]):  # (a batch's reset, not the end)
+                waits.sites.append(mark)
+            out = original(self, *args, **kwargs)
+            if not before:
+                waits.sites.append(mark)
+            return out
 
-    encoded = FormEncoder.encode
-    monkeypatch.setattr(Verdict, "bad", bad)
-    monkeypatch.setattr(FormEncoder, "encode", encode)
+        monkeypatch.setattr(cls, method, marked)
+
+    marking(HooksBackend, "_reset", "the backward begins")
+    marking(DeviceChecks, "settle", "the losses read")
+    marking(FormEncoder, "encode", "encoded", before=False)
+    marking(Verdict, "bad", "the checks read")
     model = tiny_gpt(vocab=32, block_size=8, n_layer=2, n_embd=16, dtype=torch.float32)
     x, y, mask = gpt_batch(4, 8, vocab=32)
     form_options = {"topk": {"form": "topk", "fraction": 0.1}}.get(form, form)
@@ -659,10 +667,7 @@ def test_a_steady_step_waits_for_no_device_after_its_loss_checks(
         waits.sites.clear()
         with waits:
             rec.backward(losses, mask=mask)
-    assert waits.sites.count("the checks read") == 1, waits.sites
-    assert waits.sites.index("encoded") < waits.sites.index("the checks read"), waits.sites
+    marks = ["the backward begins", "the losses read", "encoded", "the checks read"]
+    assert [s for s in waits.sites if s in marks] == marks, waits.sites
     early = waits.sites[: waits.sites.index("the checks read")]
-    loss_checks = ("recording/inputs.py:__call__", "losses.py:")
-    late = [s for s in early if s != "encoded" and not s.split(" at ")[1].startswith(
-        loss_checks)]
-    assert not late, f"operations that wait for a device: {late}; all: {waits.sites}"
+    assert not [s for s in early if s not in marks], f"waits for a device: {waits.sites}"

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from gradlog.losses import DeviceChecks
 
 __all__ = [
     "LOW_PRECISION_RTOL",
@@ -157,6 +160,20 @@ class Backend(abc.ABC):
     datum_check_due: bool = False
     """Set by the recorder on its self-checked batches (``check_every``): a backend that can
     check one datum's own gradient (the hooks backend) does so on them as well."""
+
+    loss_checks: DeviceChecks | None = None
+    """Set by the recorder for one backward when :attr:`settles_loss_checks`: the checks of
+    the batch's losses still on the device (a NaN loss, ignored labels), which the backward
+    must settle before it touches ``p.grad``: late, so that its own work before (graph
+    walks) runs while the device finishes the forward. Other backends get them settled."""
+
+    settles_loss_checks: ClassVar[bool] = False
+
+    def settle_loss_checks(self) -> None:
+        """Read :attr:`loss_checks` (once); raises the first failed check's error."""
+        checks, self.loss_checks = self.loss_checks, None
+        if checks is not None:
+            checks.settle()
 
     defer_checks: bool = False
     """Set by the recorder: the backward may leave its checks' outcome on the device until

@@ -14,6 +14,7 @@ from torch import nn
 from gradlog.backends import PerDatumGrads
 from gradlog.errors import GradlogError, InputError, NonFiniteLossError, UnsupportedLayerError
 from gradlog.grads import batch_size, material_shape
+from gradlog.losses import DeviceChecks
 
 __all__ = [
     "INT64_MAX",
@@ -123,8 +124,10 @@ class LossChecks:
             (n, m) for n, m in model.named_modules() if isinstance(m, _COUPLING_LAYERS)
         ]
 
-    def __call__(self, reduced: torch.Tensor, datum_ids: Any) -> None:
-        """Check the per-datum losses ``(B,)`` of a batch and its ``datum_ids``.
+    def __call__(self, reduced: torch.Tensor, datum_ids: Any,
+                 checks: DeviceChecks | None = None) -> None:
+        """Check the per-datum losses ``(B,)`` of a batch and its ``datum_ids``; with
+        ``checks``, the losses' finiteness is read when they are settled, not now.
 
         Raises:
             InputError: an empty batch or malformed ids.
@@ -136,7 +139,8 @@ class LossChecks:
             raise InputError("losses hold no datum (batch size 0); skip empty batches.")
         ids = None if datum_ids is None else datum_ids_array(datum_ids, batch)
         finite = torch.isfinite(reduced.detach())
-        if not bool(finite.all()):
+
+        def refuse() -> None:
             bad = torch.nonzero(~finite).flatten().tolist()[:10]
             named = ids[bad].tolist() if ids is not None else bad
             raise NonFiniteLossError(
@@ -145,6 +149,11 @@ class LossChecks:
                 "p.grad is unchanged and earlier steps are committed. Skip this batch or fix the "
                 "loss (e.g. clamp log arguments, check for empty masks)."
             )
+
+        if checks is not None:
+            checks.add(~finite.all(), refuse)
+        elif not bool(finite.all()):
+            refuse()
         for name, module in self._coupling:
             if module.training:
                 raise UnsupportedLayerError(

@@ -137,6 +137,7 @@ class HooksBackend(Backend):
     """Per-datum gradients from forward/tensor hooks and per-layer rules (see module doc)."""
 
     name = "hooks"
+    settles_loss_checks = True
 
     def __init__(
         self,
@@ -348,6 +349,7 @@ class HooksBackend(Backend):
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
+            self.settle_loss_checks()  # late: the walks above overlap the forward's device work
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
             when, foreign = checks.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
@@ -422,8 +424,7 @@ class HooksBackend(Backend):
         try:
             with forked_rng(devices, rng):
                 got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
-                                          retain_graph=keep_graph,
-                                          allow_unused=True)
+                                          retain_graph=keep_graph, allow_unused=True)
         except Exception as e:  # selective checkpointing ("backward an extra time"), a
             # Function whose backward uses up its state: no check (p.grad is unaffected)
             log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
@@ -513,8 +514,7 @@ class HooksBackend(Backend):
             if call.chunk is not None:
                 batch, rows, args, kwargs, grads = chunk_as_datums(
                     call.chunk, entry, self._batch, args, kwargs, grads)
-            elif call.lead is None and not expanded:
-                # a call captured during the backward
+            elif call.lead is None and not expanded:  # a call captured during the backward
                 locate_batch(call, self._batch, self._sequence_first)
             if call.bd != 0 and entry.rule.feature_dims is not None:
                 args, kwargs, grads = batch_first(call.bd, self._batch, args, kwargs, grads)
