@@ -45,7 +45,9 @@ forms to ``full``, so that a run stopped by a device-time limit has the tables t
   of each shape: the operations and kernels with the most self device time (self CPU time
   with ``--cpu``) per recorded step beside the same rows of the plain step, so that a GPU
   session sees at once whether per-datum matmuls, norms, casts or copies take the time
-  (a kernel's name says e.g. whether a matmul ran on tensor cores).
+  (a kernel's name says e.g. whether a matmul ran on tensor cores); then the synchronising
+  calls of one recorded step at that shape, under autocast, with where each was made
+  (``torch.cuda.set_sync_debug_mode``; the GPU tests check them at a tiny float32 GPT).
 - ``floor`` (table "The device's floor"): what a compact form's step cannot do without on
   the device, per shape: a plain step, and the arithmetic every Linear layer's per-datum
   gradients add to it, timed alone on tensors captured from one step (inputs ``A`` and
@@ -698,6 +700,11 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
                 say(f"| wall time per step, unprofiled (a step whose device time is well "
                     f"below it waits on the host) | {wall['recorded']:.1f} | | "
                     f"{wall['plain']:.1f} | |")
+                if cuda:  # where a recorded step waits for the device (the host idles then)
+                    waits = _sync_sites(block_of(model, opt, batch, rec, args.amp, 1))
+                    say()
+                    say(f"Synchronising calls of one recorded step: {len(waits)}: "
+                        + "; ".join(f"`{w}`" for w in waits))
             except Exception as e:  # a failure is a result: report it, go on
                 traceback.print_exc()
                 say(f"ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -706,6 +713,35 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
             say()
         del plain_model, model, plain_opt, opt
         _free(device)
+
+
+def _sync_sites(fn: Callable[[], None]) -> list[str]:
+    """The synchronising CUDA calls ``fn`` makes on this thread
+    (``torch.cuda.set_sync_debug_mode("warn")``), each as ``file:line function``."""
+    import threading
+    import warnings
+
+    sites: list[str] = []
+    main = threading.get_ident()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *args: Any) -> None:
+        if "synchroniz" in str(message) and threading.get_ident() == main:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/gradlog/" in f.filename or f.filename == __file__]
+            where = frames[-1] if frames else None
+            sites.append(f"{Path(filename).name}:{lineno}" + (
+                f" in {where.name}" if where is not None else ""))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
 
 
 def _self_times(prof: Any, cuda: bool, steps: int) -> dict[str, tuple[float, float]]:
