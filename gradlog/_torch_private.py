@@ -427,9 +427,11 @@ def _foreach(op: str, tensors: Sequence[torch.Tensor], scalar: float) -> None:
         getattr(t, op)(scalar)
 
 
-def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """The CUDA device indices of ``tensors``, sorted (a model split across devices draws
-    random numbers on each)."""
+def cuda_devices(tensors: Iterable[torch.Tensor] | torch.nn.Module) -> list[int]:
+    """The CUDA device indices of ``tensors`` (a module: its parameters and buffers), sorted
+    (a model split across devices draws random numbers on each)."""
+    if isinstance(tensors, torch.nn.Module):
+        tensors = [*tensors.parameters(), *tensors.buffers()]
     return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
 

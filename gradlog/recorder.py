@@ -217,11 +217,14 @@ class GradRecorder:
             return reduced.detach()
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
-            if backend.settles_loss_checks:  # before it touches p.grad, after its walks
-                backend.loss_checks = loss_checks
-            else:
+            if not backend.settles_loss_checks:
                 loss_checks.settle()
-            return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
+                return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
+            backend.loss_checks = loss_checks  # read before it touches p.grad, after its walks
+            try:
+                return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
+            finally:  # (never left for a later call to read, nor holding this graph)
+                backend.loss_checks = None
 
         tokens_per_datum = losses.shape[1] if losses.dim() == 2 else 1
         return pipeline.record(compute, step, datum_ids, lr, mask, tokens_per_datum,

@@ -108,11 +108,14 @@ def test_exact_zero_losses_of_unknown_origin_warn(tmp_path: Path) -> None:
             rec.backward(losses)
 
 
-def test_a_refused_batch_records_from_the_same_losses_with_its_mask(tmp_path: Path) -> None:
-    """The losses' checks are read late, after the hooks backend's walks of the graph (they
-    then overlap the forward's device work): a batch refused for its ignored labels, then
-    recorded from the same losses with ``mask=``, records what a fresh forward records,
-    with nothing of the refused call left hooked (a GPT with shared position outputs)."""
+@pytest.mark.parametrize("amp", [False, True])
+def test_a_refused_batch_records_from_the_same_losses_with_its_mask(
+        tmp_path: Path, amp: bool) -> None:
+    """The losses' checks are read late, after the hooks backend's walk of the graph (it then
+    overlaps the forward's device work): a batch refused for its ignored labels, then
+    recorded from the same losses with ``mask=``, records what a fresh forward records. The
+    refused call leaves nothing hooked and keeps what the forward noted (under autocast, the
+    dtypes the datum check's tolerance allows for); a GPT with shared position outputs."""
     from gradlog.testing.zoo import gpt_batch, tiny_gpt
 
     x, y, _ = gpt_batch(4, 6)
@@ -122,14 +125,17 @@ def test_a_refused_batch_records_from_the_same_losses_with_its_mask(tmp_path: Pa
     runs = {}
     for name in ("again", "fresh"):
         torch.manual_seed(0)
-        model = tiny_gpt(dtype=D64)
+        model = tiny_gpt(dtype=torch.float32 if amp else D64)
         path = tmp_path / f"{name}.gradlog"
-        with gradlog.GradRecorder(model, path) as rec:
-            losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # (B, T)
+        with gradlog.GradRecorder(model, path, dtype="float64") as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                logits = model(x)  # (B, T, V)
+            losses = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
             if name == "again":
                 with pytest.raises(InputError, match=r"ignore_index=-100.*8 positions"):
                     rec.backward(losses)
                 assert all(p.grad is None for p in model.parameters())
+                assert rec._backend._autocast == ({torch.bfloat16} if amp else set())
             rec.backward(losses, mask=keep)
         runs[name] = gradlog.open(path)
     for param in runs["fresh"].param_names:

@@ -5,17 +5,21 @@ of every entry, never recorded wrong in silence. Each step against the loop orac
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+import gradlog
 from gradlog.backends import BACKENDS
 from gradlog.backends.hooks import HooksBackend
 from gradlog.backends.hooks import operations as ops
 from gradlog.backends.hooks.checks import SpotCheck
-from gradlog.errors import BackendError
+from gradlog.errors import BackendError, InputError
 from gradlog.params import select_params
 
 D64 = torch.float64
@@ -174,3 +178,87 @@ def test_watch_ops_is_validated() -> None:
     with pytest.raises(BackendError, match="watch_ops"):
         HooksBackend(nn.Linear(2, 2), {}, batch_reduction="mean", randomness="different",
                      watch_ops="never")
+
+
+class _ByHandLM(nn.Module):
+    """Per-token losses (B, T) from an embedding and a head; ``by_hand`` adds one row of the
+    embedding matrix by hand (a free use touching few entries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+        self.by_hand = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)  # (B, T, d)
+        if self.by_hand:
+            h = h + self.emb.weight[3]
+        return self.head(h)  # (B, T, V)
+
+
+def _token_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # (B, T)
+
+
+def _rows_off(run: Any, model: nn.Module, step: int) -> list[int]:
+    """Rows of ``emb.weight`` where the stored records' mean is not ``p.grad``."""
+    got = torch.from_numpy(run.grads("emb.weight", step=step, dtype=np.float64)).mean(0)
+    return torch.nonzero((got - model.emb.weight.grad).abs().amax(1) > 1e-6).flatten().tolist()
+
+
+def test_a_failed_full_check_read_after_encoding_still_watches_the_next_forward(
+        tmp_path: Path) -> None:
+    """The recorder reads the backward's checks after encoding the step: a use first seen on
+    an unwatched forward fails its every-entry check then, and only a check that passed may
+    teach the watcher its uses (found in review: learnt before the read, the next forward with
+    the same use went unwatched and unchecked, and its records were stored wrong)."""
+    torch.manual_seed(0)
+    model = _ByHandLM().to(D64)
+    gen = torch.Generator().manual_seed(1)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        for step in range(ops.SCANS + 2):  # the by-hand use from the first unwatched forward
+            model.zero_grad(set_to_none=True)
+            model.by_hand = step >= ops.SCANS
+            x, y = torch.randint(0, 64, (4, 6), generator=gen), torch.randint(0, 64, (4, 6),
+                                                                             generator=gen)
+            if step == ops.SCANS:
+                with pytest.raises(BackendError, match="watch_ops='always'"):
+                    rec.backward(_token_losses(model, x, y), step=step)
+            else:
+                rec.backward(_token_losses(model, x, y), step=step)
+            assert step != ops.SCANS + 1 or rec._backend._ops.always  # watched: a free use
+    run = gradlog.open(tmp_path / "r.gradlog")
+    assert ops.SCANS not in run.steps.column("step").to_pylist()
+    assert _rows_off(run, model, ops.SCANS + 1) == []
+
+
+def test_a_batch_refused_by_its_loss_checks_is_checked_in_full_when_retried(
+        tmp_path: Path) -> None:
+    """The losses' checks are read after the op-use walk: a batch refused for its ignored
+    labels undoes what the walk noted, so a retry on the same graph with ``mask=`` is still
+    compared at every entry and refused like a fresh call (found in review: the retry was
+    recorded wrong)."""
+    outcomes = []
+    for retry in (False, True):
+        torch.manual_seed(0)
+        model = _ByHandLM().to(D64)
+        gen = torch.Generator().manual_seed(1)
+        with gradlog.GradRecorder(model, tmp_path / f"{retry}.gradlog") as rec:
+            for step in range(ops.SCANS + 2):
+                model.zero_grad(set_to_none=True)
+                model.by_hand = step == ops.SCANS + 1
+                x, y = torch.randint(0, 64, (4, 6), generator=gen), torch.randint(
+                    0, 64, (4, 6), generator=gen)
+                y[1, 3:] = -100
+                losses = _token_losses(model, x, y)
+                if retry and model.by_hand:
+                    with pytest.raises(InputError, match="ignore_index"):
+                        rec.backward(losses, step=step)
+                try:
+                    rec.backward(losses, mask=y != -100, step=step)
+                    outcomes.append("recorded")
+                except BackendError as e:
+                    outcomes.append("refused" if "every entry" in str(e) else str(e))
+    n = ops.SCANS + 2
+    assert outcomes[:n] == outcomes[n:] and outcomes[-1] == "refused", outcomes

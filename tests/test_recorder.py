@@ -671,3 +671,56 @@ def test_a_steady_step_waits_for_the_device_twice_and_late(
     assert [s for s in waits.sites if s in marks] == marks, waits.sites
     early = waits.sites[: waits.sites.index("the checks read")]
     assert not [s for s in early if s not in marks], f"waits for a device: {waits.sites}"
+
+
+def test_a_call_refused_before_its_loss_checks_leaves_none_behind(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever stops the hooks backend's backward before it reads the losses' checks, they
+    are dropped: a later call (here ``rec.step``, which checks its own losses) neither reads
+    that batch's NaN nor keeps its graph alive (found in review, when a refusal came first)."""
+    from gradlog.backends.hooks import HooksBackend
+
+    torch.manual_seed(0)
+    model = mlp()
+    reset = HooksBackend._reset
+
+    def failing(self: HooksBackend, batch_size: int, loss: Any = None) -> None:
+        if batch_size:
+            raise UnsupportedLayerError("refused before the losses' checks (test)")
+        reset(self, batch_size, loss)
+
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        nan = torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=torch.float64)
+        monkeypatch.setattr(HooksBackend, "_reset", failing)
+        with pytest.raises(UnsupportedLayerError, match=r"\(test\)"):
+            rec.backward(_losses(model) * nan, step=0)
+        monkeypatch.setattr(HooksBackend, "_reset", reset)
+        assert rec._backend.loss_checks is None
+        model.zero_grad(set_to_none=True)
+        x, y = mlp_batch(4, seed=1)
+        rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y), step=1)
+    assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [1]
+
+
+def test_a_step_failing_before_its_checks_are_read_leaves_them_to_no_later_step(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose records do not add up and whose encoding fails raises the encoding's
+    error; its checks are read and dropped with it, not raised later by the next step as
+    its own (found in review)."""
+    model = mlp()
+    encode = FormEncoder.encode
+
+    def failing(self: FormEncoder, grads: Any) -> Any:
+        raise RuntimeError("encoding failed (test)")
+
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=0) as rec:
+        rec.backward(_losses(model, seed=0), step=0)
+        x, y = mlp_batch(4, seed=1)
+        outside = (x @ model[0].weight.T).square().sum(1)  # (B,) a use no hook sees
+        monkeypatch.setattr(FormEncoder, "encode", failing)
+        with pytest.raises(RuntimeError, match=r"\(test\)"):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none") + outside, step=1)
+        monkeypatch.setattr(FormEncoder, "encode", encode)
+        model.zero_grad(set_to_none=True)
+        rec.backward(_losses(model, seed=2), step=2)  # its own checks only
+    assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [0, 2]

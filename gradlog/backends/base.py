@@ -169,11 +169,18 @@ class Backend(abc.ABC):
 
     settles_loss_checks: ClassVar[bool] = False
 
-    def settle_loss_checks(self) -> None:
-        """Read :attr:`loss_checks` (once); raises the first failed check's error."""
+    def settle_loss_checks(self, on_fail: Callable[[], None] | None = None) -> None:
+        """Read :attr:`loss_checks` (once); raises the first failed check's error, after
+        ``on_fail`` (which undoes what the backward did before: the batch may be retried)."""
         checks, self.loss_checks = self.loss_checks, None
-        if checks is not None:
+        if checks is None:
+            return
+        try:
             checks.settle()
+        except BaseException:
+            if on_fail is not None:
+                on_fail()
+            raise
 
     defer_checks: bool = False
     """Set by the recorder: the backward may leave its checks' outcome on the device until

@@ -9,6 +9,7 @@ them around a started backend and writer, :meth:`StepPipeline.record` runs a bat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from gradlog import planning
 from gradlog.backends import BACKENDS, Backend, PerDatumGrads
 from gradlog.config import RecorderConfig, RecordingOptions
 from gradlog.distributed import Distributed, detect
-from gradlog.errors import InputError
+from gradlog.errors import BackendError, InputError
 from gradlog.recording import handoff
 from gradlog.recording.agreement import share_plan
 from gradlog.recording.encoding import FormEncoder
@@ -193,36 +194,42 @@ class StepPipeline:
 
         t0 = time.perf_counter()
         losses, grads = compute()
-        batch = losses.shape[0]
-        check_grad_shapes(grads, batch, self.params, self.config.backend)
-        weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
-        sizes, offset, rank, world = [batch], 0, 0, 1  # every rank's batch (in rank order)
-        if self.dist is not None:
-            sizes = self.dist.batch_sizes(batch)
-            rank, world = self.dist.rank, self.dist.world_size
-            offset = sum(sizes[:rank])  # counter-numbered datum ids of the ranks before
-            weight /= world  # DDP and FSDP2 average p.grad over ranks
-        if self.encoder.forms is None:
-            if self.dist is None:
-                self.encoder.plan_forms(grads, self.writer.set_forms)
-            else:  # one plan for every rank, for the step's records of all ranks
-                share_plan(self.dist, self.encoder, grads, sum(sizes), self.writer.set_forms)
-            if self.optimizer_state is not None and self.encoder.plan is not None:
-                line = self.optimizer_state.plan_line()
-                self.encoder.plan += "\n" + line
-                log.info("gradlog: %s", line)
-        if check:
-            self.self_check.verify(before, grads, weight, self.dist, self.backend.low_precision)
-        if self.probes is not None and lifecycle.pending is None:  # once per step, at micro 0
-            self.backend.settle()  # (no probes of a step whose records fail their checks)
-            self.probes.record(step, self.writer.path)
-        t1 = time.perf_counter()
+        try:
+            batch = losses.shape[0]
+            check_grad_shapes(grads, batch, self.params, self.config.backend)
+            weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0
+            sizes, offset, rank, world = [batch], 0, 0, 1  # every rank's batch (in rank order)
+            if self.dist is not None:
+                sizes = self.dist.batch_sizes(batch)
+                rank, world = self.dist.rank, self.dist.world_size
+                offset = sum(sizes[:rank])  # counter-numbered datum ids of the ranks before
+                weight /= world  # DDP and FSDP2 average p.grad over ranks
+            if self.encoder.forms is None:
+                if self.dist is None:
+                    self.encoder.plan_forms(grads, self.writer.set_forms)
+                else:  # one plan for every rank, for the step's records of all ranks
+                    share_plan(self.dist, self.encoder, grads, sum(sizes), self.writer.set_forms)
+                if self.optimizer_state is not None and self.encoder.plan is not None:
+                    line = self.optimizer_state.plan_line()
+                    self.encoder.plan += "\n" + line
+                    log.info("gradlog: %s", line)
+            if check:
+                self.self_check.verify(before, grads, weight, self.dist, self.backend.low_precision)
+            if self.probes is not None and lifecycle.pending is None:  # once per step, at micro 0
+                self.backend.settle()  # (no probes of a step whose records fail their checks)
+                self.probes.record(step, self.writer.path)
+            t1 = time.perf_counter()
 
-        staged, norms = self.encoder.encode(grads)
-        # The backward's checks are read only now: their wait for the device then also covers
-        # the encoding's device work, and no host work sits between two waits (on an H200,
-        # ~40 ms of GPT-2 small's step were host work done after the backward's wait).
-        self.backend.settle()
+            staged, norms = self.encoder.encode(grads)
+            # The backward's checks are read only now: their wait for the device then also covers
+            # the encoding's device work, and no host work sits between two waits (on an H200,
+            # ~40 ms of GPT-2 small's step were host work done after the backward's wait).
+            self.backend.settle()
+        except BaseException:  # this step fails: its checks are read, and dropped, here,
+            # not left to the next backward, which would raise them as its own
+            with contextlib.suppress(BackendError):
+                self.backend.settle()
+            raise
         loss_np = losses.detach().double().cpu().numpy()
         ids = lifecycle.datum_ids(datum_ids, batch, sizes, offset)
         rows = self.writer.append(

@@ -343,18 +343,19 @@ class HooksBackend(Backend):
             raise BackendError("the hooks backend is not attached; the recorder attaches it "
                                "when recording starts (use GradRecorder as a context manager).")
         check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
-        self._spot.settle()  # the last backward's, if its caller did not settle it
+        self.settle()  # the last backward's, if its caller did not settle it
         B = int(losses.shape[0])
         self._reset(B, batch_loss)
+        # after _reset's walk, before the forward's state is dropped (finally): a retry
+        self.settle_loss_checks(self._ops.undo if self._ops else None)
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
-            self.settle_loss_checks()  # late: the walks above overlap the forward's device work
             self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
             when, foreign = checks.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
             ) if self._wants_datum_check(B) else (None, False)
-            rng = rng_states(cuda_devices(self._model_tensors())) if when is not None else None
+            rng = rng_states(cuda_devices(self.model)) if when is not None else None
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
             try:
@@ -374,9 +375,9 @@ class HooksBackend(Backend):
             checks.check_coverage(self.params, self._got_grad, results.covered, self._entries,
                                   self._ops is None or self._ops.watching)
             self._spot.check(collections.ChainMap(materials, results.acc), self.low_precision,
-                             1.0 / self._scale, defer=self.defer_checks)
-            if self._ops is not None:
-                self._ops.checked()
+                             1.0 / self._scale)
+            if not self.defer_checks:
+                self.settle()
             out = {
                 name: materials[name] if name in materials
                 else results.acc[name] if name in results.acc
@@ -399,10 +400,8 @@ class HooksBackend(Backend):
             self._pool.release()
 
     def settle(self) -> None:
-        self._spot.settle()
-
-    def _model_tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), *self.model.buffers()]  # (their CUDA devices)
+        if self._spot.settle() and self._ops is not None:  # passed: the uses it saw learnt
+            self._ops.checked()
 
     def _wants_datum_check(self, B: int) -> bool:
         """:func:`checks.wants_datum_check`, or a self-checked batch; never for B 1 or DDP."""
@@ -419,7 +418,7 @@ class HooksBackend(Backend):
         ``rng``, as before the batch's backward: a backward's random draws draw the same."""
         names = [n for n, p in self.params.items() if p.numel()]
         b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
-        devices = cuda_devices(self._model_tensors())
+        devices = cuda_devices(self.model)
         self._probing = True  # the hooks let this backward pass (see _on_output_grad)
         try:
             with forked_rng(devices, rng):

@@ -101,19 +101,19 @@ class SpotCheck:
             prior = self.total.get(name)
             self.total[name] = seen if prior is None else prior + seen
 
-    def settle(self) -> None:
-        """Raise if the last :meth:`check` found records that do not add up (once)."""
+    def settle(self) -> bool:
+        """Raise if the last :meth:`check` found records that do not add up; True when it
+        read one that passed (each is read once)."""
         verdict, self.pending = self.pending, None
         if verdict is not None:
             verdict.settle()
+        return verdict is not None
 
     def check(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
-              weight: float, *, defer: bool = False) -> None:
-        """Compare and :meth:`settle`; ``defer``: the outcome is :attr:`pending` until the
-        caller settles it, and nothing here waits for the device."""
+              weight: float) -> None:
+        """Compare; the outcome is :attr:`pending` until :meth:`settle` reads it (nothing
+        here waits for the device)."""
         self.pending = self._compare(records, low_precision, weight)
-        if not defer:
-            self.settle()
 
     def _compare(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
                  weight: float) -> Verdict | None:

@@ -110,6 +110,7 @@ class OpCapture(TorchFunctionMode):
         self.rescan = False  # the last backward's uses were new: watch the next forward
         self.known: dict[str, set[Signature]] = {}  # per parameter: uses known to be covered
         self.pending: dict[str, Signature] = {}  # the uses an exact check is verifying
+        self._undo: tuple[int, bool, dict[str, Signature]] | None = None  # before unverified
         self.held = _Accumulators()
         self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
@@ -162,6 +163,7 @@ class OpCapture(TorchFunctionMode):
         (:func:`graph.parameter_uses`); watched forwards' are learnt."""
         if self.always:  # every forward is watched: no walk
             return False
+        self._undo = (self.unwatched, self.rescan, self.pending)
         unwatched, self.unwatched = self.unwatched, 0
         held = self.held
         if not unwatched or held.names is None:  # (a stale node only makes uses look new)
@@ -183,6 +185,13 @@ class OpCapture(TorchFunctionMode):
         self.rescan = self.rescan or new
         self.pending = signature if new else {}
         return new
+
+    def undo(self) -> None:
+        """The backward :meth:`unverified` was asked for did not run (its batch was refused
+        before it): the forward counts as unverified again, for a retry on its graph."""
+        if self._undo is not None:
+            self.unwatched, self.rescan, self.pending = self._undo
+            self._undo = None
 
     def checked(self) -> None:
         """The backward :meth:`unverified` asked for passed its check at every entry: its
