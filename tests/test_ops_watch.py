@@ -262,3 +262,92 @@ def test_a_batch_refused_by_its_loss_checks_is_checked_in_full_when_retried(
                     outcomes.append("refused" if "every entry" in str(e) else str(e))
     n = ops.SCANS + 2
     assert outcomes[:n] == outcomes[n:] and outcomes[-1] == "refused", outcomes
+
+
+def _stored_rows_off(run: Any, grads: dict[int, torch.Tensor]) -> dict[int, list[int]]:
+    out = {}
+    for step, g in grads.items():
+        got = torch.from_numpy(run.grads("emb.weight", step=step, dtype=np.float64)).mean(0)
+        out[step] = torch.nonzero((got - g).abs().amax(1) > 1e-6).flatten().tolist()
+    return out
+
+
+def test_a_failed_check_is_never_learnt_by_a_later_one_that_passed(tmp_path: Path) -> None:
+    """Found in a second review: the uses of a failed every-entry check stayed pending past
+    the watched forward that followed, whose passing spot check then learnt them, so the
+    next unwatched forward with the by-hand use was only spot-checked and stored wrong."""
+    torch.manual_seed(0)
+    model = _ByHandLM().to(D64)
+    gen = torch.Generator().manual_seed(1)
+    plan = [False] * ops.SCANS + [True, False, True, True]
+    stored: dict[int, torch.Tensor] = {}
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        for step, by_hand in enumerate(plan):
+            model.zero_grad(set_to_none=True)
+            model.by_hand = by_hand
+            x, y = torch.randint(0, 64, (4, 6), generator=gen), torch.randint(
+                0, 64, (4, 6), generator=gen)
+            try:
+                rec.backward(_token_losses(model, x, y), step=step)
+                stored[step] = model.emb.weight.grad.clone()
+            except BackendError as e:
+                assert "every entry" in str(e) and by_hand, (step, e)
+    assert ops.SCANS not in stored
+    off = _stored_rows_off(gradlog.open(tmp_path / "r.gradlog"), stored)
+    assert all(rows == [] for rows in off.values()), off
+
+
+def test_forwards_run_before_their_backwards_are_each_verified(tmp_path: Path) -> None:
+    """Two forwards, then their two backwards (accumulation): the first backward's walk
+    does not count the second forward as verified (found in a second review: it went down
+    the watched path and its by-hand use was learnt unchecked)."""
+    torch.manual_seed(0)
+    model = _ByHandLM().to(D64)
+    gen = torch.Generator().manual_seed(1)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 64, (4, 6), generator=gen), torch.randint(
+            0, 64, (4, 6), generator=gen)
+
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        for step in range(ops.SCANS):
+            model.zero_grad(set_to_none=True)
+            rec.backward(_token_losses(model, *batch()), step=step)
+        model.zero_grad(set_to_none=True)
+        model.by_hand = False
+        first = _token_losses(model, *batch())
+        model.by_hand = True
+        second = _token_losses(model, *batch())
+        rec.backward(first, step=ops.SCANS)
+        with pytest.raises(BackendError, match="every entry"):
+            rec.backward(second, step=ops.SCANS)
+
+
+def test_a_failed_datum_check_leaves_no_verdict_to_the_next_step(tmp_path: Path) -> None:
+    """The backward's spot check is read before its datum check, so a step refused there
+    leaves nothing pending (found in a second review: the next, clean step was refused
+    with the earlier one's verdict)."""
+
+    class Summed(_ByHandLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            if self.by_hand:  # every row, by hand: a free use the datum check also sees
+                h = h + 0.1 * self.emb.weight.sum(0)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Summed().to(D64)
+    gen = torch.Generator().manual_seed(1)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1) as rec:
+        for step in range(ops.SCANS + 2):
+            model.zero_grad(set_to_none=True)
+            model.by_hand = step == ops.SCANS
+            x, y = torch.randint(0, 64, (4, 6), generator=gen), torch.randint(
+                0, 64, (4, 6), generator=gen)
+            if model.by_hand:
+                with pytest.raises(BackendError, match="do not add up"):
+                    rec.backward(_token_losses(model, x, y), step=step)
+            else:
+                rec.backward(_token_losses(model, x, y), step=step)
+    assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [
+        s for s in range(ops.SCANS + 2) if s != ops.SCANS]

@@ -193,8 +193,8 @@ class StepPipeline:
         self.backend.datum_check_due = check
 
         t0 = time.perf_counter()
-        losses, grads = compute()
         try:
+            losses, grads = compute()
             batch = losses.shape[0]
             check_grad_shapes(grads, batch, self.params, self.config.backend)
             weight = 1.0 / batch if self.config.batch_reduction == "mean" else 1.0

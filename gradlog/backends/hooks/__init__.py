@@ -387,6 +387,7 @@ class HooksBackend(Backend):
             if when == "after":
                 datum = self._datum_probe(losses, rng, keep_graph=False)  # (frees the graph)
             if datum is not None:
+                self.settle()  # the spot check's verdict first, and none left pending
                 checks.check_datum(datum, out, self.params,
                                    (*self.low_precision.values(), *self._autocast),
                                    trusted=not foreign)

@@ -106,7 +106,7 @@ class OpCapture(TorchFunctionMode):
         self.grad = False  # the running forward started with grad enabled
         self.scans = 0  # watched forwards with grad and no free use
         self.free = 0  # free uses captured in the running forward
-        self.unwatched = 0  # forwards with grad not watched since the last backward
+        self.unwatched = 0  # forwards with grad not watched whose backward has not walked them
         self.rescan = False  # the last backward's uses were new: watch the next forward
         self.known: dict[str, set[Signature]] = {}  # per parameter: uses known to be covered
         self.pending: dict[str, Signature] = {}  # the uses an exact check is verifying
@@ -164,7 +164,9 @@ class OpCapture(TorchFunctionMode):
         if self.always:  # every forward is watched: no walk
             return False
         self._undo = (self.unwatched, self.rescan, self.pending)
-        unwatched, self.unwatched = self.unwatched, 0
+        # one unwatched forward per backward: another one's graph (forwards run before
+        # their backwards, as in accumulation) is still to be walked by its own backward
+        unwatched, self.unwatched = self.unwatched, max(0, self.unwatched - 1)
         held = self.held
         if not unwatched or held.names is None:  # (a stale node only makes uses look new)
             nodes = [(gradient_accumulator(p), n) for n, p in self.params.items()]
@@ -180,6 +182,7 @@ class OpCapture(TorchFunctionMode):
         if not unwatched:
             for n, sig in signature.items():
                 self.known.setdefault(n, set()).add(sig)
+            self.pending = {}  # (a failed check's: never learnt by a later one's pass)
             return False
         new = any(sig not in self.known.get(n, ()) for n, sig in signature.items())
         self.rescan = self.rescan or new
