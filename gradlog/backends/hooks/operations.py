@@ -106,11 +106,12 @@ class OpCapture(TorchFunctionMode):
         self.grad = False  # the running forward started with grad enabled
         self.scans = 0  # watched forwards with grad and no free use
         self.free = 0  # free uses captured in the running forward
-        self.unwatched = 0  # forwards with grad not watched whose backward has not walked them
+        self.unwatched = 0  # forwards with grad not watched since all forwards were walked
+        self.forwards = 0  # forwards with grad whose backward has not run yet
         self.rescan = False  # the last backward's uses were new: watch the next forward
         self.known: dict[str, set[Signature]] = {}  # per parameter: uses known to be covered
         self.pending: dict[str, Signature] = {}  # the uses an exact check is verifying
-        self._undo: tuple[int, bool, dict[str, Signature]] | None = None  # before unverified
+        self._undo: tuple[int, int, bool, dict[str, Signature]] | None = None  # see undo
         self.held = _Accumulators()
         self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
@@ -148,6 +149,7 @@ class OpCapture(TorchFunctionMode):
 
     def _settle(self) -> None:
         """After a forward with grad: whether the next one is watched (module doc)."""
+        self.forwards += 1
         if not self.watching:
             self.unwatched += 1
         elif self.free:
@@ -163,10 +165,14 @@ class OpCapture(TorchFunctionMode):
         (:func:`graph.parameter_uses`); watched forwards' are learnt."""
         if self.always:  # every forward is watched: no walk
             return False
-        self._undo = (self.unwatched, self.rescan, self.pending)
-        # one unwatched forward per backward: another one's graph (forwards run before
-        # their backwards, as in accumulation) is still to be walked by its own backward
-        unwatched, self.unwatched = self.unwatched, max(0, self.unwatched - 1)
+        self._undo = (self.unwatched, self.forwards, self.rescan, self.pending)
+        # Which forward a graph comes from is not known: while forwards run before their
+        # backwards (accumulation) and one of them went unwatched, every backward until
+        # all of them have run compares its uses (none learns them unchecked).
+        unwatched = self.unwatched
+        self.forwards = max(0, self.forwards - 1)
+        if not self.forwards:
+            self.unwatched = 0
         held = self.held
         if not unwatched or held.names is None:  # (a stale node only makes uses look new)
             nodes = [(gradient_accumulator(p), n) for n, p in self.params.items()]
@@ -193,7 +199,7 @@ class OpCapture(TorchFunctionMode):
         """The backward :meth:`unverified` was asked for did not run (its batch was refused
         before it): the forward counts as unverified again, for a retry on its graph."""
         if self._undo is not None:
-            self.unwatched, self.rescan, self.pending = self._undo
+            self.unwatched, self.forwards, self.rescan, self.pending = self._undo
             self._undo = None
 
     def checked(self) -> None:
