@@ -68,6 +68,9 @@ from torch import nn
 SIZES: dict[str, dict[str, int]] = {
     "small": {"vocab": 512, "d": 128, "layers": 2, "T": 64, "B": 16},
     "medium": {"vocab": 512, "d": 256, "layers": 4, "T": 128, "B": 32},
+    # GPT-2 small's depth at widths where arithmetic vanishes: a step is the host's work
+    # (what runs beside the device's on a GPU; see bench_host.py)
+    "host": {"vocab": 64, "d": 16, "layers": 12, "T": 16, "B": 8},
 }
 Step = Callable[[], Any]
 

@@ -50,8 +50,7 @@ additions, subtractions or expands, it takes each datum's gradient from the cons
 output gradient instead (per datum: the shared input with that datum's gradient). Other
 consumers are refused with an error before ``p.grad`` is touched.
 
-Chunked heads (:func:`gradlog.memory.chunked_linear_loss`): each chunk of ``(B*T, d)`` rows,
-laid out as ``(datums, T, d)`` by its ``current_chunk()``, adds into those datums' gradients.
+Chunked heads (:func:`gradlog.memory.chunked_linear_loss`): a chunk adds into its datums'.
 
 Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured
 per op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
@@ -100,7 +99,7 @@ from gradlog._tree import leaves
 from gradlog.backends.base import Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fuse_output
 from gradlog.backends.heap import keep_heap_resident
-from gradlog.backends.hooks import checks
+from gradlog.backends.hooks import checks, graph
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, hook_target
@@ -345,13 +344,14 @@ class HooksBackend(Backend):
         check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
         self.settle()  # the last backward's, if its caller did not settle it
         B = int(losses.shape[0])
-        self._reset(B, batch_loss)
+        survey = graph.GraphSurvey(batch_loss.grad_fn)  # one walk: for _reset and the routing
+        self._reset(B, survey)
         # after _reset's walk, before the forward's state is dropped (finally): a retry
         self.settle_loss_checks(self._ops.undo if self._ops else None)
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
-            self._route_shared_outputs(batch_loss, B)  # may refuse, before p.grad is touched
+            self._route_shared_outputs(survey, B)  # may refuse, before p.grad is touched
             when, foreign = checks.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
             ) if self._wants_datum_check(B) else (None, False)
@@ -433,7 +433,7 @@ class HooksBackend(Backend):
             self._probing = False
         return b, checks.sample_entries(names, got, self.params, self._spot_rng)
 
-    def _reset(self, batch_size: int, loss: torch.Tensor | None = None) -> None:
+    def _reset(self, batch_size: int, survey: graph.GraphSurvey | None = None) -> None:
         if batch_size:
             self.low_precision = {}
         self._batch = batch_size
@@ -445,8 +445,8 @@ class HooksBackend(Backend):
         self._touched: list[Call] = []
         self._consumer_handles: list[Any] = []
         self._error: tuple[Entry, BaseException] | None = None
-        self._spot.draw(batch_size, full=bool(batch_size and loss is not None and self._ops
-                                              and self._ops.unverified(loss)))
+        self._spot.draw(batch_size, full=bool(batch_size and survey is not None and self._ops
+                                              and self._ops.unverified(survey)))
 
     # -- gradients (inside the backward) ----------------------------------------------------
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
@@ -563,13 +563,13 @@ class HooksBackend(Backend):
         self._results.add(entry, result, cap, rows)
 
     # -- shared (broadcast) outputs ---------------------------------------------------------
-    def _route_shared_outputs(self, batch_loss: torch.Tensor, B: int) -> None:
+    def _route_shared_outputs(self, survey: graph.GraphSurvey, B: int) -> None:
         """Before the backward: settle each captured call's batch dimension, and hook the
         consumers of outputs an op broadcasts over the batch (see :func:`shared_outputs`)."""
         live = [c for c in (r() for r in self._live)
                 if c is not None and not c.done and c.args is not None]
         self._live = [weakref.ref(c) for c in live]
-        for call, found in shared_outputs(live, batch_loss, B, self._sequence_first):
+        for call, found in shared_outputs(live, survey, B, self._sequence_first):
             self._touched.append(call)
             for node, slot, chain, at in found:
                 hook = functools.partial(self._on_consumer_grad, call,

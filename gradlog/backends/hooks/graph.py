@@ -1,7 +1,8 @@
 """Walks of the autograd graph for the hooks backend.
 
 Every question the hooks backend asks of the autograd graph lives here: which nodes consume a
-captured output (for outputs broadcast over the batch), whether the graph holds a reentrant
+captured output (for outputs broadcast over the batch) and which recorded parameters each op
+used (:class:`GraphSurvey`, one walk before each backward), whether the graph holds a reentrant
 checkpoint or Python autograd Functions (for the datum check), which outputs of a call feed
 each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
 """
@@ -28,13 +29,12 @@ __all__ = [
     "PASS_THROUGH",
     "TAG",
     "VIEW_NODES",
+    "GraphSurvey",
     "alias_outputs",
     "consumer_factor",
     "consumers_through_views",
-    "find_consumers",
     "foreign_functions",
     "hook_target",
-    "parameter_uses",
     "through_views",
 ]
 
@@ -132,59 +132,74 @@ def hook_target(t: torch.Tensor, inputs: list[tuple[torch.Tensor, int]]) -> torc
     return base
 
 
-def find_consumers(root: Any, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
-    """Walk the autograd graph from ``root``: for each wanted call (by id), the (node, input
-    slot) pairs that consume its tagged output."""
-    found: dict[int, list[tuple[Any, int]]] = {}
-    tags: dict[int, list[tuple[int, Call]]] = {}
-    stack, keep = [root], [root]  # keep: node wrappers alive, so their ids stay unique
-    seen = {id(root)}
-    while stack:
-        node = stack.pop()
-        for slot, (child, output_nr) in enumerate(node.next_functions):
-            if child is None:
-                continue
-            key = id(child)
-            if key not in seen:
-                seen.add(key)
-                keep.append(child)
-                stack.append(child)
-                tagged = child.metadata.get(TAG)
-                if tagged:
-                    tags[key] = tagged
-            for nr, call in tags.get(key, ()):
-                if nr == output_nr and id(call) in wanted:
-                    found.setdefault(id(call), []).append((node, slot))
-    return found
+class GraphSurvey:
+    """What the hooks backend reads from a backward's graph before running it, from one walk
+    from ``root`` (the batch loss's ``grad_fn``) shared by its readers: the consumers of
+    captured outputs (:meth:`consumers`, for outputs broadcast over the batch) and each
+    recorded parameter's uses (:meth:`uses`, for op-level watching). A walk visits every
+    node; at GPT-2 small's depth each one cost ~2-3 ms of host time a step, so the two
+    readers' separate walks were one too many. The walk is made at the first question;
+    a question about other accumulators than the walk counted walks again."""
 
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self._walked = False
+        self._accumulators: Mapping[int, str] | None = None
+        self._edges: dict[str, int] = {}
+        self._calls: dict[int, int] = {}
+        self._consumers: dict[int, list[tuple[Any, int]]] = {}
 
-def parameter_uses(root: Any, accumulators: Mapping[int, str]
-                   ) -> tuple[dict[str, int], dict[int, int]]:
-    """Walk the autograd graph from ``root``: for each parameter (its gradient accumulator's
-    id -> its name, :func:`~gradlog._torch_private.gradient_accumulator`; the caller keeps
-    the nodes alive), the edges into its accumulator (one per op that took it, or a view of
-    it, in the forward); for each module entry (by id), its calls whose outputs are in the
-    graph (:data:`TAG`). About 0.1 ms for the 165 nodes of a small GPT."""
-    edges: dict[str, int] = {}
-    calls: dict[int, set[int]] = {}
-    stack, keep = [root], [root]  # keep: node wrappers alive, so their ids stay unique
-    seen = {id(root)}
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            key = id(child)
-            name = accumulators.get(key)
-            if name is not None:
-                edges[name] = edges.get(name, 0) + 1
-            if key not in seen:
-                seen.add(key)
-                keep.append(child)
-                stack.append(child)
-                for _, call in child.metadata.get(TAG, ()):
-                    calls.setdefault(id(call.entry), set()).add(id(call))
-    return edges, {e: len(c) for e, c in calls.items()}
+    def consumers(self, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
+        """For each wanted call (by id), the (node, input slot) pairs that consume its tagged
+        output."""
+        if not self._walked:
+            self._walk(self._accumulators or {})
+        return {k: v for k, v in self._consumers.items() if k in wanted}
+
+    def uses(self, accumulators: Mapping[int, str]) -> tuple[dict[str, int], dict[int, int]]:
+        """For each parameter (its gradient accumulator's id -> its name,
+        :func:`~gradlog._torch_private.gradient_accumulator`; the caller keeps the nodes
+        alive), the edges into its accumulator (one per op that took it, or a view of it,
+        in the forward); for each module entry (by id), its calls whose outputs are in the
+        graph (:data:`TAG`)."""
+        if not self._walked or self._accumulators is not accumulators:
+            self._walk(accumulators)
+        return self._edges, self._calls
+
+    def _walk(self, accumulators: Mapping[int, str]) -> None:
+        edges: dict[str, int] = {}
+        calls: dict[int, set[int]] = {}
+        consumers: dict[int, list[tuple[Any, int]]] = {}
+        tags: dict[int, list[tuple[int, Call]]] = {}
+        root = self.root
+        # keep: node wrappers alive, so their ids stay unique
+        stack, keep = ([root], [root]) if root is not None else ([], [])
+        seen = {id(root)}
+        while stack:
+            node = stack.pop()
+            for slot, (child, output_nr) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                key = id(child)
+                name = accumulators.get(key)
+                if name is not None:
+                    edges[name] = edges.get(name, 0) + 1
+                if key not in seen:
+                    seen.add(key)
+                    keep.append(child)
+                    stack.append(child)
+                    tagged = child.metadata.get(TAG)
+                    if tagged:
+                        tags[key] = tagged
+                        for _, call in tagged:
+                            calls.setdefault(id(call.entry), set()).add(id(call))
+                for nr, call in tags.get(key, ()):
+                    if nr == output_nr:
+                        consumers.setdefault(id(call), []).append((node, slot))
+        self._walked, self._accumulators = True, accumulators
+        self._edges = edges
+        self._calls = {e: len(c) for e, c in calls.items()}
+        self._consumers = consumers
 
 
 def consumer_factor(node: Any, slot: int) -> float:
@@ -205,7 +220,7 @@ def consumers_through_views(root: Any, found: list[tuple[Any, int]]
                             ) -> list[tuple[Any, int, Chain]] | None:
     """The consumers of a call's output past any chain of view nodes (:data:`VIEW_NODES`):
     each (node, input slot, the view nodes between, first to last). ``found`` are the
-    direct consumers (:func:`find_consumers`). None when a view node's output has no
+    direct consumers (:meth:`GraphSurvey.consumers`). None when a view node's output has no
     consumer in the graph from ``root`` (it cannot be followed). A walk of the whole
     graph: only for outputs that would otherwise be refused."""
     parents: dict[int, list[tuple[Any, int]]] = {}

@@ -23,8 +23,8 @@ from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
     VIEW_NODES,
     Chain,
+    GraphSurvey,
     consumers_through_views,
-    find_consumers,
     through_views,
 )
 from gradlog.errors import BackendError, UnsupportedLayerError
@@ -76,7 +76,7 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
     call.lead = shape[call.bd] if len(shape) > call.bd else None
 
 
-def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
+def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                    sequence_first: list[str]) -> Iterator[tuple[Call, Consumers]]:
     """Before the backward: settle each captured call's batch dimension, and yield the calls
     whose output an op broadcasts over the batch, with the consumers to take their
@@ -85,17 +85,18 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
 
     Args:
         live: The calls captured for this backward.
-        batch_loss: The batch loss whose graph is walked.
+        graph: The batch loss's graph.
         B: The batch size.
         sequence_first: The model's modules with ``batch_first=False``.
     """
-    if not live or batch_loss.grad_fn is None:
+    root = graph.root
+    if not live or root is None:
         return
     # Node._input_metadata (shapes of a node's forward outputs) tells exactly which
     # captured outputs an op broadcast; without it (older torch) a shape heuristic picks
     # the calls to check, and any call reaching the loss only through pass-through ops
     # counts as shared.
-    exact = autograd_node_shapes_known(batch_loss.grad_fn)
+    exact = autograd_node_shapes_known(root)
     if exact:
         candidates = live
     else:
@@ -110,7 +111,7 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
                       or c.refusal is not None or any(c is b for b in broadcast)]
     if not candidates:
         return
-    consumers = find_consumers(batch_loss.grad_fn, {id(c) for c in candidates})
+    consumers = graph.consumers({id(c) for c in candidates})
     for call in candidates:
         found = consumers.get(id(call))
         if not found:
@@ -138,7 +139,7 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
         if exact:
             locate_batch(call, B, sequence_first)
         if (shared or call.lead != B) and first and call.hooked == 1:
-            chained = _through_views(found, batch_loss, shape)
+            chained = _through_views(found, root, shape)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
                 call.via_consumers = True
@@ -146,7 +147,7 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
                 continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
-            beyond = (consumers_through_views(batch_loss.grad_fn, found)
+            beyond = (consumers_through_views(root, found)
                       if any(type(n).__name__ in VIEW_NODES for n, _ in found) else None)
             if beyond:  # name what the views lead to
                 ops += [f"then {n}" for n in sorted({type(n).__name__ for n, _, _ in beyond})]
@@ -165,7 +166,7 @@ def shared_outputs(live: list[Call], batch_loss: torch.Tensor, B: int,
             )
 
 
-def _through_views(found: list[tuple[Any, int]], batch_loss: torch.Tensor,
+def _through_views(found: list[tuple[Any, int]], root: Any,
                    shape: tuple[int, ...]) -> Consumers | None:
     """The consumers of a shared output past views and permutes, when every one of them
     is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
@@ -174,9 +175,9 @@ def _through_views(found: list[tuple[Any, int]], batch_loss: torch.Tensor,
     if not all(type(n).__name__ in VIEW_NODES or type(n).__name__ in PASS_THROUGH
                for n, _ in found):
         return None
-    if not autograd_node_shapes_known(batch_loss.grad_fn):
+    if not autograd_node_shapes_known(root):
         return None
-    chained = consumers_through_views(batch_loss.grad_fn, found)
+    chained = consumers_through_views(root, found)
     if not chained:
         return None
     out: Consumers = []

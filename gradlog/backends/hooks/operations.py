@@ -24,7 +24,7 @@ default) it watches only the forwards that may hold a use no module covers:
 - the first :data:`SCANS` forwards with grad, and every forward once one of them had such a
   use (the model's free uses are then all captured, always);
 - otherwise, before each backward, the autograd graph tells each recorded parameter's uses
-  (:func:`~gradlog.backends.hooks.graph.parameter_uses`: calls of its covering modules, and
+  (:meth:`~gradlog.backends.hooks.graph.GraphSurvey.uses`: calls of its covering modules, and
   graph edges into its gradient accumulator, one per op that took it: ~0.1 ms). Uses no
   watched forward (or checked backward) had, e.g. a parameter used by hand only on some
   steps, make that backward compare ``sum_b w_b g_b`` with **every** entry of ``p.grad``
@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from gradlog._torch_private import force_eager, gradient_accumulator
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
-from gradlog.backends.hooks.graph import parameter_uses
+from gradlog.backends.hooks.graph import GraphSurvey
 from gradlog.rules.ops import ParamUse, Step, op_kind, op_rule
 
 __all__ = ["SCANS", "VIEWS", "WATCH", "OpCapture"]
@@ -158,11 +158,11 @@ class OpCapture(TorchFunctionMode):
             self.scans += 1
             self.rescan = False
 
-    def unverified(self, loss: torch.Tensor) -> bool:
-        """Before a backward of ``loss``: whether a forward of its graph went unwatched with
-        uses of recorded parameters that no watched forward had (the backward then compares
-        every entry, and the next forward is watched). The uses are read from the graph
-        (:func:`graph.parameter_uses`); watched forwards' are learnt."""
+    def unverified(self, graph: GraphSurvey) -> bool:
+        """Before a backward of the loss ``graph`` surveys: whether a forward of its graph
+        went unwatched with uses of recorded parameters that no watched forward had (the
+        backward then compares every entry, and the next forward is watched). The uses are
+        read from the graph (:meth:`GraphSurvey.uses`); watched forwards' are learnt."""
         if self.always:  # every forward is watched: no walk
             return False
         self._undo = (self.unwatched, self.forwards, self.rescan, self.pending)
@@ -181,8 +181,7 @@ class OpCapture(TorchFunctionMode):
                 return bool(unwatched)
             held.names = {id(node): n for node, n in nodes}
             held.nodes = [node for node, _ in nodes]
-        edges, calls = (parameter_uses(loss.grad_fn, held.names) if loss.grad_fn is not None
-                        else ({}, {}))
+        edges, calls = graph.uses(held.names)
         signature = {n: (tuple(calls.get(e, 0) for e in self.covering[n]), edges.get(n, 0))
                      for n in self.params}
         if not unwatched:
