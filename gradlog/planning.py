@@ -14,7 +14,7 @@ import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -28,7 +28,7 @@ from gradlog.forms import (
     naming_errors,
     plan_forms,
 )
-from gradlog.grads import Material, batch_size, material_shape
+from gradlog.grads import SMALL_ELEMENTS, Material, batch_size, material_shape, stacked_sqnorms
 from gradlog.store.fs import ObjectPath, store_path
 
 __all__ = [
@@ -176,33 +176,53 @@ def encode(
     """
     arrays: dict[str, dict[str, torch.Tensor]] = {}
     squares: dict[str, torch.Tensor] = {}
-    for name, material in materials.items():
-        form = forms[name]
-        if material_shape(material) != form.shape:
-            raise InputError(
-                f"parameter {name!r} has per-datum gradients of shape "
-                f"{material_shape(material)}, its form was planned for {form.shape}."
-            )
-        try:
-            with torch.no_grad():
-                enc, squares[name] = form.encode_with_norms(material)
-        except InputError as e:
-            if form.requested_tokens is not None:
-                fix = (
-                    "raise 'tokens' in its form= request to the most tokens a datum will have "
-                    "(GradRecorder(..., tokens=N) does not apply to a request that sets its own)."
+    together: dict[tuple[Any, ...], list[str]] = {}  # small dense records: norms stacked
+    with torch.no_grad():
+        for name, material in materials.items():
+            form = forms[name]
+            if material_shape(material) != form.shape:
+                raise InputError(
+                    f"parameter {name!r} has per-datum gradients of shape "
+                    f"{material_shape(material)}, its form was planned for {form.shape}."
                 )
-            else:
-                fix = (
-                    "pass GradRecorder(..., tokens=N) with the most tokens a datum will have to "
-                    "provision for longer batches."
-                )
-            raise InputError(
-                f"parameter {name!r} ({form.name}): {e} The form was planned at the first "
-                f"recorded backward; {fix}"
-            ) from None
-        arrays[name] = {k: v.detach() for k, v in enc.items()}
-    return arrays, _norms(squares)
+            try:
+                if isinstance(material, torch.Tensor) and _norms_together(form, material):
+                    enc = form.encode(material)
+                    key = (material.device, material.dtype, tuple(material.shape))
+                    together.setdefault(key, []).append(name)
+                else:
+                    enc, squares[name] = form.encode_with_norms(material)
+            except InputError as e:
+                if form.requested_tokens is not None:
+                    fix = (
+                        "raise 'tokens' in its form= request to the most tokens a datum will "
+                        "have (GradRecorder(..., tokens=N) does not apply to a request that "
+                        "sets its own)."
+                    )
+                else:
+                    fix = (
+                        "pass GradRecorder(..., tokens=N) with the most tokens a datum will "
+                        "have to provision for longer batches."
+                    )
+                raise InputError(
+                    f"parameter {name!r} ({form.name}): {e} The form was planned at the "
+                    f"first recorded backward; {fix}"
+                ) from None
+            arrays[name] = {k: v.detach() for k, v in enc.items()}
+        for names in together.values():
+            stacked = stacked_sqnorms([cast(torch.Tensor, materials[n]) for n in names])  # (k, B)
+            squares.update(zip(names, stacked.unbind(0)))
+    return arrays, _norms({name: squares[name] for name in materials})
+
+
+def _norms_together(form: Form, material: torch.Tensor) -> bool:
+    """Whether a record's exact norms may be taken with other small records' (one stacked
+    pass, :func:`~gradlog.grads.stacked_sqnorms`): a dense float tensor of at most
+    :data:`~gradlog.grads.SMALL_ELEMENTS` in all, of a form whose encoding does not form
+    them."""
+    return (form.norms_apart and material.is_floating_point()
+            and material.dtype != torch.float64
+            and material.numel() <= SMALL_ELEMENTS)
 
 
 def _norms(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

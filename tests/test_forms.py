@@ -946,3 +946,62 @@ def test_factors_larger_than_full_warn_at_plan_time() -> None:
         make_form("rows", ParamInfo((1000, 8), "rows", tokens=512, name="emb"))
     with pytest.warns(UserWarning, match=r"form 'rows' at 512 rows per datum"):
         make_form("rows", ParamInfo((100, 8), "rows", tokens=512, name="emb"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 6),
+    kinds=st.lists(st.sampled_from(["small", "small16", "wide", "factors", "rows", "f64"]),
+                   min_size=1, max_size=8),
+    forms=st.lists(st.sampled_from(["norm", "full", "topk", "projection"]), min_size=8,
+                   max_size=8),
+    seed=st.integers(0, 1000),
+    stack=st.sampled_from([1, 20, 1 << 20]),  # elements stacked at once
+)
+def test_a_steps_encoding_gives_each_record_its_own_exact_norm(
+        B: int, kinds: list[str], forms: list[str], seed: int, stack: int) -> None:
+    """planning.encode (small dense records' norms stacked, others one by one) against each
+    record's naive float64 norm and its form's own encoding, over mixed materials, shapes,
+    dtypes and forms."""
+    import gradlog.grads.norms as norms_module
+    from gradlog import planning
+
+    gen = torch.Generator().manual_seed(seed)
+    materials: dict[str, Any] = {}
+    dense: dict[str, torch.Tensor] = {}
+    made: dict[str, Form] = {}
+    for i, kind in enumerate(kinds):
+        name = f"p{i}.{kind}"
+        if kind in ("factors", "rows"):
+            shape: tuple[int, ...] = (5, 3)
+        else:
+            shape = {"wide": (130, 130), "f64": (4,)}.get(kind, (3, 1 + i % 3))
+        if kind == "factors":
+            g, a = torch.randn(B, 4, 5, generator=gen), torch.randn(B, 4, 3, generator=gen)
+            materials[name] = Factors(g, a)
+            dense[name] = torch.einsum("bnp,bnq->bpq", g.double(), a.double())
+        elif kind == "rows":
+            index = torch.randint(-1, 5, (B, 4), generator=gen)
+            r = Rows(index, torch.randn(B, 4, 3, generator=gen), 5)
+            materials[name], dense[name] = r, r.dense().double()
+        else:
+            dtype = {"small16": torch.float16, "f64": D64}.get(kind, torch.float32)
+            x = torch.randn(B, *shape, generator=gen).to(dtype)
+            materials[name], dense[name] = x, x.double()
+        request = {"topk": {"form": "topk", "k": 2},
+                   "projection": {"form": "projection", "dim": 8}}.get(forms[i], forms[i])
+        made[name] = make_form(request, ParamInfo.of(materials[name], name=name))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norms_module, "_STACK_ELEMENTS", stack)
+        arrays, norms = planning.encode(made, materials)
+    assert list(norms) == list(materials)
+    for name, material in materials.items():
+        want = dense[name].reshape(B, -1).square().sum(1).sqrt()
+        assert norms[name].dtype == D64 and norms[name].shape == (B,)
+        # dense records: float64 rounding only; factors and rows: of their float32 gradients
+        rtol = 1e-13 if isinstance(material, torch.Tensor) else 1e-6
+        torch.testing.assert_close(norms[name], want, rtol=rtol, atol=0)
+        own = made[name].encode(material)  # (factors: projected by another way, joint)
+        assert sorted(arrays[name]) == sorted(own)
+        for key, value in own.items():
+            torch.testing.assert_close(arrays[name][key], value, rtol=rtol * 10, atol=rtol)

@@ -143,6 +143,10 @@ class Form(abc.ABC):
     name: ClassVar[str]
     exact: ClassVar[bool]
     """True when :meth:`decode` gives back the gradients (to float rounding)."""
+    norms_apart: ClassVar[bool] = True
+    """True when :meth:`encode_with_norms` of a dense tensor is :meth:`encode` and the tensor's
+    :func:`~gradlog.grads.sqnorms` (the encoding does not form the norms on its way): recording
+    then takes small parameters' norms together (:func:`gradlog.planning.encode`)."""
     settings: ClassVar[Mapping[str, type]] = {}
     """The form's settings besides the shape: attribute and constructor keyword -> JSON type,
     stored in :meth:`spec` in this order and read back by :meth:`from_spec`."""

@@ -35,6 +35,7 @@ class TopKForm(Form):
 
     name: ClassVar[str] = "topk"
     exact: ClassVar[bool] = False
+    norms_apart: ClassVar[bool] = False  # its top-k pass takes the norms
     settings: ClassVar[dict[str, type]] = {"k": int}
 
     def __init__(self, shape: tuple[int, ...], k: int) -> None:

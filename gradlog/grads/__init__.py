@@ -27,11 +27,19 @@ from gradlog.grads.material import (
     outer_sums,
     select,
 )
-from gradlog.grads.norms import SCRATCH_ELEMENTS, dense_sqnorms, float64_sqnorms, norm_scratch
+from gradlog.grads.norms import (
+    SCRATCH_ELEMENTS,
+    SMALL_ELEMENTS,
+    dense_sqnorms,
+    float64_sqnorms,
+    norm_scratch,
+    stacked_sqnorms,
+)
 
 __all__ = [
     "MAX_ELEMENTS",
     "SCRATCH_ELEMENTS",
+    "SMALL_ELEMENTS",
     "Factors",
     "Material",
     "Rows",
@@ -54,4 +62,5 @@ __all__ = [
     "rows_inner",
     "select",
     "sqnorms",
+    "stacked_sqnorms",
 ]
