@@ -76,7 +76,6 @@ rest of the segment is freed as usual), so checkpointing saves less for recorded
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import weakref
@@ -257,6 +256,8 @@ class HooksBackend(Backend):
             return None
         if not any(p.requires_grad for p in entry.params):
             return None
+        if self._ops is None or not self._ops.watching:  # (the mode is pushed only then)
+            return self._capture(entry, module, args, kwargs, output)
         with torch_function_mode_paused(self._ops):  # (its ops are not the model's)
             return self._capture(entry, module, args, kwargs, output)
 
@@ -374,8 +375,7 @@ class HooksBackend(Backend):
             materials = results.merge_materials()
             checks.check_coverage(self.params, self._got_grad, results.covered, self._entries,
                                   self._ops is None or self._ops.watching)
-            self._spot.check(collections.ChainMap(materials, results.acc), self.low_precision,
-                             1.0 / self._scale)
+            self._spot.check({**results.acc, **materials}, self.low_precision, 1 / self._scale)
             if not self.defer_checks:
                 self.settle()
             out = {
