@@ -1,9 +1,9 @@
 """Host work of a recorded step: GPT-2 small's structure at widths where arithmetic vanishes.
 
 The model has GPT-2 small's layer structure (``gradlog.testing.zoo.tiny_gpt``: 12 layers,
-tied head) at tiny widths (vocab 64, d 16, 4 heads, T 16, B 8 by default), so a step's wall
-time is the host's work: Python, torch's dispatcher, gradlog's hooks, rules, graph walks,
-encoding and checks. On a GPU this work runs beside the device's and is what remains of a
+tied head; ``--model llama``: the ~1B Llama's, 16 layers, dim 32) at tiny widths (vocab 64,
+d 16, 4 heads, T 16, B 8 by default), so a step's wall time is the host's work: Python,
+torch's dispatcher, gradlog's hooks, rules, graph walks, encoding and checks. On a GPU this work runs beside the device's and is what remains of a
 recorded step when the device work is cheap: the H200 run of ``gpu_suite.py`` left ~40 ms
 of GPT-2 small's recorded step to the host (RESULTS.md).
 
@@ -22,6 +22,7 @@ Usage::
 
     python tests/benchmarks/bench_host.py
     python tests/benchmarks/bench_host.py --forms norm --reps 50 --profile norm
+    python tests/benchmarks/bench_host.py --model llama --forms norm,projection
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,20 +50,26 @@ def main() -> None:
     parser.add_argument("--forms", default="full,norm,projection")
     parser.add_argument("--reps", type=int, default=30, help="paired repetitions per form")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="GPT-2 small's structure (tied head) or the ~1B Llama's (RMSNorm, "
+                        "gated MLP, rotary attention, its head through chunked_linear_loss)")
+    parser.add_argument("--layers", type=int, default=None, help="default: 12 (gpt), 16 (llama)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="a form to profile after timing")
     parser.add_argument("--stages", action="store_true",
                         help="time the first form's steps by stage (internal functions)")
     args = parser.parse_args()
+    if args.layers is None:
+        args.layers = 16 if args.model == "llama" else 12
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, T, V = args.batch, 16, 64
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, T))
-    print(f"torch {torch.__version__}, {args.threads} thread(s); GPT of {args.layers} layers, "
-          f"vocab {V}, d 16, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps")
+    width = "dim 32, hidden 64" if args.model == "llama" else "d 16"
+    print(f"torch {torch.__version__}, {args.threads} thread(s); {args.model} of {args.layers} "
+          f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps")
     print()
     print("| form | plain ms | recorded ms | added host ms | recorded / plain |")
     print("|---|---|---|---|---|")
@@ -75,8 +82,27 @@ def main() -> None:
 
 
 def _model(args: argparse.Namespace, T: int) -> torch.nn.Module:
+    if args.model == "llama":
+        from gradlog.testing.llama import LlamaConfig, tiny_llama
+
+        config = LlamaConfig(vocab_size=64, dim=32, n_layers=args.layers, n_heads=4,
+                             hidden_dim=64, max_seq_len=T)
+        return tiny_llama(config, dtype=torch.float32)
     return zoo.tiny_gpt(vocab=64, block_size=T, n_layer=args.layers, n_head=4, n_embd=16,
                         tie_weights=True, dtype=torch.float32)
+
+
+def _token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy (B, T): a Llama's head through ``chunked_linear_loss``."""
+    if hasattr(model, "hidden") and hasattr(model, "lm_head"):  # gradlog.testing.llama
+        from gradlog.memory import chunked_linear_loss
+
+        def ce(h: torch.Tensor, head: Any, target: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(head(h).float(), target, reduction="none")
+
+        return chunked_linear_loss(cast(Any, model).hidden(x), cast(Any, model).lm_head, y, ce,
+                                   reduction="none")
+    return zoo.per_token_ce(model(x), y)
 
 
 def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
@@ -112,7 +138,7 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
         with gradlog.GradRecorder(model, root / f"stages-{form}.gradlog", form=form,
                                   batch_grad="sum", durable=False, check_every=0) as rec:
             for _ in range(args.warmup):
-                rec.backward(zoo.per_token_ce(model(x), y))
+                rec.backward(_token_losses(model, x, y))
                 model.zero_grad()
             rec.flush()
             spent.clear()
@@ -120,11 +146,11 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
                      "rec.backward": 0.0}
             for _ in range(args.reps):
                 t0 = time.perf_counter()
-                loss = zoo.per_token_ce(plain(x), y).mean()
+                loss = _token_losses(plain, x, y).mean()
                 t1 = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
-                losses = zoo.per_token_ce(model(x), y)
+                losses = _token_losses(model, x, y)
                 t3 = time.perf_counter()
                 rec.backward(losses)
                 t4 = time.perf_counter()
@@ -167,7 +193,7 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
 
     def plain_step() -> None:
-        zoo.per_token_ce(plain(x), y).mean().backward()
+        _token_losses(plain, x, y).mean().backward()
         plain_opt.step()
         plain_opt.zero_grad()
 
@@ -175,7 +201,7 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
                               durable=False, check_every=0) as rec:
 
         def recorded_step() -> None:
-            rec.backward(zoo.per_token_ce(model(x), y))
+            rec.backward(_token_losses(model, x, y))
             opt.step()
             opt.zero_grad()
 
