@@ -3,16 +3,17 @@
 The model has GPT-2 small's layer structure (``gradlog.testing.zoo.tiny_gpt``: 12 layers,
 tied head; ``--model llama``: the ~1B Llama's, 16 layers, dim 32) at tiny widths (vocab 64,
 d 16, 4 heads, T 16, B 8 by default), so a step's wall time is the host's work: Python,
-torch's dispatcher, gradlog's hooks, rules, graph walks, encoding and checks. On a GPU this work runs beside the device's and is what remains of a
-recorded step when the device work is cheap: the H200 run of ``gpu_suite.py`` left ~40 ms
-of GPT-2 small's recorded step to the host (RESULTS.md).
+torch's dispatcher, gradlog's hooks, rules, graph walks, encoding and checks. On a GPU this
+work runs beside the device's and is what remains of a recorded step when the device work is
+cheap: the H200 run of ``gpu_suite.py`` left ~40 ms of GPT-2 small's recorded step to the
+host (RESULTS.md).
 
 Table: per form (``batch_grad="sum"``, ``durable=False``, ``check_every=0``), the plain step
 (forward, backward, SGD step on a hook-free copy) and the recorded step (forward,
 ``rec.backward``, SGD step), paired: each repetition times one of each; medians over
 repetitions, and the host work gradlog adds (their difference). ``--stages`` then times
 the first form's steps by stage, unprofiled: perf_counter wrappers around a few of
-gradlog's internal functions (the forward capture, the hooks' reset, shared-output walk and
+gradlog's internal functions (the forward capture, the hooks' reset, graph walk, routing and
 per-call compute, the rules, the accumulation, the spot check, the encoding), each called a
 few hundred times a step at most, so the wrappers add little. ``--profile FORM`` prints the
 main thread's cProfile of that form's recorded steps (cumulative; the writer's threads are
@@ -112,6 +113,7 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
     import gradlog.backends.hooks as hooks
     import gradlog.backends.hooks.accumulate as accumulate
     import gradlog.backends.hooks.checks as checks
+    import gradlog.backends.hooks.graph as graph
     import gradlog.planning as planning
     import gradlog.rules.layer_norm as layer_norm
     import gradlog.rules.linear as linear
@@ -120,8 +122,10 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
     wrapped = [
         (hooks.HooksBackend, "_capture", "forward: capture per module call"),
         (hooks.HooksBackend, "backward", "backward: hooks backend (autograd's own included)"),
-        (hooks.HooksBackend, "_reset", "  reset: spot-check draw, op-use walk"),
-        (hooks.HooksBackend, "_route_shared_outputs", "  shared-output walk"),
+        (hooks.HooksBackend, "_reset", "  reset: op-use signatures, spot-check draw"),
+        (graph.GraphSurvey, "_walk", "    the graph walk (also for the routing)"),
+        (checks.SpotCheck, "draw", "    spot-check draw"),
+        (hooks.HooksBackend, "_route_shared_outputs", "  shared-output routing"),
         (hooks.HooksBackend, "_compute", "  per call: layout, rule, accumulation"),
         (linear, "_affine", "    Linear rule"),
         (layer_norm, "_affine", "    LayerNorm rule"),

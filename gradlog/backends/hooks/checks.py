@@ -70,6 +70,8 @@ class SpotCheck:
         self.index: dict[str, torch.Tensor] = {}
         self.full = False  # this backward compares every entry
         self.pending: Verdict | None = None  # the last check's, until settled
+        self._numels: tuple[int, ...] = ()  # the parameters' sizes, and as a tensor:
+        self._sizes = torch.empty(0, 1, dtype=torch.float64)
 
     def draw(self, batch_size: int, full: bool = False) -> None:
         """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new:
@@ -82,10 +84,13 @@ class SpotCheck:
             self.index = {n: torch.arange(p.numel(), device=p.device)
                           for n, p in self.params.items() if p.numel()}
         elif batch_size and self.params:
-            sizes = torch.tensor([p.numel() for p in self.params.values()], dtype=torch.float64)
-            draw = torch.rand((len(sizes), _SPOT_ENTRIES), generator=self.generator,
+            numels = tuple(p.numel() for p in self.params.values())
+            if numels != self._numels:
+                self._numels = numels
+                self._sizes = torch.tensor(numels, dtype=torch.float64).unsqueeze(1)  # (n, 1)
+            draw = torch.rand((len(numels), _SPOT_ENTRIES), generator=self.generator,
                               dtype=torch.float64)
-            index = (draw * sizes.unsqueeze(1)).long()  # (n_params, k) flat entries
+            index = draw.mul_(self._sizes).long()  # (n_params, k) flat entries
             devices = {p.device for p in self.params.values()}
             on = {d: index.to(d, non_blocking=True).unbind(0) for d in devices}  # rows (k,)
             for i, (name, p) in enumerate(self.params.items()):
