@@ -951,8 +951,8 @@ def test_factors_larger_than_full_warn_at_plan_time() -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(1, 6),
-    kinds=st.lists(st.sampled_from(["small", "small16", "wide", "factors", "rows", "f64"]),
-                   min_size=1, max_size=8),
+    kinds=st.lists(st.sampled_from(["small", "small16", "wide", "factors", "rows", "f64",
+                                    "empty"]), min_size=1, max_size=8),
     forms=st.lists(st.sampled_from(["norm", "full", "topk", "projection"]), min_size=8,
                    max_size=8),
     seed=st.integers(0, 1000),
@@ -975,7 +975,7 @@ def test_a_steps_encoding_gives_each_record_its_own_exact_norm(
         if kind in ("factors", "rows"):
             shape: tuple[int, ...] = (5, 3)
         else:
-            shape = {"wide": (130, 130), "f64": (4,)}.get(kind, (3, 1 + i % 3))
+            shape = {"wide": (130, 130), "f64": (4,), "empty": (4, 0)}.get(kind, (3, 1 + i % 3))
         if kind == "factors":
             g, a = torch.randn(B, 4, 5, generator=gen), torch.randn(B, 4, 3, generator=gen)
             materials[name] = Factors(g, a)

@@ -506,3 +506,42 @@ def test_norms_stay_exact_when_a_datums_tokens_cancel(tmp_path: Path, form: Any)
     want = np.array([np.linalg.norm(np.outer(c.double(), x[b].double().sum(0)))
                      for b in range(B)])
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+class _WithEmptyLayer(torch.nn.Module):
+    """A Linear layer with no outputs beside an ordinary one (a pruned head, a zero-width
+    adapter): its records are empty in every form, and their norms 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 4)
+        self.z = torch.nn.Linear(6, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).tanh().sum(1) + self.z(x).sum(1)  # (B,)
+
+
+@pytest.mark.parametrize("backend", ["hooks", "loop"])
+@pytest.mark.parametrize("form", ["full", "norm", "projection", {"form": "topk", "k": 2},
+                                  "factors", "auto"])
+def test_a_zero_size_parameter_is_recorded_empty_in_every_form(tmp_path: Path, backend: str,
+                                                               form: Any) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (zero-element init; form sizes against full's)
+        model = _WithEmptyLayer()
+        with gradlog.GradRecorder(model, tmp_path / "r.gradlog", form=form, backend=backend,
+                                  check_every=1) as rec:
+            for _ in range(2):
+                rec.backward(model(x))
+                model.zero_grad()
+    run = gradlog.open(tmp_path / "r.gradlog")
+    for name in ("z.weight", "z.bias"):
+        norms = run.norms(name).column("norm").to_numpy()
+        assert len(norms) == 6 and (norms == 0).all()
+    want = torch.func.vmap(torch.func.grad(
+        lambda p, xb: torch.func.functional_call(model, p, (xb[None],)).sum()),
+        in_dims=(None, 0))(dict(model.named_parameters()), x)["a.weight"]
+    got = run.norms("a.weight", step=1).column("norm").to_numpy()
+    np.testing.assert_allclose(got, want.detach().reshape(3, -1).double().norm(dim=1), rtol=1e-5)

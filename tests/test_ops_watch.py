@@ -354,3 +354,52 @@ def test_a_failed_datum_check_leaves_no_verdict_to_the_next_step(tmp_path: Path)
                 rec.backward(_token_losses(model, x, y), step=step)
     assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [
         s for s in range(ops.SCANS + 2) if s != ops.SCANS]
+
+
+@pytest.mark.parametrize(("extra", "repeat"), [(False, 1), (True, 1), (True, 3)])
+def test_one_graph_walk_answers_both_readers_as_a_naive_one_would(extra: bool,
+                                                                  repeat: int) -> None:
+    """GraphSurvey (one walk for op-use signatures and captured outputs' consumers) against
+    a naive oracle over every node of the graph, on a graph with a free use, a module
+    called several times and a broadcast add; asked in either order."""
+    from gradlog._torch_private import gradient_accumulator
+    from gradlog.backends.base import graph_nodes
+    from gradlog.backends.hooks.graph import TAG, GraphSurvey
+
+    torch.manual_seed(0)
+    model = Switchable()
+    model.extra, model.repeat = extra, repeat
+    be = _backend(model, "always")
+    losses = model(torch.randint(0, 50, (3, 5)))
+    root = losses.mean().grad_fn
+    held = {n: gradient_accumulator(p) for n, p in model.named_parameters()}
+    names = {id(node): n for n, node in held.items()}
+    nodes = list(graph_nodes(root))
+    edges: dict[str, int] = {}
+    calls: dict[int, set[int]] = {}
+    consumers: dict[int, set[tuple[int, int]]] = {}
+    for node in nodes:
+        for _, call in node.metadata.get(TAG, ()):
+            calls.setdefault(id(call.entry), set()).add(id(call))
+        for slot, (child, nr) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            if id(child) in names:
+                edges[names[id(child)]] = edges.get(names[id(child)], 0) + 1
+            for out, call in child.metadata.get(TAG, ()):
+                if out == nr:
+                    consumers.setdefault(id(call), set()).add((id(node), slot))
+    assert consumers and calls and len(edges) == len(held)
+    wanted = set(consumers) | {0}
+    for order in ("uses first", "consumers first"):
+        survey = GraphSurvey(root)
+        if order == "consumers first":
+            found = survey.consumers(wanted)
+        got_edges, got_calls = survey.uses(names)
+        if order == "uses first":
+            found = survey.consumers(wanted)
+        assert got_edges == edges
+        assert got_calls == {e: len(c) for e, c in calls.items()}
+        assert {k: {(id(n), s) for n, s in v} for k, v in found.items()} == consumers
+    assert GraphSurvey(None).uses(names) == ({}, {}) and GraphSurvey(None).consumers(wanted) == {}
+    be.detach()

@@ -159,13 +159,17 @@ def _form_class(name: str) -> type[Form]:
 
 def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
     """The concrete form for a parameter from a request (``"factors"`` or
-    ``{"form": "projection", "dim": 4096}``); ``options`` add to the request's.
+    ``{"form": "projection", "dim": 4096}``); ``options`` add to the request's. A zero-size
+    parameter gets ``full`` (empty records; their norms, 0, are in the index) unless it
+    asked for ``norm``.
 
     Raises:
         ConfigError: unknown form name (the message lists them) or option.
     """
     name, opts = _split(request)
     form = _form_class(name).plan(info, **{**opts, **options})
+    if info.numel == 0 and not isinstance(form, (FullForm, NormForm)):
+        return FullForm(info.shape)  # nothing to keep: its records are empty in every form
     warn_if_larger_than_full(form, info)  # asked for by name: say when full is smaller
     return form
 

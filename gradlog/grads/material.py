@@ -381,8 +381,9 @@ def batch_sum(material: Material, weights: torch.Tensor) -> torch.Tensor:
     if isinstance(material, Factors):
         c = material.canonical()
         w = weights.to(c.g.dtype).reshape(-1, 1, 1)  # (B, 1, 1)
-        g = (c.g * w).reshape(-1, c.g.shape[2])  # (B*N, p)
-        return g.T @ c.a.reshape(-1, c.a.shape[2])  # (p, q)
+        B, N, p = c.g.shape  # (sizes spelt out: p or q may be 0)
+        g = (c.g * w).reshape(B * N, p)  # (B*N, p)
+        return g.T @ c.a.reshape(B * N, c.a.shape[2])  # (p, q)
     if isinstance(material, Rows):
         valid = (material.index >= 0).reshape(-1)  # (B*N,)
         w = weights.to(material.values.dtype).reshape(-1, 1)  # (B, 1)

@@ -90,8 +90,8 @@ def stacked_sqnorms(tensors: list[torch.Tensor]) -> torch.Tensor:
     kernel launch each on a GPU."""
     B = tensors[0].shape[0]
     step = max(1, _STACK_ELEMENTS // max(1, tensors[0].numel()))
-    parts = [torch.stack(tensors[i : i + step]).reshape(-1, B, tensors[0].numel() // max(1, B))
-             .to(torch.float64).square_().sum(2) for i in range(0, len(tensors), step)]
+    parts = [torch.stack(part).reshape(len(part), B, -1).to(torch.float64).square_().sum(2)
+             for part in (tensors[i : i + step] for i in range(0, len(tensors), step))]
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # (k, B)
 
 

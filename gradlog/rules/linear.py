@@ -8,6 +8,7 @@ batch's own weight gradient. LoRA adapters are Linear layers and need nothing mo
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import torch
@@ -30,7 +31,7 @@ def as_rows(t: torch.Tensor, batch_size: int, width: int, what: str) -> torch.Te
             "the batch first. Keep the batch dimension when calling the layer (a Linear "
             "accepts any leading dimensions), or use backend='loop'."
         )
-    return t.reshape(batch_size, -1, width)
+    return t.reshape(batch_size, math.prod(t.shape[1:-1]), width)  # (a width of 0 too)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
