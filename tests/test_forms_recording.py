@@ -545,3 +545,11 @@ def test_a_zero_size_parameter_is_recorded_empty_in_every_form(tmp_path: Path, b
         in_dims=(None, 0))(dict(model.named_parameters()), x)["a.weight"]
     got = run.norms("a.weight", step=1).column("norm").to_numpy()
     np.testing.assert_allclose(got, want.detach().reshape(3, -1).double().norm(dim=1), rtol=1e-5)
+    if form != "norm":  # read back: nothing was written for it, and nothing is missing
+        assert run.grads("z.weight").shape == (6, 0, 6)
+        assert run.trajectory("z.bias", 4).grads.shape == (1, 0)  # (datum 4: step 1)
+    if form in ("full", "factors"):
+        pair = {"a": {"step": 0}, "b": {"step": 1}}
+        np.testing.assert_allclose(run.similarity(["z.weight", "a.weight"], **pair),
+                                   run.similarity(["a.weight"], **pair), rtol=1e-12)
+        run.export(tmp_path / "e.npz", format="npz")
