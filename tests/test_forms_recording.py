@@ -548,6 +548,8 @@ def test_a_zero_size_parameter_is_recorded_empty_in_every_form(tmp_path: Path, b
     if form != "norm":  # read back: nothing was written for it, and nothing is missing
         assert run.grads("z.weight").shape == (6, 0, 6)
         assert run.trajectory("z.bias", 4).grads.shape == (1, 0)  # (datum 4: step 1)
+        stats = run.stats("z.weight")
+        assert stats["norm"] == stats["record_norm_min"] == stats["record_norm_max"] == 0.0
     if form in ("full", "factors"):
         pair = {"a": {"step": 0}, "b": {"step": 1}}
         np.testing.assert_allclose(run.similarity(["z.weight", "a.weight"], **pair),

@@ -92,6 +92,8 @@ def stats(
             record_norm_min=float(norms.min()),
             record_norm_max=float(norms.max()),
         )
-    elif rows.size and r.numel == 0:
-        out.update(norm=0.0)
+    elif rows.size and r.numel == 0:  # a zero-size parameter: no element, norms of 0
+        norms = run.record_norms(records, param)
+        out.update(norm=0.0, record_norm_min=float(norms.min()),
+                   record_norm_max=float(norms.max()))
     return out
