@@ -6,6 +6,9 @@ Usage::
     python tests/benchmarks/gpu_suite.py --cpu           # tiny shapes on the CPU (< 1 minute)
     python tests/benchmarks/gpu_suite.py --out results.md --sections forms,head
     python tests/benchmarks/gpu_suite.py --shapes gpt --forms projection,norm --reps 9
+    # issue 21's compact-form target and its floor first, in one call of a short lease:
+    python tests/benchmarks/gpu_suite.py --sections tests,forms,floor --forms norm,projection \
+        --batch-grads sum --reps 3
 
 gradlog must be installed (``pip install -e .``; on a machine without a package index, with
 the dependencies carried as wheels: ``pip install --no-deps --no-build-isolation -e .``): a
@@ -306,7 +309,7 @@ def section_forms(say: Report, args: argparse.Namespace, device: torch.device) -
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         for key in args.forms:
             label, options = FORMS[key]
-            for batch_grad in ("autograd", "sum"):
+            for batch_grad in args.batch_grads:
                 if label == "full" and shape.kind == "llama" and not args.cpu:
                     say(f"| {label} | {batch_grad} | {fmt_bytes(full)} | - | - | - | not run: "
                         "see the Writer table |")
@@ -788,6 +791,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=None, help="comma-separated: gpt,llama")
     parser.add_argument("--forms", default=",".join(FORMS),
                         help=f"comma-separated subset of {list(FORMS)}")
+    parser.add_argument("--batch-grads", default="autograd,sum",
+                        help="comma-separated batch_grad modes of the Compute table")
     parser.add_argument("--profile-forms", default="norm,projection",
                         help="comma-separated forms of the profile section")
     parser.add_argument("--profile-steps", type=int, default=2,
@@ -816,6 +821,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.sections = wanted
     args.forms = [f for f in args.forms.split(",") if f]
     args.profile_forms = [f for f in args.profile_forms.split(",") if f]
+    args.batch_grads = [m for m in args.batch_grads.split(",") if m]
+    if not args.batch_grads or set(args.batch_grads) - {"autograd", "sum"}:
+        parser.error(f"--batch-grads takes autograd and/or sum, got {args.batch_grads}")
     for forms in (args.forms, args.profile_forms):
         if set(forms) - set(FORMS):
             parser.error(f"unknown forms {sorted(set(forms) - set(FORMS))}; from {list(FORMS)}")
