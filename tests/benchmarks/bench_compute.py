@@ -3,8 +3,9 @@
 Models: the small and medium GPT of ``../shared/PEERS.md`` (token + learned position
 Embedding with Hugging Face style ``[1, T]`` position ids, pre-LN blocks with Linear q/k/v/o
 and a GELU MLP, final LayerNorm, untied head; small: vocab 512, d 128, 2 layers, T 64, B 16;
-medium: d 256, 4 layers, T 128, B 32), float32, per-token cross entropy averaged per datum,
-mean over the batch.
+medium: d 256, 4 layers, T 128, B 32; host: GPT-2 small's 12 layers at vocab 64, d 16, T 16,
+B 8, where a step is host work), float32, per-token cross entropy averaged per datum, mean
+over the batch.
 
 What is timed. Methods take turns (round robin), each attached once, for the whole run, to
 its own copy of the model (as when recording a training run). Each repetition of a method
@@ -379,7 +380,7 @@ def memory(size: str, name: str, reps: int, threads: int | None) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="timed pairs per method")
-    parser.add_argument("--sizes", default="small", help="comma-separated: small,medium")
+    parser.add_argument("--sizes", default="small", help="comma-separated: small,medium,host")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--methods", default=None, help="comma-separated subset of methods")
     parser.add_argument(
