@@ -11,8 +11,9 @@ host (RESULTS.md).
 Table: per form (``batch_grad="sum"``, ``durable=False``, ``check_every=0``), the plain step
 (forward, backward, SGD step on a hook-free copy) and the recorded step (forward,
 ``rec.backward``, SGD step), paired: each repetition times one of each; medians over
-repetitions, and the host work gradlog adds (their difference). ``--stages`` then times
-the first form's steps by stage, unprofiled: perf_counter wrappers around a few of
+repetitions, and the host work gradlog adds (their difference); then the aten operations one
+step of each dispatches (a noise-free count; on a GPU, about its launches). ``--stages``
+then times the first form's steps by stage, unprofiled: perf_counter wrappers around a few of
 gradlog's internal functions (the forward capture, the hooks' reset, graph walk, routing and
 per-call compute, the rules, the accumulation, the spot check, the encoding), each called a
 few hundred times a step at most, so the wrappers add little. ``--profile FORM`` prints the
@@ -72,8 +73,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s); {args.model} of {args.layers} "
           f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps")
     print()
-    print("| form | plain ms | recorded ms | added host ms | recorded / plain |")
-    print("|---|---|---|---|---|")
+    print("| form | plain ms | recorded ms | added host ms | recorded / plain "
+          "| aten ops, plain | aten ops, recorded |")
+    print("|---|---|---|---|---|---|---|")
     forms = [f for f in args.forms.split(",") if f]
     with tempfile.TemporaryDirectory(prefix="bench_host_") as root:
         for form in forms:
@@ -176,6 +178,25 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
         print(f"| {label} | {total / args.reps * 1e3:.1f} |")
 
 
+def _aten_ops(step: Callable[[], None]) -> int:
+    """The aten operations one step dispatches on this thread (the writer's threads' are not
+    counted): a count free of the machine's noise, and on a GPU about the kernel launches
+    and dispatcher calls the host makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counted:
+        step()
+    return counted.n
+
+
 def _timer(fn: Callable[..., Any], label: str, spent: dict[str, float]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -220,8 +241,9 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
         rec.flush()
         p, r = statistics.median(plain_s), statistics.median(recorded_s)
         ratio = statistics.median(b / a for a, b in zip(plain_s, recorded_s, strict=True))
+        ops = (_aten_ops(plain_step), _aten_ops(recorded_step))
         print(f"| {form} | {p * 1e3:.1f} | {r * 1e3:.1f} | {(r - p) * 1e3:.1f} | "
-              f"{ratio:.2f} |", flush=True)
+              f"{ratio:.2f} | {ops[0]} | {ops[1]} |", flush=True)
         if form == args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
