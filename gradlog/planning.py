@@ -208,7 +208,7 @@ def encode(
                     f"parameter {name!r} ({form.name}): {e} The form was planned at the "
                     f"first recorded backward; {fix}"
                 ) from None
-            arrays[name] = {k: v.detach() for k, v in enc.items()}
+            arrays[name] = {k: v.detach() if v.requires_grad else v for k, v in enc.items()}
         for names in together.values():
             stacked = stacked_sqnorms([cast(torch.Tensor, materials[n]) for n in names])  # (k, B)
             squares.update(zip(names, stacked.unbind(0)))

@@ -1005,3 +1005,23 @@ def test_a_steps_encoding_gives_each_record_its_own_exact_norm(
         assert sorted(arrays[name]) == sorted(own)
         for key, value in own.items():
             torch.testing.assert_close(arrays[name][key], value, rtol=rtol * 10, atol=rtol)
+
+
+@pytest.mark.parametrize(("p", "q", "B"), [(64, 16, 3), (16, 64, 8), (33, 7, 1), (1, 5, 2),
+                                           (3, 300, 4)])
+def test_two_sided_projections_of_dense_records_are_matmuls_of_both_sides(
+        p: int, q: int, B: int) -> None:
+    """The mm and bmm spelt out in ProjectionForm._two_sided_dense (fewer dispatcher calls)
+    against matmul of the two sides in either order (exact: the same products), and the
+    float64 projection (to rounding)."""
+    g = rand(B, p, q, dtype=torch.float32, seed=p * q + B)
+    form = make_form({"form": "projection", "dim": 64}, ParamInfo.of(g))
+    assert isinstance(form, ProjectionForm) and form.structure == "two_sided"
+    p0, p1 = form.matrices(g.device, torch.float32)
+    got = form.encode(g)["proj"]
+    r0, r1 = form.ranks
+    cheaper_right = p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1
+    want = p0.T @ (g @ p1) if cheaper_right else (p0.T @ g) @ p1
+    torch.testing.assert_close(got.reshape(B, r0, r1), want, rtol=0, atol=0)
+    wide = p0.double().T @ g.double() @ p1.double()
+    torch.testing.assert_close(got.reshape(B, r0, r1).double(), wide, rtol=1e-5, atol=1e-5)

@@ -417,7 +417,8 @@ def entries(material: Material, flat_index: torch.Tensor) -> torch.Tensor:
         vals = material.values.reshape(*material.index.shape, D)[:, :, col]  # (B, N, k)
         hit = material.index.unsqueeze(-1) == row  # (B, N, k)
         return (vals * hit).sum(1) * material.scale  # (B, k)
-    return material.reshape(material.shape[0], -1).index_select(1, flat_index)  # (B, k)
+    flat = material if material.dim() == 2 else material.reshape(material.shape[0], -1)
+    return flat.index_select(1, flat_index)  # (B, k)
 
 
 def chunks(material: Material) -> Iterator[tuple[int, torch.Tensor]]:

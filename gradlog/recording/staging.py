@@ -58,6 +58,14 @@ def _as_array(stored: torch.Tensor, dtype: StorageDtype) -> np.ndarray:
     return out if out.dtype == dtype.array_dtype else out.view(dtype.array_dtype)
 
 
+def _plain(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` detached and in ``dtype``, without a dispatcher call where it already is (the
+    norms and arrays come from no-grad code: two calls a parameter were ~400 a step)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def stage(
     encoded: Mapping[str, Mapping[str, torch.Tensor]],
     dtypes: Mapping[str, Mapping[str, StorageDtype]],
@@ -76,24 +84,23 @@ def stage(
     host_norms: dict[str, np.ndarray] = {}
     on_device: dict[torch.device, list[str]] = {}
     for name, sq in norms.items():
-        if sq.is_cuda:
-            on_device.setdefault(sq.device, []).append(name)
-        else:
-            host_norms[name] = sq.detach().to(torch.float64).numpy()
-    for names in on_device.values():  # one pinned copy per device, no sync (was a blocking
-        # .cpu() per parameter, then a copy each: ~150 launches a step for GPT-2 small)
-        stacked = torch.stack([norms[n].detach().to(torch.float64) for n in names])  # (n, B)
-        host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
-        event = torch.cuda.Event()
-        host_norms.update(zip(names, host.numpy()))
+        on_device.setdefault(sq.device, []).append(name)
+    for device, names in on_device.items():  # one stack per device (was a .numpy() or a
+        # blocking .cpu() per parameter, then a copy each: ~150 launches a step on a GPU)
+        stacked = torch.stack([_plain(norms[n], torch.float64) for n in names])  # (n, B)
+        if device.type == "cuda":  # one pinned copy, no sync
+            host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            stacked = host
+        host_norms.update(zip(names, stacked.cpu().numpy()))
     host_norms = {name: host_norms[name] for name in norms}  # (the parameters' order)
     arrays: dict[str, dict[str, np.ndarray]] = {}
     for name, tensors in encoded.items():
         arrays[name] = {}
         for key, tensor in tensors.items():
             dtype = dtypes[name][key]
-            tensor = tensor.detach()
+            tensor = _plain(tensor)
             if tensor.is_cuda:  # rounded on the device; the copy overlaps the next compute
                 stored = to_storage_torch(tensor, dtype)
                 host = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True)

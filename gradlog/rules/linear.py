@@ -31,6 +31,8 @@ def as_rows(t: torch.Tensor, batch_size: int, width: int, what: str) -> torch.Te
             "the batch first. Keep the batch dimension when calling the layer (a Linear "
             "accepts any leading dimensions), or use backend='loop'."
         )
+    if t.dim() == 3:  # already (B, N, width): no view op (two a Linear call)
+        return t
     return t.reshape(batch_size, math.prod(t.shape[1:-1]), width)  # (a width of 0 too)
 
 
