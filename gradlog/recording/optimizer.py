@@ -105,7 +105,9 @@ class OptimizerCapture:
         self._writing: Future[int] | None = None
         self.bytes_written = 0
         self._steps_seen = 0
-        self._handle = self.optimizer.register_step_post_hook(self._on_step)
+        self._fresh: set[int] = set()  # SGD: parameters without a momentum buffer before
+        self._handles = [self.optimizer.register_step_pre_hook(self._before_step),
+                         self.optimizer.register_step_post_hook(self._on_step)]
 
     @classmethod
     def start(
@@ -178,6 +180,15 @@ class OptimizerCapture:
         forms = self._forms() or {}
         return "bfloat16" if forms.get(name) in _ESTIMATE_FORMS else "float32"
 
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # SGD's first momentum step sets the buffer to the gradient, undamped: which
+        # parameters take it is known only before the step (a warm-up or a resumed
+        # optimizer has buffers before this recorder's first step)
+        if self.kind == "sgd" and self._pending() not in (None, self._captured):
+            state = self.optimizer.state
+            self._fresh = {id(p) for p in self.params.values()
+                           if state.get(p, {}).get("momentum_buffer") is None}
+
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._steps_seen += 1  # SGD keeps no step count: every step counts, recorded or not
         step = self._pending()
@@ -229,10 +240,12 @@ class OptimizerCapture:
                 precond[name] = (denom.reciprocal() * touched).float().reshape(-1).cpu().numpy()
                 entry.update(betas=[beta1, beta2], eps=eps, amsgrad=amsgrad, count=count)
             else:
-                # steps seen by this recorder (a resumed run counts from its restart)
+                # 1 at the parameter's first momentum step, else the steps seen by this
+                # recorder and at least 2 (SGD keeps no count of its own)
+                count = 1 if id(p) in self._fresh else max(2, self._steps_seen)
                 entry.update(momentum=float(group.get("momentum", 0.0)),
                              dampening=float(group.get("dampening", 0.0)),
-                             nesterov=bool(group.get("nesterov", False)), count=self._steps_seen)
+                             nesterov=bool(group.get("nesterov", False)), count=count)
             params[name] = entry
         meta = {"optimizer": type(self.optimizer).__name__, "kind": self.kind, "params": params}
         return meta, precond
@@ -245,7 +258,8 @@ class OptimizerCapture:
 
     def close(self) -> None:
         """Remove the hook, finish writing."""
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
         try:
             self.flush()
         finally:
