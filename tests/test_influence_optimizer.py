@@ -63,9 +63,11 @@ def _impulse(opt: str, hyper: dict[str, Any], n: int, last: int) -> float:
 
 
 def _train(
-    path: Path, make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer], **options: Any
+    path: Path, make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+    warmup: int = 0, **options: Any
 ) -> tuple[dict[int, float], list[dict[str, Any]]]:
-    """Record a run; returns the oracle's scores per (probe, datum) and the steps seen."""
+    """Record a run, after ``warmup`` optimizer steps taken before recording starts;
+    returns the oracle's scores per (probe, datum) and the steps seen."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     gen = torch.Generator().manual_seed(1)
@@ -76,7 +78,11 @@ def _train(
     opt = make_opt(list(model.parameters()))
     kind = "adam" if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) else (
         "sgd" if isinstance(opt, torch.optim.SGD) else "other")
-    seen: list[dict[str, Any]] = []
+    for _ in range(warmup):  # the optimizer's state predates the recorder
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    seen: list[dict[str, Any]] = [{"warmup": warmup}] if warmup else []
     with gradlog.GradRecorder(model, path, optimizer=opt, probes=(_loss, (px, py)),
                               dtype="float64", backend="loop", overwrite=True,
                               **options) as rec:
@@ -89,12 +95,13 @@ def _train(
             opt.zero_grad()
             state = copy.deepcopy(opt.state_dict())
             seen.append({"data": data, "probes": probes, "state": state, "kind": kind})
-    return (_oracle(model, seen) if kind != "other" else {}), seen
+    return (_oracle(model, seen) if kind != "other" else {}), [s for s in seen if "data" in s]
 
 
 def _oracle(model: nn.Module, seen: list[dict[str, Any]]) -> dict[int, Any]:
     names = [n for n, _ in model.named_parameters()]
     scores: dict[int, Any] = {}
+    warmup = seen.pop(0)["warmup"] if seen and "warmup" in seen[0] else 0
     for t, s in enumerate(seen):
         state = s["state"]
         for k, name in enumerate(names):
@@ -107,7 +114,7 @@ def _oracle(model: nn.Module, seen: list[dict[str, Any]]) -> dict[int, Any]:
                 b2 = group["betas"][1]
                 precond = 1.0 / (np.sqrt(v) / math.sqrt(1 - b2**n) + group["eps"])
             else:
-                n, precond = t + 1, np.ones(1)
+                n, precond = warmup + t + 1, np.ones(1)
             c = _impulse(s["kind"], group, n, n + 3000)  # its whole share
             for d, g in s["data"].items():
                 for p in range(N_PROBES):
@@ -123,13 +130,17 @@ OPTIMIZERS = {
                                                 {"params": ps[2:], "lr": 0.07}]),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2),
     "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, nesterov=True),
+    "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "sgd-dampened-warm", "adam-warm"])
 def test_optimizer_scores_equal_brute_force(tmp_path: Path, name: str) -> None:
+    """``-warm``: the optimizer stepped before the recorder was created (SGD's first
+    momentum step, undamped, is then not the recorder's first)."""
     path = tmp_path / "run.gradlog"
-    want, _ = _train(path, OPTIMIZERS[name])
+    want, _ = _train(path, OPTIMIZERS[name.removesuffix("-warm")],
+                     warmup=2 if name.endswith("-warm") else 0)
     run = gradlog.open(path)
     for p in range(N_PROBES):
         table = run.influence(p, top=None, kind="optimizer", weighted=True)
@@ -180,6 +191,25 @@ def test_optimizer_kind_refused_without_state(tmp_path: Path) -> None:
     assert run.influence(0, top=1).schema.metadata[b"score_kind"] == b"tracin"
     with pytest.raises(InputError, match="kind='bogus' is not one of"):
         run.influence(0, kind="bogus")
+
+
+def test_repeated_probes_and_bad_rates_are_refused(tmp_path: Path) -> None:
+    """A repeated probe id would leave its second column zero; a rate <= 0 flips or
+    zeroes every score: both refused, in every query that takes them."""
+    path = tmp_path / "run.gradlog"
+    _train(path, OPTIMIZERS["sgd-momentum"])
+    run = gradlog.open(path)
+    with pytest.raises(InputError, match=r"names probe\(s\) \[0\] more than once"):
+        run.influence_matrix([0, 1, 0])
+    assert run.influence_matrix([1, 0]).scores.shape[1] == 2
+    for kind in ("tracin", "optimizer", "cosine"):
+        for lr in (-1.0, 0, float("nan"), "0.1"):
+            with pytest.raises(InputError, match="must be a finite positive number"):
+                run.influence(0, kind=kind, lr=lr)
+            with pytest.raises(InputError, match="must be a finite positive number"):
+                run.influence_matrix(kind=kind, lr=lr)
+    with pytest.raises(InputError, match="must be a finite positive number"):
+        run.self_influence(lr=-0.1)
 
 
 def test_unsupported_optimizer_warns(tmp_path: Path) -> None:

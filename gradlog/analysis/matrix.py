@@ -131,6 +131,12 @@ def influence_matrix(
                      else np.asarray(list(probes), dtype=np.int64))
         if probe_ids.size == 0:
             raise InputError(f"{run.path} has no probes: pass probe gradients as a dict.")
+        uniq, counts = np.unique(probe_ids, return_counts=True)
+        if (counts > 1).any():  # a probe's rows fill one column: a repeat would stay zero
+            raise InputError(
+                f"probes={list(probes or [])!r} names probe(s) {uniq[counts > 1].tolist()} more "
+                "than once; each probe is one column of the matrix: pass each id once."
+            )
         records = run.datums.filter(
             pc.is_in(run.datums.column("step"), value_set=precs.column("step"))
         )

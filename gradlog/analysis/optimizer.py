@@ -51,6 +51,7 @@ import numpy as np
 
 from gradlog.analysis.gradients import project
 from gradlog.analysis.scan import ArrayReader
+from gradlog.analysis.selection import check_lr
 from gradlog.errors import InputError, SelectionError
 from gradlog.store.format import norm_column
 from gradlog.store.optimizer import OptimizerStep, optimizer_steps, read_optimizer_step
@@ -142,7 +143,7 @@ class OptimizerView:
 
     def __init__(self, run: StoreReader, steps: np.ndarray, lr: float | None) -> None:
         self.run = run
-        self.lr = lr
+        self.lr = None if lr is None else check_lr(lr)
         kept = np.asarray(optimizer_steps(run.path), dtype=np.int64)
         committed = run.steps.column("step").to_numpy()
         kept = kept[np.isin(kept, committed)]

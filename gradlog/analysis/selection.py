@@ -15,6 +15,7 @@ __all__ = [
     "params_of",
     "per_datum",
     "ranked",
+    "check_lr",
     "record_coefficients",
     "records_of",
     "summed_sqnorms",
@@ -82,6 +83,17 @@ def records_of(run: StoreReader, selection: Any, what: str) -> Any:
     )
 
 
+def check_lr(lr: Any) -> float:
+    """A query's ``lr=`` as a float: one finite, positive number."""
+    if (isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer))
+            or not np.isfinite(lr) or lr <= 0):
+        raise InputError(
+            f"lr={lr!r} must be a finite positive number (the learning rate that replaces "
+            "every recorded one), or None to use the recorded ones."
+        )
+    return float(lr)
+
+
 def record_coefficients(records: Any, *, lr: float | None, weighted: bool, what: str) -> np.ndarray:
     """Per record: its learning rate (or ``lr`` when given), times its weight if ``weighted``.
 
@@ -90,9 +102,7 @@ def record_coefficients(records: Any, *, lr: float | None, weighted: bool, what:
     """
     n = records.num_rows
     if lr is not None:
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not np.isfinite(lr):
-            raise InputError(f"lr={lr!r} must be a finite number.")
-        rates = np.full(n, float(lr))
+        rates = np.full(n, check_lr(lr))
     else:
         column = records.column("lr")
         if column.null_count:
