@@ -12,10 +12,10 @@ from gradlog.errors import InputError, MissingLearningRateError, SelectionError
 from gradlog.store.reader import StoreReader
 
 __all__ = [
+    "check_lr",
     "params_of",
     "per_datum",
     "ranked",
-    "check_lr",
     "record_coefficients",
     "records_of",
     "summed_sqnorms",
