@@ -192,6 +192,19 @@ def test_a_non_finite_gradient_from_a_finite_loss_is_flagged_and_named(  # the b
     np.testing.assert_array_equal(run.grads("lin.weight"), np.stack(want))  # as computed
     report = verify(tmp_store)
     assert report.ok and any("non-finite gradient of ['lin.weight']" in n for n in report.notes)
+    # queries keep the NaN, or leave the datum out and say so: never a number made up for it
+    cos = run.similarity("lin.weight", kind="cosine")
+    assert np.isnan(cos[2]).all() and np.isnan(cos[:, 2]).all()
+    assert np.isfinite(np.delete(np.delete(cos, 2, 0), 2, 1)).all()
+    stats = run.stats("lin.weight")
+    assert np.isnan(stats["min"]) and np.isnan(stats["max"])
+    probe = {"lin.weight": np.ones((1, 3))}
+    for kind in ("tracin", "cosine"):
+        for top in (None, 5):
+            with pytest.warns(UserWarning, match=r"left out of the ranking \(ids \[12\]\)"):
+                table = run.influence(probe, top=top, kind=kind, lr=0.1)
+            assert 12 not in table.column("datum_id").to_pylist()
+            assert table.num_rows == (3 if top is None else table.num_rows)
 
 
 def test_finite_gradients_give_no_warning(tmp_store: Path) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlog
-from gradlog.errors import InputError
+from gradlog.errors import InputError, SelectionError
 
 N_DATA, N_PROBES, STEPS, BATCH = 24, 3, 6, 6
 
@@ -131,6 +131,8 @@ OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2),
     "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, nesterov=True),
     "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+    "sgd-groups": lambda ps: torch.optim.SGD([{"params": ps[:2], "lr": 0.02},
+                                              {"params": ps[2:], "lr": 0.3}]),
 }
 
 
@@ -151,8 +153,9 @@ def test_optimizer_scores_equal_brute_force(tmp_path: Path, name: str) -> None:
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), name
         assert table.schema.metadata[b"score_kind"] == b"optimizer"
     # the default follows the recorded optimizer; the matrix agrees with one probe at a time
-    default = run.influence(0, top=None, weighted=True)
-    assert default.schema.metadata[b"score_kind"] == b"optimizer"
+    default = run.influence(0, top=None, weighted=True)  # plain SGD: TracIn, the same score
+    assert default.schema.metadata[b"score_kind"] == (
+        b"tracin" if name == "sgd-groups" else b"optimizer")
     matrix = run.influence_matrix(kind="optimizer", weighted=True)
     for j, p in enumerate(matrix.probe_ids):
         one = run.influence(int(p), top=None, kind="optimizer", weighted=True)
@@ -193,6 +196,60 @@ def test_optimizer_kind_refused_without_state(tmp_path: Path) -> None:
         run.influence(0, kind="bogus")
 
 
+def test_every_query_weights_each_parameter_by_its_own_group_rate(tmp_path: Path) -> None:
+    """Param groups at different rates: a record keeps one rate (group 0's), so TracIn,
+    cosine, the matrix, self-influence and movers take each parameter's own from the kept
+    optimizer state (plain SGD: the optimizer kind's score is TracIn's)."""
+    path = tmp_path / "run.gradlog"
+    want, seen = _train(path, OPTIMIZERS["sgd-groups"])
+    run = gradlog.open(path)
+    rate = {"0.weight": 0.02, "0.bias": 0.02, "2.weight": 0.3, "2.bias": 0.3}
+    for p in range(N_PROBES):
+        ids = sorted(d for q, d in want if q == p)
+        b = np.array([want[(p, d)] for d in ids])
+        for kind in ("tracin", "optimizer"):
+            table = run.influence(p, top=None, kind=kind, weighted=True)
+            got = dict(zip(table.column("datum_id").to_pylist(), table.column("score").to_pylist()))
+            np.testing.assert_allclose([got[d] for d in ids], b, rtol=1e-9, atol=1e-12)
+        column = run.influence_matrix([p], kind="tracin", weighted=True)
+        got = dict(zip(column.datum_ids.tolist(), column.scores[:, 0].tolist()))
+        np.testing.assert_allclose([got[d] for d in ids], b, rtol=1e-9, atol=1e-12)
+    # cosine: the rate-weighted products over the two gradients' norms
+    cosine = run.influence(1, top=None, kind="cosine")
+    expect: dict[int, float] = {}
+    for s in seen:
+        z = s["probes"][1]
+        zn = np.sqrt(sum(float(v @ v) for v in z.values()))
+        for d, g in s["data"].items():
+            gn = np.sqrt(sum(float(v @ v) for v in g.values()))
+            dot = sum(rate[n] * float(g[n] @ z[n]) for n in rate)
+            expect[d] = expect.get(d, 0.0) + dot / (gn * zn)
+    got = dict(zip(cosine.column("datum_id").to_pylist(), cosine.column("score").to_pylist()))
+    for d, w in expect.items():
+        assert got[d] == pytest.approx(w, rel=1e-9, abs=1e-12)
+    # self-influence: sum_t lr_p w ||g_p||^2
+    self_ = run.self_influence(weighted=True)
+    expect = {}
+    for s in seen:
+        for d, g in s["data"].items():
+            expect[d] = expect.get(d, 0.0) + sum(
+                rate[n] * float(g[n] @ g[n]) for n in rate) / BATCH
+    got = dict(zip(self_.column("datum_id").to_pylist(), self_.column("score").to_pylist()))
+    for d, w in expect.items():
+        assert got[d] == pytest.approx(w, rel=1e-9)
+    # movers: plain SGD, every step recorded: the change it attributes is the actual one
+    delta = {n: -sum(rate[n] * g[n] for s in seen for g in s["data"].values()) / BATCH
+             for n in rate}
+    moved = run.movers(top=None)
+    norm = float(moved.schema.metadata[b"change_norm"])
+    assert norm == pytest.approx(np.sqrt(sum(float(v @ v) for v in delta.values())), rel=1e-9)
+
+
+def test_group_rates_without_optimizer_state_warn(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="param groups with different learning rates"):
+        _train(tmp_path / "run.gradlog", OPTIMIZERS["sgd-groups"], optimizer_state="none")
+
+
 def test_repeated_probes_and_bad_rates_are_refused(tmp_path: Path) -> None:
     """A repeated probe id would leave its second column zero; a rate <= 0 flips or
     zeroes every score: both refused, in every query that takes them."""
@@ -202,6 +259,12 @@ def test_repeated_probes_and_bad_rates_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"names probe\(s\) \[0\] more than once"):
         run.influence_matrix([0, 1, 0])
     assert run.influence_matrix([1, 0]).scores.shape[1] == 2
+    twice = ["0.weight", "2.weight", "0.weight"]  # would sum 0.weight's products twice
+    for query in (lambda: run.influence(0, params=twice), lambda: run.movers(twice),
+                  lambda: run.influence_matrix(params=twice),
+                  lambda: run.similarity(twice), lambda: run.self_influence(params=twice)):
+        with pytest.raises(SelectionError, match=r"params names \['0.weight'\] more than once"):
+            query()
     for kind in ("tracin", "optimizer", "cosine"):
         for lr in (-1.0, 0, float("nan"), "0.1"):
             with pytest.raises(InputError, match="must be a finite positive number"):

@@ -124,3 +124,26 @@ def test_vmap_at_step_0_records_zero_gradients_and_leaves_zero_grads(tmp_path: P
     a = [n for n in run.param_names if "lora_A" in n]
     assert len(a) == 2 and all(not run.grads(n, step=0).any() for n in a)
     assert all(run.grads(n, step=0).any() for n in run.param_names if "lora_B" in n)
+
+
+@pytest.mark.parametrize("virtual", [B, B + 1])
+def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
+        tmp_path: Path, virtual: int) -> None:
+    """PEFT's prompt embedding is computed once, ``(1, n, d)``, then repeated over the batch:
+    every datum shares all of it. With ``n == B`` its second dimension passed for the batch
+    (each datum got one virtual token's gradient), caught only by the step-0 datum check,
+    which a module backward hook turns off: refused by the graph itself now."""
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(D64)
+    model = peft.get_peft_model(base, peft.PromptTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=virtual)).train()
+    model.base_model.lm_head.register_full_backward_hook(lambda *_: None)  # no datum check
+    ids = _batch()["ids"]
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        logits = model(input_ids=ids).logits[:, -T:][:, :-1]
+        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+        with pytest.raises(gradlog.errors.BackendError, match=r"through \['RepeatBackward0'\]"):
+            rec.backward(losses)

@@ -84,6 +84,27 @@ def test_steps_must_not_decrease(recording: Any) -> None:
     assert gradlog.open(path).steps.column("step").to_pylist() == [0, 5]
 
 
+def test_a_step_the_optimizer_ended_takes_no_more_micro_batches(tmp_path: Any) -> None:
+    """``step=S`` again after the recorder's optimizer stepped (``step=epoch`` by mistake)
+    would mix two parameter states in step S: refused, step S kept, recording goes on."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, optimizer=opt) as rec:
+        for micro in range(2):  # accumulation: the same step until the optimizer steps
+            rec.backward(_losses(model, seed=micro), step=0)
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(InputError, match="step 0 already ended.*Pass step=1 or later"):
+            rec.backward(_losses(model), step=0)
+        opt.zero_grad()
+        rec.backward(_losses(model), step=1)
+        opt.step()
+    run = gradlog.open(path)
+    assert run.steps.column("step").to_pylist() == [0, 1]
+    assert run.steps.column("n_micro").to_pylist() == [2, 1]
+
+
 def test_non_finite_loss_is_refused_before_backward(recording: Any) -> None:
     model, rec, path = recording
     for p in model.parameters():

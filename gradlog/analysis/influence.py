@@ -7,8 +7,10 @@ Score of a training datum ``d`` for a probe ``z``::
 
 summed over the selected parameters. ``g_r`` is the datum's recorded gradient at step ``t``,
 ``g_t(z)`` the probe's gradient recorded at the same step (same parameter values, before the
-optimizer step), ``lr_t`` the step's learning rate and ``w_r`` the record's weight (``1/B`` with
-``batch_reduction="mean"``), included only with ``weighted=True``.
+optimizer step), ``lr_t`` the step's learning rate (each parameter's own param group's where
+the groups' rates differ and the run kept the optimizer's state:
+:func:`~gradlog.analysis.optimizer.param_coefficients`) and ``w_r`` the record's weight (``1/B``
+with ``batch_reduction="mean"``), included only with ``weighted=True``.
 
 Sign and scale. Plain SGD moves the parameters by ``-lr_t * sum_b w_b g_b`` at step ``t``, so
 to first order datum ``r``'s part of that step changes the probe's loss by
@@ -34,13 +36,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradlog.analysis import tasks
-from gradlog.analysis.optimizer import OptimizerView, check_kind, probe_reader, probe_sqnorms
+from gradlog.analysis.optimizer import (
+    OptimizerView,
+    check_kind,
+    param_coefficients,
+    probe_reader,
+    probe_sqnorms,
+)
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
 from gradlog.analysis.selection import (
     params_of,
     per_datum,
     ranked,
-    record_coefficients,
     summed_sqnorms,
 )
 from gradlog.analysis.space import (
@@ -125,11 +132,13 @@ def record_influence(
         vectors, raw = {}, {}
     rows = records.column("row").to_numpy()
     steps = records.column("step").to_numpy()
+    per_param = None
     if kind == "optimizer":  # lr_t is in the probe's factor lr_t c P_t
         coef = (records.column("weight").to_numpy().astype(np.float64) if weighted
                 else np.ones(rows.size))
     else:
-        coef = record_coefficients(records, lr=lr, weighted=weighted, what="influence")
+        coef, per_param = param_coefficients(run, records, names, lr=lr, weighted=weighted,
+                                             what="influence")
     dots = np.zeros(rows.size, dtype=np.float64)
     if rows.size == 0:
         return records, dots
@@ -151,7 +160,15 @@ def record_influence(
         vectors = {}
     else:
         probe_readers = {} if at is None else {n: reader(run, n, probes=True) for n in names}
-    scores = coef * _dots(run, names, readers, probe_readers, rows, steps, at, vectors, opts, dots)
+    if per_param is None:
+        scores = coef * _dots(run, names, readers, probe_readers, rows, steps, at, vectors, opts,
+                              dots)
+    else:  # param groups at other rates: each parameter's products times its own
+        scores = dots
+        for n in names:
+            scores += per_param[n] * _dots(
+                run, [n], {n: readers[n]}, {n: probe_readers[n]} if probe_readers else {},
+                rows, steps, at, vectors, opts, np.zeros(rows.size, dtype=np.float64))
     if kind == "cosine":
         scores = _cosine(run, names, records, probe, scores, probe_steps, raw)
     return records, scores
@@ -199,8 +216,9 @@ def _cosine(
         mine = run.probe_records(probe=int(probe))
         per_step = probe_sqnorms(run, mine, names)
         probe_sq = per_step[np.searchsorted(probe_steps, records.column("step").to_numpy())]
-    scale = np.sqrt(sq * probe_sq)
-    return np.asarray(np.divide(scores, scale, out=np.zeros_like(scores), where=scale > 0))
+    scale = np.sqrt(sq * probe_sq)  # (NaN stays NaN: a record with a non-finite gradient)
+    return np.asarray(np.divide(scores, scale, out=np.where(np.isnan(scale), np.nan, 0.0),
+                                where=scale > 0))
 
 
 def _dots(
@@ -336,10 +354,15 @@ def self_influence(
         raise InputError(f"top={top!r} must be a positive int, or None for every datum.")
     names = params_of(run, params)
     records = run.datums
-    coef = record_coefficients(records, lr=lr, weighted=weighted, what="self_influence")
-    sq = summed_sqnorms(run, records, names)
+    coef, per_param = param_coefficients(run, records, names, lr=lr, weighted=weighted,
+                                         what="self_influence")
+    if per_param is None:
+        values = coef * summed_sqnorms(run, records, names)
+    else:
+        values = sum((per_param[n] * summed_sqnorms(run, records, [n]) for n in names),
+                     np.zeros(records.num_rows))
     ids, sums, n_steps = per_datum(
-        records.column("datum_id").to_numpy(), records.column("step").to_numpy(), coef * sq
+        records.column("datum_id").to_numpy(), records.column("step").to_numpy(), values
     )
     order = np.lexsort((ids, -sums))[:top]
     return pa.table(

@@ -28,11 +28,12 @@ import numpy as np
 from gradlog.analysis.optimizer import (
     OptimizerView,
     check_kind,
+    param_coefficients,
     probe_reader,
     probe_sqnorms,
 )
 from gradlog.analysis.scan import ArrayReader, ScanArgs, ScanOptions, blocks, least_budget
-from gradlog.analysis.selection import params_of, record_coefficients, summed_sqnorms
+from gradlog.analysis.selection import params_of, summed_sqnorms
 from gradlog.analysis.space import FormOps, ops_of, reader
 from gradlog.errors import InputError
 from gradlog.store.reader import StoreReader
@@ -146,11 +147,13 @@ def influence_matrix(
     out = np.zeros((datum_ids.size, probe_ids.size), dtype=np.float64)
     if rows.size == 0:
         return InfluenceMatrix(datum_ids, probe_ids, out, kind)
+    per_param = None
     if kind == "optimizer":
         coef = (records.column("weight").to_numpy().astype(np.float64) if weighted
                 else np.ones(rows.size))
     else:
-        coef = record_coefficients(records, lr=lr, weighted=weighted, what="influence_matrix")
+        coef, per_param = param_coefficients(run, records, names, lr=lr, weighted=weighted,
+                                             what="influence_matrix")
     ustep = np.unique(steps)
     at_step = np.searchsorted(ustep, steps)  # record -> its step's index
     slots = _probe_slots(precs, ustep, probe_ids)  # (steps, P): probe store row or -1
@@ -193,13 +196,14 @@ def influence_matrix(
                 local = at_step[pos]
                 cuts = np.concatenate([[0], np.flatnonzero(np.diff(local)) + 1, [pos.size]])
                 for name in group:
+                    own = coef if per_param is None else per_param[name]
                     ops = ops_of(readers[name])
                     data = blk.data[name] if len(group) > 1 else blk.data
                     extra = cast(Any, blk.extra)[name] if len(group) > 1 else blk.extra
                     for k in range(cuts.size - 1):
                         a, b = int(cuts[k]), int(cuts[k + 1])
                         prod = _products(ops, ops.take(data, a, b), extra[k])  # (m, P)
-                        prod *= coef[pos[a:b], None]
+                        prod *= own[pos[a:b], None]
                         if norm_scale is not None:
                             prod *= norm_scale(pos[a:b], int(local[a]))
                         np.add.at(out, inverse[pos[a:b]], prod)

@@ -1,12 +1,13 @@
 """Which data moved a parameter: each datum's share of the parameter's change over a range.
 
 At step ``t`` plain SGD moves the parameters by ``-lr_t * sum_b w_b g_b``; record ``r``'s
-part of it is ``c_r = -lr_t * w_r * g_r``. Over a range of recorded steps the change that SGD
-attributes to the records is ``delta = sum_r c_r`` (the **SGD-attributable change**: it is the
-actual change of the parameter for plain SGD without weight decay when every step of the range
-is recorded; for momentum or Adam, or with skipped steps, it is the change SGD would have made
-from the recorded gradients). A datum's score is the length of its contributions along that
-change::
+part of it is ``c_r = -lr_t * w_r * g_r`` (``lr_t`` each parameter's own param group's where
+the groups' rates differ and the run kept the optimizer's state). Over a range of recorded
+steps the change that SGD attributes to the records is ``delta = sum_r c_r`` (the
+**SGD-attributable change**: it is the actual change of the parameter for plain SGD without
+weight decay when every step of the range is recorded; for momentum or Adam, or with skipped
+steps, it is the change SGD would have made from the recorded gradients). A datum's score is
+the length of its contributions along that change::
 
     score(d) = sum over records r of d:  < c_r , delta > / ||delta||
 
@@ -21,14 +22,15 @@ Two streaming passes per parameter (one for ``delta``, one for the projections),
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradlog.analysis import tasks
+from gradlog.analysis.optimizer import param_coefficients
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
-from gradlog.analysis.selection import params_of, per_datum, ranked, record_coefficients
+from gradlog.analysis.selection import params_of, per_datum, ranked
 from gradlog.analysis.space import ops_of, reader
 from gradlog.store.reader import Selector, StoreReader
 
@@ -48,10 +50,10 @@ def record_movement(
 ) -> tuple[Any, np.ndarray, float]:
     """Per record ``<c_r, delta>`` and ``||delta||``: ``(records, projections, norm)``."""
     opts = ScanOptions(**scan)
-    budget = opts.budget
     names = params_of(run, params, gradients=True)
     records = run.records(step=steps)
-    coef = -record_coefficients(records, lr=lr, weighted=True, what="movers")  # -lr_t w_r
+    coef, per_param = param_coefficients(run, records, names, lr=lr, weighted=True,
+                                         what="movers")  # lr_t w_r
     rows = records.column("row").to_numpy()
     keys = records.column("step").to_numpy()
     readers = {n: reader(run, n, space=True) for n in names}
@@ -59,12 +61,29 @@ def record_movement(
     opts.require("movers", [
         (n, r, least_budget(r, rows) + 2 * r.numel * 8) for n, r in readers.items()
     ])
+    # param groups at other rates: each parameter's change and projections with its own
+    parts = ([(names, -coef)] if per_param is None
+             else [([n], -per_param[n]) for n in names])  # -lr_t w_r
+    scores = np.zeros(rows.size, dtype=np.float64)
+    norm_sq = 0.0
+    for group, c in parts:
+        proj, sq = _movement(run, group, readers, rows, keys, c, opts)
+        scores += c * proj
+        norm_sq += sq
+    return records, scores, float(np.sqrt(norm_sq))
+
+
+def _movement(run: StoreReader, names: Sequence[str], readers: Mapping[str, Any],
+              rows: np.ndarray, keys: np.ndarray, coef: np.ndarray,
+              opts: ScanOptions) -> tuple[np.ndarray, float]:
+    """``<g_r, delta>`` per record over ``names`` and ``||delta||^2``, ``delta`` the change
+    ``sum_r coef_r g_r``."""
+    budget = opts.budget
     if opts.scheduler is not None:  # the same blocks, as Dask tasks (gradlog.analysis.tasks)
-        proj, norm_sq = tasks.movement(run, names, rows, keys, coef, budget, opts.scheduler)
-        return records, coef * proj, float(np.sqrt(norm_sq))
+        return tasks.movement(run, names, rows, keys, coef, budget, opts.scheduler)
     proj = np.zeros(rows.size, dtype=np.float64)
     norm_sq = 0.0
-    total = 2 * sum(rows.size * r.row_bytes for r in readers.values())
+    total = 2 * sum(rows.size * readers[n].row_bytes for n in names)
     with opts.bar(total, "movers") as bar:
         for name in names:
             r = readers[name]
@@ -80,7 +99,7 @@ def record_movement(
                 r, rows, budget=budget - own, keys=keys, on_read=bar.update, what=name
             ):
                 proj[blk.positions] += ops.dots(blk.data, delta)
-    return records, coef * proj, float(np.sqrt(norm_sq))
+    return proj, norm_sq
 
 
 def movers(

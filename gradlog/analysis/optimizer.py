@@ -51,7 +51,7 @@ import numpy as np
 
 from gradlog.analysis.gradients import project
 from gradlog.analysis.scan import ArrayReader
-from gradlog.analysis.selection import check_lr
+from gradlog.analysis.selection import check_lr, record_coefficients
 from gradlog.errors import InputError, SelectionError
 from gradlog.store.format import norm_column
 from gradlog.store.optimizer import OptimizerStep, optimizer_steps, read_optimizer_step
@@ -63,6 +63,7 @@ __all__ = [
     "check_kind",
     "default_kind",
     "momentum_mass",
+    "param_coefficients",
     "probe_reader",
     "probe_sqnorms",
     "recorded_kind",
@@ -126,6 +127,57 @@ def momentum_mass(group: dict[str, Any], kind: str) -> float:
     first = group.get("count") is not None and int(group["count"]) <= 1
     a = 1.0 if first else 1.0 - float(group.get("dampening", 0.0))
     return 1.0 + a * mu / (1.0 - mu) if group.get("nesterov", False) else a / (1.0 - mu)
+
+
+def param_coefficients(
+    run: StoreReader, records: Any, names: Sequence[str], *, lr: float | None, weighted: bool,
+    what: str,
+) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+    """Per record, ``lr_t [w_r]`` (:func:`~gradlog.analysis.selection.record_coefficients`),
+    and per parameter where param groups gave the parameters other rates than the record's.
+
+    A record keeps one learning rate, the optimizer's first param group's (or ``lr=`` of
+    ``rec.backward``). Where the run kept the optimizer's state at a step and a recorded
+    parameter's group rate there differs from it, each parameter's own group rate applies
+    at that step, as in ``kind="optimizer"``; ``lr=`` here replaces every rate.
+
+    Returns:
+        ``(common, per_param)``: ``per_param`` None where ``common`` holds for every name.
+    """
+    common = record_coefficients(records, lr=lr, weighted=weighted, what=what)
+    if lr is not None or records.num_rows == 0:
+        return common, None
+    kept = set(optimizer_steps(run.path))
+    if not kept:
+        return common, None
+    steps = records.column("step").to_numpy()
+    ustep, first, inverse = np.unique(steps, return_index=True, return_inverse=True)
+    record_lr = records.column("lr").to_numpy(zero_copy_only=False).astype(np.float64)
+    rates: dict[str, np.ndarray] | None = None
+    for i, step in enumerate(ustep.tolist()):
+        if step not in kept:
+            continue
+        state = read_optimizer_step(run.path, step)
+        try:
+            groups = state.meta.get("params", {})
+        finally:
+            state.close()
+        own = {n: float(g["lr"]) for n, g in groups.items() if g is not None}
+        if all(v == record_lr[first[i]] for v in own.values()):
+            continue
+        if rates is None:
+            rates = {n: np.full(ustep.size, np.nan) for n in names}
+        for n in names:
+            rates[n][i] = own.get(n, np.nan)
+    if rates is None:
+        return common, None
+    weight = (records.column("weight").to_numpy().astype(np.float64) if weighted
+              else np.ones(records.num_rows))
+    per_param = {}
+    for n in names:
+        rate = rates[n][inverse]
+        per_param[n] = np.where(np.isnan(rate), common, rate * weight)
+    return common, per_param
 
 
 class OptimizerView:

@@ -3,6 +3,8 @@ per-record scores become per-datum rankings."""
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +52,12 @@ def params_of(
         )
     if not names:
         raise SelectionError("no parameter selected: pass a parameter name, a list, or None.")
+    repeated = sorted(n for n, k in Counter(names).items() if k > 1)
+    if repeated:  # each name's products would be summed once per mention
+        raise SelectionError(
+            f"params names {repeated} more than once: a query sums over the parameters it "
+            "selects, so pass each name once."
+        )
     for name in names:
         if run.form_name(name) == "norm" and gradients:
             raise SelectionError(
@@ -151,6 +159,18 @@ def ranked(
 
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
         raise InputError(f"top={top!r} must be a positive int, or None for every datum.")
+    finite = np.isfinite(scores)
+    if not finite.all():  # no rank for them: left out, and said so
+        bad = ids[~finite]
+        warnings.warn(
+            f"{bad.size} datum(s) have a non-finite score and are left out of the ranking "
+            f"(ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}): a NaN or inf in "
+            "their recorded gradients (the recorder warned at those steps) or losses. Select "
+            "steps without them, or read their records with run.grads(datum=...).",
+            UserWarning, stacklevel=3,
+        )
+        ids, scores, n_steps = ids[finite], scores[finite], n_steps[finite]
+        extra = {k: v[finite] for k, v in (extra or {}).items()}
     desc = np.lexsort((ids, -scores))
     if top is None:
         order = desc

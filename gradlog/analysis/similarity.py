@@ -124,7 +124,8 @@ def _finish(
     """Cosines from the squared norms if asked, rows and columns in the callers' orders."""
     if kind == "cosine":
         scale = np.outer(np.sqrt(sq_a), np.sqrt(sq_b))
-        out = np.divide(out, scale, out=np.zeros_like(out), where=scale > 0)
+        # 0 where either gradient is zero; NaN stays NaN (a record with a non-finite gradient)
+        out = np.divide(out, scale, out=np.where(np.isnan(scale), np.nan, 0.0), where=scale > 0)
     if np.array_equal(order_a, np.arange(order_a.size)) and np.array_equal(
         order_b, np.arange(order_b.size)
     ):

@@ -67,8 +67,8 @@ def stats(
         mean += delta * n / total
         m2 += bm2 + delta * delta * count * n / total
         count = total
-        lo = min(lo, blo)
-        hi = max(hi, bhi)
+        lo = float(np.minimum(lo, blo))  # NaN propagates (min() would drop it)
+        hi = float(np.maximum(hi, bhi))
     out: dict[str, Any] = {
         "param": param,
         "n_records": int(rows.size),

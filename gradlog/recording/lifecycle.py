@@ -104,6 +104,13 @@ class StepLifecycle:
                 f"step {step} comes after step {self._last_step}; steps must not decrease. "
                 "Repeat the same step to accumulate micro-batches into it."
             )
+        if self.pending is not None and self.pending.step == step and self.optimizer_stepped:
+            raise InputError(
+                f"step {step} already ended: the optimizer stepped after its micro-batches, so "
+                f"another micro-batch of it would mix two parameter states in one step. Pass "
+                f"step={step + 1} or later (or leave step= out: steps then count themselves). "
+                f"Step {step} is kept as it was."
+            )
         if self.pending is not None and self.pending.step != step:
             self.commit()  # a new step began: the previous one is complete
         return step

@@ -68,6 +68,26 @@ def _scalar(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _warn_if_rates_differ(optimizer: Any, params: Mapping[str, torch.nn.Parameter]) -> None:
+    """Warn when the recorded parameters' param groups have different learning rates and
+    no optimizer state will be kept: each record keeps one rate (the first group's)."""
+    mine = {id(p) for p in params.values()}
+    rates = {_scalar(g["lr"]) for g in optimizer.param_groups
+             if any(id(p) in mine for p in g["params"])}
+    first = _scalar(optimizer.param_groups[0]["lr"])
+    if rates - {first}:
+        warnings.warn(
+            f"the recorded parameters are in param groups with different learning rates "
+            f"({sorted(rates | {first})}) and gradlog keeps no optimizer state for this run: "
+            "each record keeps the first group's rate, and influence, self-influence and "
+            "movers weight every parameter by it. Record with Adam, AdamW or SGD and "
+            "optimizer_state='auto' (each parameter's own rate is kept), or pass lr= to "
+            "queries of parameters of one group.",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
 class OptimizerCapture:
     """Keeps the optimizer's state at each recorded step (module doc).
 
@@ -133,10 +153,14 @@ class OptimizerCapture:
                 "(float32, bfloat16 for projection/topk parameters), a storage dtype, or "
                 "'none' to keep no optimizer state."
             )
-        if optimizer is None or dtype == "none":
+        if optimizer is None:
             return None
         inner = _unwrap(optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
+            return None
+        if dtype == "none" or optimizer_kind(inner) is None:
+            _warn_if_rates_differ(inner, params)
+        if dtype == "none":
             return None
         if optimizer_kind(inner) is None:
             warnings.warn(

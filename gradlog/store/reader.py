@@ -389,7 +389,7 @@ class StoreReader:
         if param is None:
             names = self.param_names
         elif isinstance(param, (list, tuple)):  # a long table: several parameters fit
-            names = list(param)
+            names = list(dict.fromkeys(param))  # each once
         else:
             names = [param]
         if not names:

@@ -10,6 +10,7 @@ head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if exact:
             shared = any(type(node).__name__ in PASS_THROUGH
                          and autograd_node_output_shape(node) != shape for node, _ in found)
+            if not shared and shape and shape[0] == 1 != B and not sequence_first:
+                shared = _replicated(found, root, shape, B)
         else:
             shared = passing
         first = entry.rule.feature_dims is not None or call.bd == 0
@@ -164,6 +167,28 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
                 "or use backend='loop'."
             )
+
+
+REPLICATING = frozenset({"RepeatBackward0", "CatBackward0", "IndexBackward0",
+                         "IndexSelectBackward0"})
+"""Autograd nodes of ops that may copy a tensor whole along its leading dimension."""
+
+
+def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
+                B: int) -> bool:
+    """Whether an op copies the output, led by a dimension of size 1, over the batch (PEFT's
+    prompt embedding ``(1, n, d).repeat(B, 1, 1)``): every datum then shares all of it,
+    whatever other dimension of size B it has (n == B would pass for the batch)."""
+    nodes = [node for node, _ in found]
+    if any(type(node).__name__ in VIEW_NODES for node in nodes):
+        nodes += [node for node, _, _ in consumers_through_views(root, found) or ()]
+    numel = math.prod(shape)
+    for node in nodes:
+        if type(node).__name__ in REPLICATING:
+            wide = autograd_node_output_shape(node)
+            if wide and wide[0] >= B and math.prod(wide) >= B * numel:
+                return True
+    return False
 
 
 def _through_views(found: list[tuple[Any, int]], root: Any,
