@@ -104,6 +104,11 @@ class StoreCorruptError(StoreFormatError):
     truncated. Raised instead of ever returning wrong numbers; names the array and chunk."""
 
 
+class StoreReplacedError(StoreFormatError):
+    """The store was replaced by another run (``overwrite=True``) since it was opened: what
+    was read from the old one would be mixed with the new one's arrays."""
+
+
 class StoreLockedError(GradlogError, RuntimeError):
     """Another writer holds the store's lease (one writer per store at a time), or the writer
     lost its own lease; the message names the holder and how to proceed."""

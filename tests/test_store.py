@@ -870,3 +870,22 @@ def test_round_trip_property(plan: list[tuple[int, int]], dtype: str) -> None:
             sum(r["loss"] for r in exp.records),
             rel_tol=1e-12,
         )
+
+
+def test_a_run_replaced_since_it_was_opened_is_refused_not_mixed(tmp_store: Path) -> None:
+    """An open Run whose store is overwritten by another run (re-running a notebook cell)
+    would read the new run's arrays under its cached records: refused at the next read."""
+    _train(tmp_store, [(0, _ids(0, 4)), (1, _ids(4, 4))])
+    run = gradlog.open(tmp_store)
+    before = run.grads("0.weight", step=0)
+    again = gradlog.open(tmp_store)
+    np.testing.assert_array_equal(again.grads("0.weight", step=0), before)  # same run: reads
+    again.refresh()
+    _train(tmp_store, [(0, _ids(8, 4))], dtype="float32", overwrite=True)  # another run
+    for read in (lambda: run.grads("0.weight", step=0),  # an array opened before
+                 lambda: run.grads("0.bias", step=1),  # one opened now
+                 run.refresh):
+        with pytest.raises(errors.StoreReplacedError, match="was replaced by another run"):
+            read()
+    fresh = gradlog.open(tmp_store)
+    assert fresh.datums.column("datum_id").to_pylist() == _ids(8, 4)

@@ -38,7 +38,7 @@ from gradlog.analysis.extras import require_extra
 from gradlog.analysis.gradients import decoded
 from gradlog.analysis.scan import block_plan
 from gradlog.analysis.space import block_moments, ops_of, probe_cost, reader, step_dots
-from gradlog.errors import StoreFormatError
+from gradlog.errors import StoreReplacedError
 from gradlog.store.reader import StoreReader
 
 __all__ = [
@@ -75,9 +75,9 @@ class StoreRef:
             self.created,
             self.config_hash,
         ):
-            raise StoreFormatError(
-                f"{self.path} was replaced by another run while a Dask scan read it; run the "
-                "scan again."
+            raise StoreReplacedError(
+                f"{self.path} was replaced by another run while a Dask scan read it; open it "
+                "again (gradlog.open) and run the scan again."
             )
         return run
 

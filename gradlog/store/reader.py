@@ -10,16 +10,16 @@ being written or cut short by a crash reads as a consistent prefix.
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from collections.abc import Iterable, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradlog.errors import NotAStoreError, SelectionError, StoreFormatError
-from gradlog.store import consistency
+from gradlog.errors import SelectionError, StoreFormatError, StoreReplacedError
+from gradlog.store import consistency, root
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
@@ -33,28 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Selector", "StoreReader", "one_int"]
 
 Selector = int | Sequence[int] | range | slice | None
-
-
-def _read_root_attrs(path: StorePath) -> dict[str, Any]:
-    meta_file = path / "zarr.json"
-    if not path.exists():
-        raise NotAStoreError(f"{path} does not exist. Record a run first (gradlog train).")
-    if not meta_file.is_file():
-        raise NotAStoreError(
-            f"{path} is not a gradlog store: it has no zarr.json. A store is the directory "
-            "that GradRecorder(model, path) or `gradlog train --out PATH` created."
-        )
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreFormatError(f"{meta_file} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("node_type") != "group":
-        raise StoreFormatError(f"{path} is not a Zarr group (zarr.json has no node_type 'group').")
-    attrs = meta.get("attributes", {})
-    if not isinstance(attrs, dict):
-        raise StoreFormatError(f"{meta_file}: 'attributes' must be a JSON object.")
-    fmt.check_root_attrs(attrs, str(path))
-    return attrs
 
 
 def _read_parts(directory: StorePath, schema: Any) -> Any:
@@ -193,8 +171,15 @@ class StoreReader:
         self._check_index_parts()
 
     def _read_attrs(self) -> None:
-        """(Re)read the root attributes, and forget what was opened from the old ones."""
-        self.attrs = _read_root_attrs(self.path)
+        """(Re)read the root attributes, and forget what was opened from the old ones.
+
+        Raises:
+            StoreReplacedError: the store is another run than the one opened."""
+        stamp = root.stamp(self.path)
+        attrs = root.read_root_attrs(self.path)
+        if hasattr(self, "attrs"):
+            self._check_identity(attrs)
+        self.attrs, self._stamp = attrs, stamp
         self._specs = fmt.normalised_specs(self.attrs)
         # Read before any step was committed, the specs may say 'full' for parameters whose
         # forms the recorder plans at its first backward (and writes here before any record):
@@ -270,6 +255,25 @@ class StoreReader:
         if self._cross_check:
             consistency.check_record_counts(self.path, self.steps, table)
         return table.sort_by("row")
+
+    def _check_identity(self, attrs: dict[str, Any]) -> None:
+        if root.identity(attrs) != root.identity(self.attrs):
+            raise StoreReplacedError(
+                f"{self.path} was replaced by another run (created {attrs.get('created')}) "
+                f"since it was opened (the run created {self.attrs.get('created')}): what "
+                "was read of the old run would be mixed with the new one's. Open it again: "
+                "gradlog.open(path)."
+            )
+
+    def check_same_run(self) -> None:
+        """Raise :class:`~gradlog.errors.StoreReplacedError` if the store was replaced by
+        another run since it was opened. Local stores: a ``stat`` of the root metadata, read
+        again only when it changed; other stores: the root metadata read again."""
+        stamp = root.stamp(self.path)
+        if stamp is not None and stamp == self._stamp:
+            return
+        self._check_identity(root.read_root_attrs(self.path))
+        self._stamp = stamp
 
     def refresh(self) -> Self:
         """See what was recorded since opening: re-read the root attributes (forms are planned
@@ -424,11 +428,14 @@ class StoreReader:
         """``param``'s stored array ``array`` (one of ``spec(param)["arrays"]``), opened for
         verified reads (checksums; lossy storage dtypes decoded). Cached: its layout never
         changes."""
-        if (param, array) not in self._arrays:
-            self._arrays[param, array] = GradArray(
+        opened = self._arrays.get((param, array))
+        if opened is None or isinstance(self.path, Path):  # (a stat: cheap only locally)
+            self.check_same_run()
+        if opened is None:
+            opened = self._arrays[param, array] = GradArray(
                 self.path, param, self.spec(param), self.format_version, array
             )
-        return self._arrays[param, array]
+        return opened
 
     def chunk_rows(self, param: str) -> int:
         """Rows per chunk (or shard) file of ``param``'s arrays (its first array's)."""
@@ -539,9 +546,12 @@ class StoreReader:
 
     def probe_array(self, param: str) -> ProbeArray:
         """``param``'s probe gradient array (stored ``full``), opened; cached."""
-        if param not in self._probe_arrays:
-            self._probe_arrays[param] = ProbeArray(self.path, param, self.spec(param))
-        return self._probe_arrays[param]
+        opened = self._probe_arrays.get(param)
+        if opened is None or isinstance(self.path, Path):
+            self.check_same_run()
+        if opened is None:
+            opened = self._probe_arrays[param] = ProbeArray(self.path, param, self.spec(param))
+        return opened
 
     def read_probe_rows(self, param: str, rows: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
         """Probe rows ``rows`` (sorted) of ``param`` as ``(len(rows), *shape)`` of ``dtype``."""
