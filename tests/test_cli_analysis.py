@@ -308,6 +308,11 @@ def test_plot_writes_a_png_of_the_size_asked(store: Path, tmp_path: Path) -> Non
     assert image.shape[:2] == (400, 900) and image.std() > 0
     _ok("plot", str(store), "--out", str(tmp_path / "one.png"), "-p", "0.bias")
     assert _png_size(tmp_path / "one.png") == (1200, 500)
+    # no extension (matplotlib would write figure.png), or one that is not an image
+    for name in ("bare", "notes.txt"):
+        text = _error("plot", str(store), "--out", str(tmp_path / name))
+        assert "ending in .png, .svg, .pdf" in text
+        assert not list(tmp_path.glob(name.split(".")[0] + "*"))  # nothing written
 
 
 def test_plot_without_matplotlib(

@@ -399,6 +399,26 @@ def test_non_integer_selectors_are_refused(
             run.grads("0.bias", **kwargs)
 
 
+@pytest.mark.parametrize("far", [2**63, 2**64, -(2**70), np.uint64(2**63), [1, 2**70],
+                                 np.array([2**63], dtype=np.uint64)], ids=repr)
+def test_ids_beyond_int64_are_refused_not_wrapped(
+    sel_run: tuple[gradlog.Run, Expected], far: Any
+) -> None:
+    """uint64 2**63 cast to int64 would wrap to -2**63: refused, as Python ints past 64 bits."""
+    run, _ = sel_run
+    for kwargs in ({"step": far}, {"datum": far}):
+        with pytest.raises(errors.SelectionError, match=r"ids are int64"):
+            run.grads("0.bias", **kwargs)
+
+
+def test_slices_past_int64_bound_nothing(sel_run: tuple[gradlog.Run, Expected]) -> None:
+    run, _ = sel_run
+    every = run.datums.num_rows
+    assert run.records(datum=slice(0, 2**70)).num_rows == every
+    assert run.records(step=slice(-(2**70), None)).num_rows == every
+    assert run.records(datum=slice(2**63, None)).num_rows == 0
+
+
 def test_datum_slices_everywhere(sel_run: tuple[gradlog.Run, Expected]) -> None:
     run, _ = sel_run
     ids = np.asarray(run.datums.column("datum_id"))

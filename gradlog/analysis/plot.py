@@ -92,6 +92,9 @@ def outliers(
     return uniq[top], best[top]
 
 
+_IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
 def plot_norms(
     run: StoreReader,
     out: str | os.PathLike[str] | None = None,
@@ -127,7 +130,8 @@ def plot_norms(
         The ``matplotlib.figure.Figure``.
 
     Raises:
-        InputError: the figure is smaller than 100x100 pixels, or the run has no record.
+        InputError: the figure is smaller than 100x100 pixels, ``out`` does not end in
+            .png, .svg or .pdf, or the run has no record.
         SelectionError: a datum id given is not in the run.
     """
     require_extra("matplotlib", "plot", "plotting")
@@ -136,6 +140,12 @@ def plot_norms(
 
     if width < 100 or height < 100:
         raise InputError(f"the figure is {width}x{height} pixels; give at least 100x100.")
+    suffix = "" if out is None else os.path.splitext(os.fspath(out))[1].lower()
+    if out is not None and suffix not in _IMAGE_SUFFIXES:  # before any work, and explicit:
+        raise InputError(  # matplotlib would add .png to a bare name, or raise on others
+            f"out={os.fspath(out)!r}: name an image file ending in "
+            f"{', '.join(_IMAGE_SUFFIXES)} (the extension picks the format)."
+        )
     records = run.datums
     if records.num_rows == 0:
         raise InputError(f"nothing to plot: {run.path} has no committed record yet.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradlog.errors import SelectionError, StoreFormatError, StoreReplacedError
-from gradlog.store import consistency, root
+from gradlog.store import consistency, root, selection
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Selector", "StoreReader", "one_int"]
 
-Selector = int | Sequence[int] | range | slice | None
+Selector = selection.Selector
+one_int = selection.one_int
+
 
 
 def _read_parts(directory: StorePath, schema: Any) -> Any:
@@ -73,70 +75,6 @@ def _read_parts(directory: StorePath, schema: Any) -> Any:
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables)
-
-
-_EXPECTED = "expected an int, a list of ints, a range or a slice (ids A..B-1 for slice(A, B))"
-
-
-def one_int(sel: Any) -> int | None:
-    """``sel`` as an int when it is one integer: a Python or numpy int, or a 0-d integer
-    array or tensor (``idx[3]`` of a batch's ids); None otherwise. Bools are not ids."""
-    if isinstance(sel, (bool, np.bool_)):
-        return None
-    if isinstance(sel, (int, np.integer)):
-        return int(sel)
-    if hasattr(sel, "detach"):  # a torch tensor, without importing torch
-        sel = sel.detach().cpu().numpy()
-    if isinstance(sel, np.ndarray) and sel.ndim == 0 and sel.dtype.kind in "iu":
-        return int(sel)
-    return None
-
-
-def _as_list(sel: Selector, name: str) -> np.ndarray | None:
-    """A selection other than a slice as int64 ids; None stays None.
-
-    Raises:
-        SelectionError: ``sel`` is not integers (floats, bools, strings are never ids).
-    """
-    if sel is None:
-        return None
-    if isinstance(sel, slice):
-        raise TypeError("internal: slices are resolved before _as_list")
-    one = one_int(sel)
-    if one is not None:
-        return np.array([one], dtype=np.int64)
-    values: np.ndarray | None = None
-    if hasattr(sel, "detach"):  # torch, without importing it here
-        values = sel.detach().cpu().numpy()
-    elif isinstance(sel, np.ndarray):
-        values = sel
-    elif isinstance(sel, range):
-        values = np.arange(sel.start, sel.stop, sel.step, dtype=np.int64)
-    elif isinstance(sel, Iterable) and not isinstance(sel, (str, bytes, dict)):
-        try:  # numpy takes 0-d arrays and tensors as their values
-            values = np.asarray(list(sel))
-        except (TypeError, ValueError):  # ragged
-            values = None
-    if values is None or values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
-        raise SelectionError(f"{name}={sel!r}: {_EXPECTED}.")
-    return values.astype(np.int64)
-
-
-def _in_slice(column: Any, sel: slice, name: str) -> Any:
-    """Mask of ``column``'s values in ``[sel.start, sel.stop)`` (an open end: no bound)."""
-    import pyarrow.compute as pc
-
-    if sel.step not in (None, 1):
-        raise SelectionError(
-            f"{name}={sel!r}: {name} slices take no stride; pass a range or a list."
-        )
-    start, stop = (None if b is None else one_int(b) for b in (sel.start, sel.stop))
-    if (sel.start is not None and start is None) or (sel.stop is not None and stop is None):
-        raise SelectionError(f"{name}={sel!r}: slice bounds must be ints or None.")
-    mask = pc.greater_equal(column, np.iinfo(np.int64).min if start is None else start)
-    if stop is not None:
-        mask = pc.and_(mask, pc.less(column, stop))
-    return mask
 
 
 _NOTICES = {"projection": "_projection_warned", "estimate": "_estimates_noted"}
@@ -361,8 +299,8 @@ class StoreReader:
             lambda s: f"step {s} is not a committed step of {self.path}.", "steps",
         )
         if isinstance(datum, slice):  # ids A..B-1, as a step slice: an empty range is no error
-            return table.filter(_in_slice(table.column("datum_id"), datum, "datum"))
-        datums = _as_list(datum, "datum")
+            return table.filter(selection.in_slice(table.column("datum_id"), datum, "datum"))
+        datums = selection.as_ids(datum, "datum")
         if datums is None:
             return table
         present = np.asarray(table.column("datum_id"))
@@ -525,7 +463,7 @@ class StoreReader:
         if isinstance(probe, slice):
             raise SelectionError("probe takes an id or a list of ids, not a slice.")
         table = self.probes
-        probes = _as_list(probe, "probe")
+        probes = selection.as_ids(probe, "probe")
         if probes is not None:
             known = np.asarray(self.probe_ids, dtype=np.int64)
             missing = np.setdiff1d(probes, known)
@@ -576,8 +514,8 @@ def _select_steps(
     if step is None:
         return table
     if isinstance(step, slice):
-        return table.filter(_in_slice(table.column("step"), step, "step"))
-    steps = _as_list(step, "step")
+        return table.filter(selection.in_slice(table.column("step"), step, "step"))
+    steps = selection.as_ids(step, "step")
     assert steps is not None  # only None maps to None
     missing = np.setdiff1d(steps, known)
     if missing.size:
