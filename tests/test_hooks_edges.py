@@ -245,6 +245,28 @@ def test_a_sequence_first_layout_by_hand(T: int) -> None:
             per_datum(model, lambda: squares(model(x)), "hooks")
 
 
+class _FlattenedExperts(nn.Module):
+    """A module without a rule on flattened (B*T, d) rows, as MoE expert blocks are."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B*T, d)
+        return torch.tanh(x.reshape(-1, x.shape[-1]) @ self.weight)
+
+
+@pytest.mark.parametrize("d", [3, B])
+def test_a_flattened_output_of_a_module_without_a_rule_is_refused(d: int) -> None:
+    """(B*T, d) has no batch axis, also when d == B: its feature axis is never taken for
+    the batch (it was, then the fallback failed inside torch.func)."""
+    torch.manual_seed(0)
+    experts = _FlattenedExperts(d).double()
+    x = torch.randn(B, 5, d, dtype=D64)
+    with pytest.raises(BackendError, match=rf"shape \({B * 5}, {d}\), with no batch dimension"):
+        per_datum(experts, lambda: squares(experts(x).reshape(B, 5, d)), "hooks")
+
+
 def test_a_loss_coupling_the_datums_is_refused() -> None:
     """In-batch negatives: datum b's loss depends on every datum's embedding."""
     torch.manual_seed(0)

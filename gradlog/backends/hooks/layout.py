@@ -71,8 +71,10 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
                 "layers, or backend='loop'."
             )
     elif entry.fallback and not entry.op and (len(shape) <= call.bd or shape[call.bd] != B):
-        at = [k for k, n in enumerate(shape) if n == B]
-        if len(at) == 1:  # a module without a rule on a sequence-first (T, B, D) layout
+        # a module without a rule on a sequence-first (T, B, D) layout; never the last
+        # (feature) axis: a flattened (B*T, d) output with d == B has no batch axis
+        at = [k for k, n in enumerate(shape[:-1]) if n == B]
+        if len(at) == 1:
             call.bd = at[0]
     call.lead = shape[call.bd] if len(shape) > call.bd else None
 
