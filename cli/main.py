@@ -32,6 +32,21 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except GradlogError as e:
             fail(e)
+        except Exception as e:
+            if not _storage_refused(e):
+                raise  # a bug: its traceback is what a report needs
+            fail(GradlogError(
+                f"the store's storage refused access ({type(e).__name__}: {e}). Check the "
+                "path, its permissions, or the object store's credentials (AWS_* environment "
+                "variables, ~/.aws/credentials, fsspec's configuration)."
+            ))
+
+
+def _storage_refused(e: BaseException) -> bool:
+    """A permission or credentials error of the filesystem or an object store's client."""
+    module = type(e).__module__ or ""
+    return isinstance(e, PermissionError) or module.startswith(
+        ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.auth", "azure"))
 
 
 app = typer.Typer(

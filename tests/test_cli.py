@@ -379,3 +379,29 @@ def test_storage_options_on_every_command(s3_server: str, tmp_path: Path) -> Non
         done = runner.invoke(app, [command[0], url, *command[1:], *flags])
         assert done.exit_code == 0, (command, done.output)
     assert "intact" in done.output
+
+
+def test_storage_access_errors_are_one_line_and_bugs_keep_their_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An object store's client refusing access (no credentials) is the user's to fix: one
+    line, exit 1. Anything else unexpected is a bug and keeps its traceback."""
+    import gradlog.cli.inspection as inspection
+
+    no_credentials = type("NoCredentialsError", (Exception,), {"__module__": "botocore.exceptions"})
+
+    def refused(*_: Any) -> Any:
+        raise no_credentials("Unable to locate credentials")
+
+    monkeypatch.setattr(inspection, "open_run", refused)
+    result = runner.invoke(app, ["info", "s3://bucket/run.gradlog"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "refused access (NoCredentialsError: Unable to locate credentials)" in " ".join(
+        result.output.split())
+
+    def bug(*_: Any) -> Any:
+        raise KeyError("internal")
+
+    monkeypatch.setattr(inspection, "open_run", bug)
+    result = runner.invoke(app, ["info", "run.gradlog"])
+    assert isinstance(result.exception, KeyError)
