@@ -106,6 +106,10 @@ def _influence_matrix(
         lo = chosen.start if chosen.start is not None else min(ids, default=0)
         hi = chosen.stop if chosen.stop is not None else max(ids, default=-1) + 1
         chosen = [i for i in ids if lo <= i < hi]
+        if not chosen:
+            shown = ", ".join(map(str, ids[:20])) or "none"
+            raise InputError(f"--probes {probes}: no recorded probe id in that range "
+                             f"(recorded: {shown}).")
     elif isinstance(chosen, int):
         chosen = [chosen]
     matrix = run.influence_matrix(chosen, kind=kind, params=with_gradients(run, params),

@@ -33,8 +33,9 @@ from gradlog.cli._render import (
     share,
     table,
 )
-from gradlog.errors import InputError
+from gradlog.errors import InputError, NotAStoreError
 from gradlog.store import format as fmt
+from gradlog.store.fs import store_path
 
 _CONFIG_DEFAULTS = (("batch_grad", "autograd"), ("form", "full"))
 """Options ``info`` lists only when set away from these defaults (older stores lack them)."""
@@ -240,7 +241,10 @@ def verify(run_path: RunArg, as_json: JsonOpt = False, storage: StorageOpt = Non
     """
     from gradlog.store.verify import verify as verify_store
 
-    report = verify_store(location(run_path, storage))
+    where = location(run_path, storage)
+    if not as_json and not store_path(where).exists():  # not a damaged store (--json: a report)
+        raise NotAStoreError(f"{where} does not exist. Name a store's directory (NAME.gradlog).")
+    report = verify_store(where)
     if as_json:
         echo_json({
             "path": str(report.path),

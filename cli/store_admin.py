@@ -9,7 +9,8 @@ from rich.markup import escape
 
 from gradlog.cli._args import RunArg, StorageOpt, location
 from gradlog.cli._render import console
-from gradlog.errors import StoreLockedError
+from gradlog.errors import NotAStoreError, StoreLockedError
+from gradlog.store.fs import store_path
 from gradlog.store.lease import break_lease, read_lease
 
 
@@ -38,6 +39,9 @@ def unlock(
         if not force:
             raise
         held, damaged = None, True
+    if held is None and not damaged and not (store_path(where) / "zarr.json").exists():
+        raise NotAStoreError(f"{where} is not a gradlog store (no zarr.json there): nothing "
+                             "to unlock. Name the store's directory (NAME.gradlog).")
     removed = break_lease(where, force=force)
     if held is None and not damaged:
         console.print(f"{escape(str(where))}: no writer holds the lease; nothing to do.",

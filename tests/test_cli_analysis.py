@@ -208,6 +208,10 @@ def test_influence_many_probes(store: Path, tmp_path: Path) -> None:
     npz = np.load(_out_npz(store, tmp_path))
     assert npz["scores"].shape == (24, 2) and str(npz["kind"]) == "tracin"
     assert "exactly one of" in _error("influence", str(store), "--probes", "all", "--probe", "5")
+    assert "no recorded probe id in that range (recorded: 5, 8)" in _error(
+        "influence", str(store), "--probes", "10:20")
+    assert "names probe(s) [5] more than once" in _error(
+        "influence", str(store), "--probes", "5,8,5")
     assert "--out writes the matrix" in _error("influence", str(store), "--probe", "5", "--out",
                                               str(out))
     assert "name the file .parquet" in _error("influence", str(store), "--probes", "all",

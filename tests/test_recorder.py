@@ -95,7 +95,7 @@ def test_a_step_the_optimizer_ended_takes_no_more_micro_batches(tmp_path: Any) -
             rec.backward(_losses(model, seed=micro), step=0)
         opt.step()
         opt.zero_grad()
-        with pytest.raises(InputError, match="step 0 already ended.*Pass step=1 or later"):
+        with pytest.raises(InputError, match=r"step 0 already ended.*Pass step=1 or later"):
             rec.backward(_losses(model), step=0)
         opt.zero_grad()
         rec.backward(_losses(model), step=1)

@@ -215,6 +215,11 @@ def test_verify_json_output_and_a_path_that_is_no_store(tmp_path: Path) -> None:
     assert result.exit_code == 1
     out = json.loads(result.output)
     assert out["ok"] is False and "does not exist" in out["checks"][0]["problems"][0]
+    result = runner.invoke(app, ["verify", str(tmp_path / "nope")])  # one line, not DAMAGED
+    assert result.exit_code == 1 and "DAMAGED" not in result.output
+    assert "does not exist" in result.output and len(result.output.strip().splitlines()) <= 2
+    result = runner.invoke(app, ["unlock", str(tmp_path)])  # no store: nothing was unlocked
+    assert result.exit_code == 1 and "is not a gradlog store" in " ".join(result.output.split())
 
 
 def test_an_index_part_lacking_a_column_is_refused_by_read_and_verify(tmp_store: Path) -> None:

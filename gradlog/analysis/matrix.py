@@ -131,7 +131,10 @@ def influence_matrix(
         probe_ids = (np.asarray(run.probe_ids, dtype=np.int64) if probes is None
                      else np.asarray(list(probes), dtype=np.int64))
         if probe_ids.size == 0:
-            raise InputError(f"{run.path} has no probes: pass probe gradients as a dict.")
+            raise InputError(f"{run.path} has no probes: pass probe gradients as a dict."
+                             if probes is None else
+                             f"probes={probes!r} selects no probe: pass recorded probe ids "
+                             f"({list(run.probe_ids)[:20]}), or None for every probe.")
         uniq, counts = np.unique(probe_ids, return_counts=True)
         if (counts > 1).any():  # a probe's rows fill one column: a repeat would stay zero
             raise InputError(
