@@ -232,6 +232,22 @@ def test_an_index_part_lacking_a_column_is_refused_by_read_and_verify(tmp_store:
     assert "index/step-000000000001-000000.parquet lacks column(s) ['weight']." in problems
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [9, 10, 11, 12]], ids=["another step's", "off"])
+def test_an_index_part_pointing_at_other_rows_is_refused_by_read_and_verify(
+    tmp_store: Path, rows: list[int]
+) -> None:
+    """A valid parquet part whose rows were rewritten would read other records' gradients:
+    rows are each one record's, and a step's begin at its first_row."""
+    _record(tmp_store)
+    part = tmp_store / "index/step-000000000002-000000.parquet"
+    table = pq.read_table(part)
+    at = table.schema.get_field_index("row")
+    pq.write_table(table.set_column(at, table.schema.field(at), pa.array(rows, pa.int64())), part)
+    with pytest.raises(errors.StoreCorruptError, match="damaged"):
+        _ = gradlog.open(tmp_store).grads("0.weight", step=2)
+    assert not verify(tmp_store).ok
+
+
 # -- probes -----------------------------------------------------------------------------------
 def _probe_part(path: Path, step: int) -> Path:
     return path / f"probes/index/step-{step:012d}.parquet"

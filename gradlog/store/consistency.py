@@ -73,3 +73,26 @@ def check_record_counts(path: StorePath, steps: Any, index: Any) -> None:
             f"parts {fmt.INDEX_DIR}/{parts}{more}. The store was damaged (a truncated or "
             "replaced part); run `gradlog verify` on it."
         )
+    # each record has a row of its own, and a step's rows begin at its first_row: an index
+    # part rewritten to point at another step's rows would read that step's gradients
+    rows = np.asarray(index.column("row"))
+    if np.unique(rows).size != rows.size:
+        values, counts = np.unique(rows, return_counts=True)
+        raise StoreCorruptError(
+            f"{path}: row {int(values[counts > 1][0])} belongs to several records of the "
+            f"index parts {fmt.INDEX_DIR}/: the store was damaged (a rewritten or replaced "
+            "part); run `gradlog verify` on it."
+        )
+    first = dict(zip(steps.column("step").to_pylist(), steps.column("first_row").to_pylist()))
+    order = np.argsort(np.asarray(index.column("step")), kind="stable")
+    by_step, starts = np.unique(np.asarray(index.column("step"))[order], return_index=True)
+    lowest = np.minimum.reduceat(rows[order], starts) if starts.size else starts
+    wrong = [(int(s), int(lo)) for s, lo in zip(by_step.tolist(), lowest.tolist())
+             if s in first and lo != int(first[s])]
+    if wrong:
+        step, lo = wrong[0]
+        raise StoreCorruptError(
+            f"{path}: committed step {step} begins at row {first[step]} in "
+            f"{fmt.STEPS_DIR}/{fmt.step_part_name(step)} but its index parts begin at row {lo}: "
+            "the store was damaged (a rewritten or replaced part); run `gradlog verify` on it."
+        )
