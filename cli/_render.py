@@ -23,6 +23,13 @@ def fail(error: Exception) -> NoReturn:
     raise typer.Exit(code=1)
 
 
+def note(message: Warning | str, *_: object, **__: object) -> None:
+    """A library warning as one yellow line on stderr (a ``warnings.showwarning``): not
+    Python's two lines with a source path, and never mixed into ``--json`` output."""
+    err_console.print(f"[yellow]note:[/] {escape(str(message))}", highlight=False,
+                      soft_wrap=True)
+
+
 class LiteralTable(Table):
     """A rich table whose title and cells are shown as they are: stored strings (parameter
     names such as ``[red]head.weight``, paths, class names) are never read as markup, so a

@@ -12,6 +12,7 @@ run share, ``_render`` how results are shown.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import typer
@@ -19,7 +20,7 @@ from typer.core import TyperGroup
 
 from gradlog._version import __version__
 from gradlog.cli import analyze, inspection, record, store_admin
-from gradlog.cli._render import fail
+from gradlog.cli._render import fail, note
 from gradlog.errors import GradlogError
 
 
@@ -29,7 +30,10 @@ class _Group(TyperGroup):
     def invoke(self, ctx: Any) -> Any:  # Any: click's Context, vendored by newer typer
         """Run the command; print a :class:`GradlogError` as one red line and exit 1."""
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():  # library warnings are notes to the user here
+                warnings.simplefilter("default")
+                warnings.showwarning = note
+                return super().invoke(ctx)
         except GradlogError as e:
             fail(e)
         except Exception as e:

@@ -77,6 +77,12 @@ def test_train_forms_and_batch_grad(tmp_path: Path) -> None:
     assert info.exit_code == 0 and "batch_grad=sum" in info.output and "form=" in info.output
     bad = runner.invoke(app, ["train", *SMALL, "--out", str(tmp_path / "b"), "--form", "{x"])
     assert bad.exit_code == 1 and "not valid JSON" in bad.output
+    # the library's notice on projected statistics: one "note:" line, not Python's warning
+    shown = runner.invoke(app, ["show", str(out), "-p", "blocks.1.mlp.fc.weight"])
+    assert shown.exit_code == 0, shown.output
+    assert "note: parameter 'blocks.1.mlp.fc.weight' was recorded as a random projection" in (
+        " ".join(shown.output.split()))
+    assert "UserWarning" not in shown.output
 
 
 def test_info(trained: Path) -> None:

@@ -174,7 +174,7 @@ def test_influence_errors(store: Path, tmp_path: Path) -> None:
     assert "recorded probes: 5, 8" in _error("influence", str(store))
     assert "exactly one of" in _error("influence", str(store), "--probe", "5", "--self")
     bare = _record(tmp_path / "bare.gradlog", probes=False, lr=False)
-    assert "recorded without probes" in _error("influence", str(bare), "--probe", "0")
+    assert "holds no probe: recorded without" in _error("influence", str(bare), "--probe", "0")
     text = _error("influence", str(bare), "--self")
     assert "recorded without one (lr is null)" in text and "optimizer=" in text
     assert "datum_id" in _ok("influence", str(bare), "--self", "--lr", "0.1", "--json")

@@ -469,8 +469,8 @@ class StoreReader:
             missing = np.setdiff1d(probes, known)
             if missing.size:
                 hint = (
-                    "It was recorded without probes: pass GradRecorder(..., probes=(loss_fn, "
-                    "batch)) to record them."
+                    "It holds no probe: recorded without GradRecorder(..., probes=(loss_fn, "
+                    "batch)), or before its first step with probes committed."
                     if known.size == 0
                     else _nearby(known, int(missing[0]), "probe ids")
                 )
