@@ -77,6 +77,10 @@ def test_train_forms_and_batch_grad(tmp_path: Path) -> None:
     assert info.exit_code == 0 and "batch_grad=sum" in info.output and "form=" in info.output
     bad = runner.invoke(app, ["train", *SMALL, "--out", str(tmp_path / "b"), "--form", "{x"])
     assert bad.exit_code == 1 and "not valid JSON" in bad.output
+    few = runner.invoke(app, ["train", "--steps", "1", "--windows", "3", "--batch-size", "4",
+                              "--out", str(tmp_path / "few")])  # refused before the store
+    assert few.exit_code == 1 and "--batch-size <= --windows" in " ".join(few.output.split())
+    assert not (tmp_path / "few").exists()
     # the library's notice on projected statistics: one "note:" line, not Python's warning
     shown = runner.invoke(app, ["show", str(out), "-p", "blocks.1.mlp.fc.weight"])
     assert shown.exit_code == 0, shown.output

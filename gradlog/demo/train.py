@@ -143,7 +143,7 @@ def train_demo(
 
     Raises:
         InputError: ``windows`` and ``probes`` ask for more windows than the corpus has, or
-            a negative count.
+            a negative count; ``batch_size`` is larger than ``windows``.
     """
     corpus = CharCorpus(load_corpus())
     available = corpus.dataset(seq_len)
@@ -153,6 +153,11 @@ def train_demo(
             f"{train_windows} training windows and {probes} probes of {seq_len} characters "
             f"need {train_windows + probes} windows; the corpus has {available}. Ask for "
             "fewer windows or probes (probes >= 0), or shorter sequences."
+        )
+    if not 1 <= batch_size <= train_windows:  # before the store is created
+        raise InputError(
+            f"a batch of {batch_size} sequences needs at least {batch_size} training windows; "
+            f"{train_windows} were asked for (`gradlog train`: --batch-size <= --windows)."
         )
     saved_threads = torch.get_num_threads()
     if threads is not None:
