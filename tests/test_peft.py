@@ -147,3 +147,21 @@ def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
         losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
         with pytest.raises(gradlog.errors.BackendError, match=r"through \['RepeatBackward0'\]"):
             rec.backward(losses)
+
+
+def test_ia3_is_refused_naming_the_adapter_and_the_fix(tmp_path: Path) -> None:
+    """IA3 scales activations by a vector built outside any layer: refused, and the message
+    says so (it spoke only of position embeddings and T5)."""
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(D64)
+    model = peft.get_peft_model(base, peft.IA3Config(
+        task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+        feedforward_modules=["down_proj"])).train()
+    batch = _batch()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+        with pytest.raises(gradlog.errors.BackendError,
+                           match=r"operation on parameters alone \(adapters such as PEFT's IA3"):
+            rec.backward(_losses(model, batch))

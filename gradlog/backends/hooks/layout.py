@@ -167,9 +167,17 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
                 "accepts (B, T, d); do not flatten to (B*T, d)), give one loss per row the "
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
-                "or use backend='loop'."
+                "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
             )
 
+
+_OP_ON_PARAMETERS = (
+    " This output is an operation on parameters alone (adapters such as PEFT's IA3, LoKr, "
+    "BOFT and AdaLoRA build their weights or scalings so, outside any layer): each datum "
+    "uses all of it, through an op other than an addition, so its per-datum gradients "
+    "cannot be split from the batch's; record these adapters with backend='loop', or leave "
+    "their parameters out (params=)."
+)
 
 REPLICATING = frozenset({"RepeatBackward0", "CatBackward0", "IndexBackward0",
                          "IndexSelectBackward0"})
