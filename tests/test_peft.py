@@ -30,15 +30,20 @@ TARGETS = {"attention": ["q_proj", "v_proj"], "mlp": ["gate_proj", "down_proj"],
            "embed_tokens": ["embed_tokens"], "lm_head": ["lm_head"]}
 
 
-def _model(targets: list[str], *, trained: bool) -> nn.Module:
-    """A LoRA-wrapped one-layer Llama; ``trained``: LoRA B drawn non-zero (as after some
-    steps), else as PEFT initialises it (B = 0)."""
+def _llama() -> nn.Module:
+    """A one-layer float64 Llama with random weights (seed 0)."""
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(D64)  # type: ignore[no-any-return]
+
+
+def _model(targets: list[str], *, trained: bool) -> nn.Module:
+    """A LoRA-wrapped one-layer Llama; ``trained``: LoRA B drawn non-zero (as after some
+    steps), else as PEFT initialises it (B = 0)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        base = transformers.LlamaForCausalLM(config).to(D64)
+        base = _llama()
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1)
         model = peft.get_peft_model(base, lora)
         if trained:
@@ -133,12 +138,7 @@ def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
     every datum shares all of it. With ``n == B`` its second dimension passed for the batch
     (each datum got one virtual token's gradient), caught only by the step-0 datum check,
     which a module backward hook turns off: refused by the graph itself now."""
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=32)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).to(D64)
-    model = peft.get_peft_model(base, peft.PromptTuningConfig(
+    model = peft.get_peft_model(_llama(), peft.PromptTuningConfig(
         task_type="CAUSAL_LM", num_virtual_tokens=virtual)).train()
     model.base_model.lm_head.register_full_backward_hook(lambda *_: None)  # no datum check
     ids = _batch()["ids"]
@@ -152,16 +152,11 @@ def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
 def test_ia3_is_refused_naming_the_adapter_and_the_fix(tmp_path: Path) -> None:
     """IA3 scales activations by a vector built outside any layer: refused, and the message
     says so (it spoke only of position embeddings and T5)."""
-    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=32)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).to(D64)
-    model = peft.get_peft_model(base, peft.IA3Config(
+    model = peft.get_peft_model(_llama(), peft.IA3Config(
         task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
         feedforward_modules=["down_proj"])).train()
     batch = _batch()
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
-        with pytest.raises(gradlog.errors.BackendError,
-                           match=r"operation on parameters alone \(adapters such as PEFT's IA3"):
-            rec.backward(_losses(model, batch))
+    refused = pytest.raises(gradlog.errors.BackendError,
+                            match=r"operation on parameters alone \(adapters such as PEFT's IA3")
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec, refused:
+        rec.backward(_losses(model, batch))
