@@ -529,6 +529,15 @@ def test_validate_store_detects_a_broken_root(tmp_store: Path, breakage: Any) ->
         validate_store(tmp_store)
 
 
+def test_a_parameter_shape_unlike_its_arrays_is_refused(tmp_store: Path) -> None:
+    """Rows of a (4, 3) array read back as (3, 4) would be other numbers in each place."""
+    _train(tmp_store, CALLS[:2])
+    _edit_root_attrs(tmp_store, lambda a: a["params"]["0.weight"].update(
+        shape=a["params"]["0.weight"]["shape"][::-1]))
+    with pytest.raises(errors.StoreFormatError, match="'0.weight' has shape .* rows of shape"):
+        gradlog.open(tmp_store).grads("0.weight")
+
+
 def test_validate_store_detects_a_broken_index_and_arrays(tmp_store: Path) -> None:
     _train(tmp_store, CALLS[:2])
     part = tmp_store / "index/step-000000000001-000000.parquet"

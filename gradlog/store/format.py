@@ -223,6 +223,12 @@ def _check_form_fields(name: str, spec: dict[str, Any], where: str) -> None:
                 f"{{path: {form_array_path(name, form, key) if ok else '...'!r}, shape: [...], "
                 f"kind: one of {list(ARRAY_KINDS)}}}."
             )
+    grad = arrays.get("grad")
+    if form == "full" and isinstance(grad, dict) and grad.get("shape") != spec.get("shape"):
+        raise StoreFormatError(  # rows would be read back in another parameter's shape
+            f"{where}: parameter {name!r} has shape {spec.get('shape')!r} but its full array "
+            f"holds rows of shape {grad.get('shape')!r}; the store is damaged."
+        )
 
 
 _INDEX_COLUMNS = {
