@@ -346,21 +346,21 @@ def test_norms_of_factors_take_the_way_measured_faster(
     monkeypatch: pytest.MonkeyPatch, slow: str
 ) -> None:
     """Where the counts are close, both ways are timed once per shape and the faster kept
-    (here the other is made slow); the norms are the exact ones either way."""
-    import time
-
+    (here the other is made slow, on a clock of the test's own: a busy machine cannot turn
+    the outcome); the norms are the exact ones either way."""
     monkeypatch.setattr(grads_inner, "_MEASURED", {})
     real = grads_inner.factored_sqnorms
     calls: list[str] = []
+    clock = [0.0]
 
     def timed(g: torch.Tensor, a: torch.Tensor, *, dtype: torch.dtype = D64,
               method: str = "auto", narrow: torch.dtype | None = None) -> torch.Tensor:
         calls.append(method)
-        if method == slow:
-            time.sleep(0.02)
+        clock[0] += 1.0 if method == slow else 1e-3
         return real(g, a, dtype=dtype, method=method, narrow=narrow)
 
     monkeypatch.setattr(grads_inner, "factored_sqnorms", timed)
+    monkeypatch.setattr(grads_inner.time, "perf_counter", lambda: clock[0])
     g, a = rand(3, 64, 128, seed=1), rand(3, 64, 128, seed=2)  # ghost ~ materialised here
     want = torch.bmm(g.double().transpose(1, 2), a.double()).reshape(3, -1).square().sum(1)
     for _ in range(3):
