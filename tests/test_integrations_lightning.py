@@ -147,6 +147,26 @@ def _check_against_oracle(run: gradlog.Run, snaps: dict[int, Any], steps: Any) -
             )
 
 
+class _DampenedMomentum(Classifier):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_sgd_momentums_first_step_is_kept_as_first(tmp_path: Path, accumulate: int) -> None:
+    """Without accumulation Lightning runs the step's backward inside ``step(closure)``,
+    after the optimizer's pre-step hook: the first momentum step (undamped, ``count`` 1,
+    which ``kind="optimizer"`` scores with the whole gradient) must still be seen."""
+    store = tmp_path / "run.gradlog"
+    _trainer(tmp_path, [GradlogCallback(store, dtype="float64")], max_steps=3,
+             accumulate_grad_batches=accumulate).fit(_DampenedMomentum())
+    from gradlog.store.optimizer import optimizer_steps, read_optimizer_step
+
+    counts = [sorted({g["count"] for g in read_optimizer_step(store, s).meta["params"].values()})
+              for s in optimizer_steps(store)]
+    assert counts == [[1], [2], [3]]
+
+
 def test_training_is_unchanged(tmp_path: Path) -> None:
     """Recording leaves Lightning's training as it was: the same final parameters."""
     plain = Classifier(record=False)

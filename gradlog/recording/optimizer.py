@@ -207,8 +207,9 @@ class OptimizerCapture:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # SGD's first momentum step sets the buffer to the gradient, undamped: which
         # parameters take it is known only before the step (a warm-up or a resumed
-        # optimizer has buffers before this recorder's first step)
-        if self.kind == "sgd" and self._pending() not in (None, self._captured):
+        # optimizer has buffers before this recorder's first step). At every step: Lightning
+        # runs the step's backward inside step(closure), after this hook
+        if self.kind == "sgd":
             state = self.optimizer.state
             self._fresh = {id(p) for p in self.params.values()
                            if state.get(p, {}).get("momentum_buffer") is None}
