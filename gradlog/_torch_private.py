@@ -23,6 +23,7 @@ This module imports only torch and the standard library (layer 1).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -32,6 +33,7 @@ from torch import nn
 __all__ = [
     "DispatchMode",
     "autograd_node_forward_class",
+    "autograd_node_leading_copies",
     "autograd_node_nll_target",
     "autograd_node_output_dtypes",
     "autograd_node_output_shape",
@@ -324,6 +326,41 @@ def autograd_node_saved_alpha(node: Any) -> float:
     Private API: ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1).
     """
     return float(getattr(node, "_saved_alpha", 1.0))
+
+
+def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
+    """How many copies along dimension 0 a ``repeat``, ``cat``, ``index`` or
+    ``index_select`` node made of an input of ``ndim`` dimensions whose dimension 0 has size
+    1; 0 when it made none (another dimension, another input); None for other nodes.
+
+    Private API: ``RepeatBackward0._saved_repeats``, ``CatBackward0._saved_dim``,
+    ``IndexBackward0._saved_indices``, ``IndexSelectBackward0._saved_dim`` and
+    ``_saved_index``. Fallback: None (not known: the caller does not count it).
+    """
+    kind = type(node).__name__
+    try:
+        if kind == "RepeatBackward0":
+            repeats = [int(n) for n in node._saved_repeats]  # (new leading dimensions first)
+            return math.prod(repeats[: len(repeats) - ndim + 1]) if len(repeats) >= ndim else None
+        if kind == "CatBackward0":  # the same input at every place: one tensor, copied
+            inputs = {id(fn) for fn, _ in node.next_functions}
+            return len(node.next_functions) if (
+                _dim(node._saved_dim, ndim) == 0 and len(inputs) == 1) else 0
+        if kind == "IndexSelectBackward0":
+            return int(node._saved_index.numel()) if _dim(node._saved_dim, ndim) == 0 else 0
+        if kind == "IndexBackward0":
+            first = next(iter(node._saved_indices), None)
+            return 0 if first is None else int(first.numel())
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        return None
+    return None
+
+
+def _dim(saved: Any, ndim: int) -> int:
+    """A saved dimension (an int64 read back as unsigned when negative), from the front."""
+    d = int(saved)
+    d = d - 2**64 if d >= 2**63 else d
+    return d + ndim if d < 0 else d
 
 
 def autograd_node_view_input_sizes(node: Any) -> tuple[int, ...] | None:

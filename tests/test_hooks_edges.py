@@ -267,6 +267,58 @@ def test_a_flattened_output_of_a_module_without_a_rule_is_refused(d: int) -> Non
         per_datum(experts, lambda: squares(experts(x).reshape(B, 5, d)), "hooks")
 
 
+class _SharedPrompt(nn.Module):
+    """A prompt ``(1, n, d)`` computed once and copied over the batch (PEFT's prompt tuning)."""
+
+    def __init__(self, n: int, copy: str) -> None:
+        super().__init__()
+        self.prompt = nn.Embedding(n, 3)
+        self.head = nn.Linear(3, 2)
+        self.n, self.copy = n, copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 3)
+        B = x.shape[0]
+        p = self.prompt(torch.arange(self.n)[None])  # (1, n, 3)
+        shared = {"repeat": lambda: p.repeat(B, 1, 1),
+                  "new-dim": lambda: p.repeat(B, 1, 1, 1)[:, 0],
+                  "cat": lambda: torch.cat([p] * B),
+                  "index": lambda: p[[0] * B],
+                  "index_select": lambda: p.index_select(0, torch.zeros(B, dtype=torch.long)),
+                  }[self.copy]()
+        return self.head(torch.cat([shared, x], dim=1))
+
+
+@pytest.mark.parametrize("copy", ["repeat", "new-dim", "cat", "index", "index_select"])
+def test_an_output_copied_over_the_batch_is_refused_whatever_its_sizes(copy: str) -> None:
+    """With n == B the prompt's second dimension passed for the batch; a backward hook (no
+    datum check) let that through, wrong. Refused from the graph, as with n != B."""
+    torch.manual_seed(0)
+    model = _SharedPrompt(B, copy).double()
+    model.head.register_full_backward_hook(lambda *_: None)
+    x = torch.randn(B, 5, 3, dtype=D64)
+    with pytest.raises(BackendError, match=r"shape \(1, 4, 3\), with no batch dimension"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _StartToken(nn.Module):
+    """A per-datum start token ``(1, B, d)`` put before a sequence-first ``(T, B, d)`` one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start, self.emb, self.out = nn.Linear(3, 4), nn.Embedding(7, 4), nn.Linear(4, 5)
+
+    def forward(self, c: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        seq = torch.cat([self.start(c.unsqueeze(0)), self.emb(tokens)], dim=0)  # (T+1, B, 4)
+        return self.out(torch.tanh(seq)).transpose(0, 1)
+
+
+def test_a_cat_of_a_size_1_led_output_with_other_tensors_is_not_a_copy() -> None:
+    torch.manual_seed(0)
+    model = _StartToken().double()
+    c, tokens = torch.randn(B, 3, dtype=D64), torch.randint(0, 7, (6, B))
+    assert_hooks_match_loop(model, lambda: squares(model(c, tokens)))
+
+
 def test_a_loss_coupling_the_datums_is_refused() -> None:
     """In-batch negatives: datum b's loss depends on every datum's embedding."""
     torch.manual_seed(0)

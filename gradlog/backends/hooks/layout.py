@@ -10,14 +10,17 @@ head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from gradlog._torch_private import autograd_node_output_shape, autograd_node_shapes_known
+from gradlog._torch_private import (
+    autograd_node_leading_copies,
+    autograd_node_output_shape,
+    autograd_node_shapes_known,
+)
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Call, Entry
 from gradlog.backends.hooks.graph import (
@@ -179,26 +182,16 @@ _OP_ON_PARAMETERS = (
     "their parameters out (params=)."
 )
 
-REPLICATING = frozenset({"RepeatBackward0", "CatBackward0", "IndexBackward0",
-                         "IndexSelectBackward0"})
-"""Autograd nodes of ops that may copy a tensor whole along its leading dimension."""
-
-
 def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
                 B: int) -> bool:
-    """Whether an op copies the output, led by a dimension of size 1, over the batch (PEFT's
-    prompt embedding ``(1, n, d).repeat(B, 1, 1)``): every datum then shares all of it,
-    whatever other dimension of size B it has (n == B would pass for the batch)."""
+    """Whether an op copies the output, led by a dimension of size 1, B or more times along
+    that dimension (PEFT's prompt embedding ``(1, n, d).repeat(B, 1, 1)``): every datum then
+    shares all of it, whatever other dimension of size B it has (n == B would pass for the
+    batch). Other ops on it (a cat with other tensors, a Linear on an RNN's ``h_n``) are not."""
     nodes = [node for node, _ in found]
     if any(type(node).__name__ in VIEW_NODES for node in nodes):
         nodes += [node for node, _, _ in consumers_through_views(root, found) or ()]
-    numel = math.prod(shape)
-    for node in nodes:
-        if type(node).__name__ in REPLICATING:
-            wide = autograd_node_output_shape(node)
-            if wide and wide[0] >= B and math.prod(wide) >= B * numel:
-                return True
-    return False
+    return any((autograd_node_leading_copies(node, len(shape)) or 0) >= B for node in nodes)
 
 
 def _through_views(found: list[tuple[Any, int]], root: Any,
