@@ -245,6 +245,36 @@ def test_every_query_weights_each_parameter_by_its_own_group_rate(tmp_path: Path
     assert norm == pytest.approx(np.sqrt(sum(float(v @ v) for v in delta.values())), rel=1e-9)
 
 
+def test_a_record_keeps_its_own_rate_where_the_groups_agree(tmp_path: Path) -> None:
+    """``rec.backward(lr=)`` is kept when the recorded parameters share one group rate; a
+    record's rate is that of the first group holding a recorded parameter (here group 1:
+    group 0 trains a parameter that is not recorded); a step whose state file is damaged
+    keeps the record's rate, with a warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 1.0},
+                           {"params": model[2].parameters(), "lr": 0.1}])
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    for lr, path in ((None, tmp_path / "a.gradlog"), (0.5, tmp_path / "b.gradlog")):
+        with gradlog.GradRecorder(model, path, optimizer=opt, params="2.*") as rec:
+            for _ in range(2):
+                rec.backward(F.cross_entropy(model(x), y, reduction="none"), lr=lr)
+                opt.step()
+                opt.zero_grad()
+        run = gradlog.open(path)
+        assert run.datums.column("lr").to_pylist() == [lr or 0.1] * 16
+        sq = sum(run.datums.column(f"norm/{n}").to_numpy() ** 2 for n in run.param_names)
+        score = run.self_influence(top=None, weighted=True).column("score").to_numpy()
+        expect = np.bincount(run.datums.column("datum_id").to_numpy(), weights=sq / 8)
+        np.testing.assert_allclose(np.sort(score), np.sort(expect * (lr or 0.1)), rtol=1e-9)
+    # groups that differ, one step's state damaged: that step keeps the record's rate, said so
+    path = tmp_path / "c.gradlog"
+    _train(path, OPTIMIZERS["sgd-groups"])
+    (path / "optimizer" / "step-000000000001.npz").write_bytes(b"not a zip")
+    with pytest.warns(UserWarning, match=r"step\(s\) \[1\] have no readable optimizer state"):
+        gradlog.open(path).influence(0, kind="tracin")
+
+
 def test_group_rates_without_optimizer_state_warn(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="param groups with different learning rates"):
         _train(tmp_path / "run.gradlog", OPTIMIZERS["sgd-groups"], optimizer_state="none")

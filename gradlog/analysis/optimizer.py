@@ -43,6 +43,7 @@ ones, and every form answers every kind.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
@@ -52,7 +53,7 @@ import numpy as np
 from gradlog.analysis.gradients import project
 from gradlog.analysis.scan import ArrayReader
 from gradlog.analysis.selection import check_lr, record_coefficients
-from gradlog.errors import InputError, SelectionError
+from gradlog.errors import InputError, SelectionError, StoreCorruptError, StoreFormatError
 from gradlog.store.format import norm_column
 from gradlog.store.optimizer import OptimizerStep, optimizer_steps, read_optimizer_step
 from gradlog.store.reader import StoreReader
@@ -134,12 +135,14 @@ def param_coefficients(
     what: str,
 ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
     """Per record, ``lr_t [w_r]`` (:func:`~gradlog.analysis.selection.record_coefficients`),
-    and per parameter where param groups gave the parameters other rates than the record's.
+    and per parameter where param groups gave the parameters different rates.
 
-    A record keeps one learning rate, the optimizer's first param group's (or ``lr=`` of
-    ``rec.backward``). Where the run kept the optimizer's state at a step and a recorded
-    parameter's group rate there differs from it, each parameter's own group rate applies
-    at that step, as in ``kind="optimizer"``; ``lr=`` here replaces every rate.
+    A record keeps one learning rate: ``lr=`` of ``rec.backward``, or the rate of the
+    optimizer's first param group holding a recorded parameter. At a step where the run kept
+    the optimizer's state and the recorded parameters' groups had different rates, each
+    parameter's own group rate applies, as in ``kind="optimizer"``; ``lr=`` here replaces
+    every rate. A step of such a run without readable state keeps the record's rate, with a
+    warning.
 
     Returns:
         ``(common, per_param)``: ``per_param`` None where ``common`` holds for every name.
@@ -150,20 +153,15 @@ def param_coefficients(
     kept = set(optimizer_steps(run.path))
     if not kept:
         return common, None
-    steps = records.column("step").to_numpy()
-    ustep, first, inverse = np.unique(steps, return_index=True, return_inverse=True)
-    record_lr = records.column("lr").to_numpy(zero_copy_only=False).astype(np.float64)
+    ustep, inverse = np.unique(records.column("step").to_numpy(), return_inverse=True)
     rates: dict[str, np.ndarray] | None = None
+    unread: list[int] = []  # steps of the run without readable state
     for i, step in enumerate(ustep.tolist()):
-        if step not in kept:
+        own = _group_rates(run, step) if step in kept else None
+        if own is None:
+            unread.append(step)
             continue
-        state = read_optimizer_step(run.path, step)
-        try:
-            groups = state.meta.get("params", {})
-        finally:
-            state.close()
-        own = {n: float(g["lr"]) for n, g in groups.items() if g is not None}
-        if all(v == record_lr[first[i]] for v in own.values()):
+        if len(set(own.values())) <= 1:  # one rate: the record's (or the caller's lr=)
             continue
         if rates is None:
             rates = {n: np.full(ustep.size, np.nan) for n in names}
@@ -171,6 +169,13 @@ def param_coefficients(
             rates[n][i] = own.get(n, np.nan)
     if rates is None:
         return common, None
+    if unread:
+        warnings.warn(
+            f"{what}: the recorded parameters' param groups had different learning rates, but "
+            f"step(s) {unread[:5]}{' ...' if len(unread) > 5 else ''} have no readable "
+            "optimizer state: those steps weight every parameter by the record's one rate.",
+            UserWarning, stacklevel=4,
+        )
     weight = (records.column("weight").to_numpy().astype(np.float64) if weighted
               else np.ones(records.num_rows))
     per_param = {}
@@ -178,6 +183,16 @@ def param_coefficients(
         rate = rates[n][inverse]
         per_param[n] = np.where(np.isnan(rate), common, rate * weight)
     return common, per_param
+
+
+def _group_rates(run: StoreReader, step: int) -> dict[str, float] | None:
+    """Each stepped parameter's group rate at ``step`` from its state file, or None when
+    the file cannot be read (it is named; scores that need it raise)."""
+    try:
+        state = read_optimizer_step(run.path, step)
+    except (StoreCorruptError, StoreFormatError):
+        return None
+    return {n: float(g["lr"]) for n, g in state.meta.get("params", {}).items() if g is not None}
 
 
 class OptimizerView:

@@ -4,7 +4,7 @@ what the backend returns: datum ids, learning rates, losses, per-datum gradient 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -94,11 +94,14 @@ def lr_value(lr: Any, what: str) -> float:
     return value
 
 
-def optimizer_lr(optimizer: Any) -> float:
-    """The learning rate of ``optimizer``'s first param group (checked as ``lr=``)."""
-    return lr_value(
-        optimizer.param_groups[0]["lr"], "the optimizer's learning rate (param_groups[0]['lr'])"
-    )
+def optimizer_lr(optimizer: Any, params: Iterable[Any] = ()) -> float:
+    """The learning rate of ``optimizer``'s first param group holding one of ``params`` (the
+    recorded parameters; the first group if none does), checked as ``lr=``. Groups at
+    other rates are read per parameter from the optimizer's state at query time."""
+    mine = {id(p) for p in params}
+    groups = optimizer.param_groups
+    at = next((i for i, g in enumerate(groups) if any(id(p) in mine for p in g["params"])), 0)
+    return lr_value(groups[at]["lr"], f"the optimizer's learning rate (param_groups[{at}]['lr'])")
 
 
 def on_step_of(optimizer: Any, hook: Callable[..., None]) -> Any:

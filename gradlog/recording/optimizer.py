@@ -74,15 +74,14 @@ def _warn_if_rates_differ(optimizer: Any, params: Mapping[str, torch.nn.Paramete
     mine = {id(p) for p in params.values()}
     rates = {_scalar(g["lr"]) for g in optimizer.param_groups
              if any(id(p) in mine for p in g["params"])}
-    first = _scalar(optimizer.param_groups[0]["lr"])
-    if rates - {first}:
+    if len(rates) > 1:
         warnings.warn(
             f"the recorded parameters are in param groups with different learning rates "
-            f"({sorted(rates | {first})}) and gradlog keeps no optimizer state for this run: "
-            "each record keeps the first group's rate, and influence, self-influence and "
-            "movers weight every parameter by it. Record with Adam, AdamW or SGD and "
-            "optimizer_state='auto' (each parameter's own rate is kept), or pass lr= to "
-            "queries of parameters of one group.",
+            f"({sorted(rates)}) and gradlog keeps no optimizer state for this run: each "
+            "record keeps one rate (the first of these groups'), and influence, "
+            "self-influence and movers weight every parameter by it. Record with Adam, "
+            "AdamW or SGD and optimizer_state='auto' (each parameter's own rate is kept), "
+            "or pass lr= to queries of parameters of one group.",
             UserWarning,
             stacklevel=5,
         )

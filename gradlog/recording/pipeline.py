@@ -186,7 +186,7 @@ class StepPipeline:
         """
         check_settings(self.model, self.sparse)
         if lr is None and self.options.optimizer is not None:  # checked before the backward
-            lr = optimizer_lr(self.options.optimizer)
+            lr = optimizer_lr(self.options.optimizer, self.params.values())
         lifecycle = self.lifecycle
         check = self.self_check.due(lifecycle.steps_recorded, lifecycle.first_micro())
         before = self.self_check.snapshot() if check else {}

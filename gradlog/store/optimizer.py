@@ -156,12 +156,15 @@ class OptimizerStep:
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[Any]:
-        """The file, opened (a local file is read member by member; an object whole), and
-        closed however the read ends (``np.load`` of a path leaks it when the zip is bad)."""
+        """The file, opened to be read member by member (an object through ranged reads:
+        the metadata alone is a few KiB of a file as large as the model), and closed however
+        the read ends (``np.load`` of a path leaks it when the zip is bad)."""
         with contextlib.ExitStack() as stack:
             where = self._where
-            source: Any = (stack.enter_context(open(where, "rb")) if isinstance(where, Path)
-                           else io.BytesIO(where.read_bytes()))
+            if isinstance(where, Path):
+                source: Any = stack.enter_context(open(where, "rb"))
+            else:
+                source = stack.enter_context(where.fs.open(where.path, "rb"))
             yield stack.enter_context(np.load(source, allow_pickle=False))
 
     def close(self) -> None:
