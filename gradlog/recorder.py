@@ -81,10 +81,13 @@ class GradRecorder:
         planning.check_requests(self.config, self.params)
         self._encoder = FormEncoder(self.config, self.options, self.params, path)
         self._pipeline: StepPipeline | None = None  # while recording
-        # The factor a trainer scaled this micro-batch's loss by for gradient accumulation
-        # (1/k), set by gradlog.integrations around their backward: part of each stored
-        # weight, so that sum_b w_b g_b is the gradient the optimizer steps with.
+        # Set by gradlog.integrations around their backward. The factor a trainer scaled this
+        # micro-batch's loss by for gradient accumulation (1/k): part of each stored weight,
+        # so that sum_b w_b g_b is the gradient the optimizer steps with. And the whole
+        # factor it scaled the loss by (1/k times an AMP loss scale): the batch loss's, so
+        # that p.grad is the trainer's own (an fp16 backward needs the loss scale).
         self._weight_scale = 1.0
+        self._seed_scale = 1.0
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> GradRecorder:
@@ -210,25 +213,33 @@ class GradRecorder:
         check_differentiable(self.params, reduced)  # frozen parameters, losses without grad
         lr = None if lr is None else lr_value(lr, "lr")
         step = lifecycle.resolve(step)
+        seed = self._seed_scale
+
+        def batch_loss() -> torch.Tensor:
+            loss = backend.reduce_batch(reduced)
+            return loss if seed == 1.0 else loss * seed
+
         if not lifecycle.records(step):
             loss_checks.settle()
-            backend.reduce_batch(reduced).backward()
+            batch_loss().backward()
             lifecycle.skip(step, int(reduced.shape[0]), datum_ids)
             return reduced.detach()
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
+            backend.seed_scale = seed
             if not backend.settles_loss_checks:
                 loss_checks.settle()
-                return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
+                return reduced, backend.backward(reduced, batch_loss())
             backend.loss_checks = loss_checks  # read before it touches p.grad, after its walks
             try:
-                return reduced, backend.backward(reduced, backend.reduce_batch(reduced))
+                return reduced, backend.backward(reduced, batch_loss())
             finally:  # (never left for a later call to read, nor holding this graph)
                 backend.loss_checks = None
+                backend.seed_scale = 1.0
 
         tokens_per_datum = losses.shape[1] if losses.dim() == 2 else 1
         return pipeline.record(compute, step, datum_ids, lr, mask, tokens_per_datum,
-                               self._weight_scale)
+                               self._weight_scale, seed)
 
     def step(
         self,

@@ -167,6 +167,60 @@ def test_sgd_momentums_first_step_is_kept_as_first(tmp_path: Path, accumulate: i
     assert counts == [[1], [2], [3]]
 
 
+class _SmallLossesFp16(L.LightningModule):  # type: ignore[misc]
+    """Losses small enough that an fp16 backward needs its loss scale, and a trained
+    tensor outside the module's parameters (a temperature given to the optimizer by hand)."""
+
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(D_IN, 32), nn.Tanh(), nn.Linear(32, N_CLASSES))
+        self.temp = [torch.tensor(1.5, requires_grad=True)]  # not registered
+        self.record = record
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        losses = 1e-2 * F.cross_entropy(self.net(x.float()) * self.temp[0], y, reduction="none")
+        return recorded_loss(self, losses, datum_ids=idx) if self.record else losses.mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([*self.parameters(), *self.temp], lr=10.0)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(_data(), batch_size=4)
+
+
+class _Grads(L.Callback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.seen: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.seen.append([p.grad.clone() for p in [*module.parameters(), *module.temp]])
+
+
+def test_fp16_loss_scale_and_tensors_outside_the_model_train_as_without(tmp_path: Path) -> None:
+    """The recorded backward carries the trainer's whole scale (an fp16 GradScaler's, the
+    accumulation's 1/k), as its own does: p.grad of every trained leaf is bitwise the one of
+    the run without gradlog. (It ran unscaled, with p.grad rescaled around it: fp16
+    gradients underflowed, and a tensor outside the model got k times its gradient.)"""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fit(record: bool, callbacks: list[Any]) -> _Grads:
+        grads = _Grads()
+        amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        _trainer(tmp_path / str(record), [*callbacks, grads], max_steps=2,
+                 plugins=[amp]).fit(_SmallLossesFp16(record))
+        return grads
+
+    recorded = fit(True, [GradlogCallback(tmp_path / "run.gradlog", params="net.*")])
+    plain = fit(False, [])
+    assert len(recorded.seen) == len(plain.seen) == 2
+    for a, b in zip(recorded.seen, plain.seen):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert gradlog.open(tmp_path / "run.gradlog").steps.num_rows == 2
+
+
 def test_training_is_unchanged(tmp_path: Path) -> None:
     """Recording leaves Lightning's training as it was: the same final parameters."""
     plain = Classifier(record=False)

@@ -145,6 +145,10 @@ class Backend(abc.ABC):
         """Set by the recorder: weights of :attr:`keep_material` whose calls that take their
         gradient from the records (:attr:`fused_params`) return the dense gradients they
         form anyway; their other calls (under autocast) return factors."""
+        self.seed_scale = 1.0
+        """Set by the recorder before a backward: the factor its batch loss carries (a
+        trainer's loss scale, gradient accumulation's ``1/k``), so ``p.grad`` gets what the
+        trainer's own backward would give; per-datum gradients are of the unscaled losses."""
         self.low_precision: dict[str, torch.dtype] = {}
         """Set by each backward: recorded parameter name -> the narrower floating dtype
         (autocast's bfloat16 or float16) in which autograd computed its ``p.grad``. Such a

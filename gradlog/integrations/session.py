@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradlog._torch_private import foreach_div_, foreach_mul_
 from gradlog.errors import InputError
 from gradlog.losses import per_datum_losses
 from gradlog.recorder import GradRecorder
@@ -201,18 +200,15 @@ class RecordingSession:
                 f"the trainer scaled the loss by {scale}; gradlog records only batches whose "
                 "loss is scaled by a finite, nonzero factor."
             )
-        accumulated = [p.grad for p in model.parameters() if p.grad is not None]
-        if scale != 1.0 and accumulated:
-            foreach_div_(accumulated, scale)
+        # The recorded backward carries the trainer's whole scale, as its own would: p.grad
+        # of every leaf (the model's or not) is what the trainer expects, and an fp16
+        # backward keeps its loss scale (unscaled, small gradients underflow)
         recorder._weight_scale = scale / self.amp_scale()  # the accumulation's 1/k
+        recorder._seed_scale = scale
         try:
             recorder.backward(losses, datum_ids=datum_ids, step=step, mask=mask)
         finally:
-            recorder._weight_scale = 1.0
-            if scale != 1.0:
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                if grads:
-                    foreach_mul_(grads, scale)
+            recorder._weight_scale = recorder._seed_scale = 1.0
 
 
 def grad_scaler_scale(scaler: Any) -> float:

@@ -171,6 +171,7 @@ class StepPipeline:
         mask: torch.Tensor | None,
         tokens_per_datum: int | Callable[[], int],
         weight_scale: float,
+        seed_scale: float = 1.0,
     ) -> torch.Tensor:
         """Run a recorded batch through every stage; its per-datum losses, detached.
 
@@ -183,6 +184,8 @@ class StepPipeline:
             tokens_per_datum: Tokens per datum (or a function giving them after compute).
             weight_scale: A trainer's scaling of this micro-batch's loss (gradient
                 accumulation's ``1/k``): part of each stored weight.
+            seed_scale: The factor the batch loss carried into the backward (``1/k`` times
+                an AMP loss scale): ``p.grad`` holds it, the per-datum gradients do not.
         """
         check_settings(self.model, self.sparse)
         if lr is None and self.options.optimizer is not None:  # checked before the backward
@@ -214,7 +217,8 @@ class StepPipeline:
                     self.encoder.plan += "\n" + line
                     log.info("gradlog: %s", line)
             if check:
-                self.self_check.verify(before, grads, weight, self.dist, self.backend.low_precision)
+                self.self_check.verify(before, grads, weight * seed_scale, self.dist,
+                                       self.backend.low_precision)
             if self.probes is not None and lifecycle.pending is None:  # once per step, at micro 0
                 self.backend.settle()  # (no probes of a step whose records fail their checks)
                 self.probes.record(step, self.writer.path)

@@ -437,7 +437,7 @@ class HooksBackend(Backend):
         if batch_size:
             self.low_precision = {}
         self._batch = batch_size
-        self._scale = float(batch_size) if self.batch_reduction == "mean" else 1.0
+        self._scale = (batch_size if self.batch_reduction == "mean" else 1) / self.seed_scale
         self._results = Accumulator(self.params, self._pool, batch_size, self.keep_material,
                                     self.dense_when_fused)
         self._got_grad: set[str] = set()
