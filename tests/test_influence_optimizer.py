@@ -275,6 +275,16 @@ def test_a_record_keeps_its_own_rate_where_the_groups_agree(tmp_path: Path) -> N
         gradlog.open(path).influence(0, kind="tracin")
 
 
+def test_parameters_another_optimizer_trains_are_named(tmp_path: Path) -> None:
+    """Lightning with two optimizers passes the first: the others' parameters have no rate
+    or state in the run; said when recording starts."""
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"\['2.weight', '2.bias'\] are in none of the param"):
+        with gradlog.GradRecorder(model, tmp_path / "r.gradlog", optimizer=opt):
+            pass
+
+
 def test_group_rates_without_optimizer_state_warn(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="param groups with different learning rates"):
         _train(tmp_path / "run.gradlog", OPTIMIZERS["sgd-groups"], optimizer_state="none")

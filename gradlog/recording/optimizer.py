@@ -68,6 +68,23 @@ def _scalar(value: Any) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _warn_if_not_trained_by(optimizer: Any, params: Mapping[str, torch.nn.Parameter]) -> None:
+    """Warn when recorded parameters are in none of the optimizer's param groups (another
+    optimizer trains them: Lightning's second optimizer): no rate or state is known."""
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    outside = [n for n, p in params.items() if id(p) not in trained]
+    if outside:
+        warnings.warn(
+            f"recorded parameters {outside[:5]}{' ...' if len(outside) > 5 else ''} are in "
+            f"none of the param groups of the optimizer given ({type(optimizer).__name__}): "
+            "their records carry its rate, influence weights them by it, and "
+            "kind='optimizer' scores them 0. Record the parameters each optimizer trains "
+            "with a recorder of their own, or pass params= to queries.",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
 def _warn_if_rates_differ(optimizer: Any, params: Mapping[str, torch.nn.Parameter]) -> None:
     """Warn when the recorded parameters' param groups have different learning rates and
     no optimizer state will be kept: each record keeps one rate (the first group's)."""
@@ -157,6 +174,7 @@ class OptimizerCapture:
         inner = _unwrap(optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
             return None
+        _warn_if_not_trained_by(inner, params)
         if dtype == "none" or optimizer_kind(inner) is None:
             _warn_if_rates_differ(inner, params)
         if dtype == "none":

@@ -217,9 +217,10 @@ def _not_adding_up(bad: list[str], how: str) -> str:
         f"the per-datum gradients of {bad} do not add up to their gradient in this "
         f"backward ({how}: sum_b w_b g_b != the gradient autograd accumulated): part of "
         "their use was not seen by gradlog, e.g. a parameter also used outside the model's "
-        "forward (in the loss code: op-level capture sees only the root module's forward), "
-        "or a rule is wrong. p.grad is complete. Move that use into the model's forward, or "
-        "use backend='loop'.")
+        "forward (in the loss code: op-level capture sees only the root module's forward; "
+        "a torch.compile'd model called through a method other than forward runs its inner "
+        "module's forward unwatched), or a rule is wrong. p.grad is complete. Move that use "
+        "into the model's forward (call the compiled module itself), or use backend='loop'.")
 
 
 def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rtol: float,
