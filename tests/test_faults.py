@@ -51,6 +51,7 @@ from torch import nn
 import gradlog
 from gradlog.errors import (
     GradlogError,
+    InputError,
     NonFiniteGradientWarning,
     StoreCorruptError,
     StoreResumeError,
@@ -205,6 +206,8 @@ def test_a_non_finite_gradient_from_a_finite_loss_is_flagged_and_named(  # the b
                 table = run.influence(probe, top=top, kind=kind, lr=0.1)
             assert 12 not in table.column("datum_id").to_pylist()
             assert table.num_rows == (3 if top is None else table.num_rows)
+    with pytest.raises(InputError, match=r"records of step\(s\) \[0\] have non-finite"):
+        run.movers(lr=0.1)  # (the change is NaN: every share would be)
 
 
 def test_finite_gradients_give_no_warning(tmp_store: Path) -> None:

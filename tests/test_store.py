@@ -400,7 +400,8 @@ def test_non_integer_selectors_are_refused(
 
 
 @pytest.mark.parametrize("far", [2**63, 2**64, -(2**70), np.uint64(2**63), [1, 2**70],
-                                 np.array([2**63], dtype=np.uint64)], ids=repr)
+                                 np.array([2**63], dtype=np.uint64), range(2**63 - 1, 2**63 + 1)],
+                         ids=repr)
 def test_ids_beyond_int64_are_refused_not_wrapped(
     sel_run: tuple[gradlog.Run, Expected], far: Any
 ) -> None:

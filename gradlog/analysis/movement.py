@@ -30,8 +30,9 @@ import numpy as np
 from gradlog.analysis import tasks
 from gradlog.analysis.optimizer import param_coefficients
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
-from gradlog.analysis.selection import params_of, per_datum, ranked
+from gradlog.analysis.selection import params_of, per_datum, ranked, summed_sqnorms
 from gradlog.analysis.space import ops_of, reader
+from gradlog.errors import InputError
 from gradlog.store.reader import Selector, StoreReader
 
 if TYPE_CHECKING:
@@ -131,6 +132,14 @@ def movers(
         its schema metadata ``change_norm`` holds ``||delta||`` (the sum of every score).
     """
     records, scores, norm = record_movement(run, params, steps=steps, lr=lr, **scan)
+    if not np.isfinite(norm):  # one non-finite record makes the change, and every share, NaN
+        sq = summed_sqnorms(run, records, params_of(run, params, gradients=True))
+        bad = np.unique(records.column("step").to_numpy()[~np.isfinite(sq)])
+        raise InputError(
+            f"the change of the selected parameters is not finite: records of step(s) "
+            f"{bad[:10].tolist()} have non-finite gradients (the recorder warned at those "
+            "steps). Pass steps= without them."
+        )
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), scores
     )

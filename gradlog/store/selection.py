@@ -51,7 +51,11 @@ def as_ids(sel: Selector, name: str) -> np.ndarray | None:
     elif isinstance(sel, np.ndarray):
         values = sel
     elif isinstance(sel, range):
-        values = np.arange(sel.start, sel.stop, sel.step, dtype=np.int64)
+        far = _outside([sel[0], sel[-1]]) if len(sel) else None
+        if far is not None:
+            raise SelectionError(f"{name}={sel!r}: {name} ids are int64: {far} is outside "
+                                 "[-2**63, 2**63 - 1].")
+        values = sel.start + sel.step * np.arange(len(sel), dtype=np.int64)
     elif isinstance(sel, Iterable) and not isinstance(sel, (str, bytes, dict)):
         try:  # numpy takes 0-d arrays and tensors as their values
             values = np.asarray(list(sel))
