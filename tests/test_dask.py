@@ -24,7 +24,7 @@ from torch import nn
 
 import gradlog
 from gradlog.analysis.tasks import StoreRef
-from gradlog.errors import MissingExtraError, StoreFormatError
+from gradlog.errors import MissingExtraError, StoreReplacedError
 
 distributed = pytest.importorskip("distributed", reason="needs gradlog[dask] (dask.distributed)")
 pytest.importorskip("dask.array", reason="needs gradlog[dask] (dask.array)")
@@ -174,8 +174,8 @@ def test_dask_default_scheduler_is_the_active_client(run: gradlog.Run, client: o
 def test_a_replaced_store_is_refused(run: gradlog.Run) -> None:
     ref = StoreRef.of(run)
     assert ref.open().path == run.path
-    stale = StoreRef(ref.path, "1970-01-01T00:00:00+00:00", ref.config_hash)
-    with pytest.raises(StoreFormatError, match="replaced"):
+    stale = StoreRef(ref.path, ("0" * 32, *ref.identity[1:]))  # another run_id
+    with pytest.raises(StoreReplacedError, match="replaced"):
         stale.open()
 
 

@@ -535,7 +535,7 @@ def test_a_parameter_shape_unlike_its_arrays_is_refused(tmp_store: Path) -> None
     _train(tmp_store, CALLS[:2])
     _edit_root_attrs(tmp_store, lambda a: a["params"]["0.weight"].update(
         shape=a["params"]["0.weight"]["shape"][::-1]))
-    with pytest.raises(errors.StoreFormatError, match="'0.weight' has shape .* rows of shape"):
+    with pytest.raises(errors.StoreFormatError, match=r"'0.weight' has shape .* rows of shape"):
         gradlog.open(tmp_store).grads("0.weight")
 
 

@@ -39,6 +39,7 @@ from gradlog.analysis.gradients import decoded
 from gradlog.analysis.scan import block_plan
 from gradlog.analysis.space import block_moments, ops_of, probe_cost, reader, step_dots
 from gradlog.errors import StoreReplacedError
+from gradlog.store import root
 from gradlog.store.reader import StoreReader
 
 __all__ = [
@@ -55,26 +56,22 @@ __all__ = [
 @dataclass(frozen=True)
 class StoreRef:
     """What a task needs to open a store: its path (and, to refuse a store replaced since
-    the client planned, its creation time and configuration hash)."""
+    the client planned, the run's identity: :func:`gradlog.store.root.identity`)."""
 
     path: str
-    created: str | None
-    config_hash: str | None
+    identity: tuple[Any, ...]
 
     @classmethod
     def of(cls, run: StoreReader) -> StoreRef:
         # absolute: a worker's working directory is not the client's
         path = run.path.absolute() if isinstance(run.path, Path) else run.path
-        return cls(str(path), run.attrs.get("created"), run.attrs.get("config_hash"))
+        return cls(str(path), root.identity(run.attrs))
 
     def open(self) -> StoreReader:
         """The store, opened in the task's process (root JSON only: the index is not read;
         the client cross-checked it when it opened the run)."""
         run = StoreReader(self.path, cross_check=False)
-        if (run.attrs.get("created"), run.attrs.get("config_hash")) != (
-            self.created,
-            self.config_hash,
-        ):
+        if root.identity(run.attrs) != self.identity:
             raise StoreReplacedError(
                 f"{self.path} was replaced by another run while a Dask scan read it; open it "
                 "again (gradlog.open) and run the scan again."

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ def root_attrs(model: nn.Module, config: RecorderConfig) -> dict[str, Any]:
         "gradlog_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run_id": uuid.uuid4().hex,  # tells this run from one that replaces it in the second
         "model": {"class": type(model).__name__, "n_parameters": n_params},
         "config": config.to_json(),
         "config_hash": config.hash(),

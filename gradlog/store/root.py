@@ -42,9 +42,10 @@ def read_root_attrs(path: StorePath) -> dict[str, Any]:
     return attrs
 
 
-def identity(attrs: dict[str, Any]) -> tuple[Any, Any]:
-    """What tells one run from another that replaced it at the same path."""
-    return attrs.get("created"), attrs.get("config_hash")
+def identity(attrs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """What tells one run from another that replaced it at the same path: its ``run_id``
+    (stores before it: None), creation time and configuration hash."""
+    return attrs.get("run_id"), attrs.get("created"), attrs.get("config_hash")
 
 
 def stamp(path: StorePath) -> tuple[int, int, int] | None:

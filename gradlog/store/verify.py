@@ -566,6 +566,8 @@ def _structural_root_checks(attrs: dict[str, Any], check: Check) -> None:
     for key, kind in _ROOT_KEYS.items():
         if not isinstance(attrs.get(key), kind):
             check.problems.append(f"root attribute {key!r} is missing or not a {kind.__name__}.")
-    unknown = sorted(set(attrs) - set(_ROOT_KEYS))
+    if "run_id" in attrs and not isinstance(attrs["run_id"], str):
+        check.problems.append("root attribute 'run_id' is not a str.")
+    unknown = sorted(set(attrs) - set(_ROOT_KEYS) - {"run_id"})  # (run_id: optional)
     if unknown:
         check.problems.append(f"unknown root attributes {unknown}.")
