@@ -275,6 +275,41 @@ def test_a_record_keeps_its_own_rate_where_the_groups_agree(tmp_path: Path) -> N
         gradlog.open(path).influence(0, kind="tracin")
 
 
+def test_stores_before_run_id_kept_group_0s_rate_and_are_corrected(tmp_path: Path) -> None:
+    """Recorders before ``run_id`` stored group 0's rate in every record, also where group
+    0 holds no recorded parameter: there the kept state's rate applies (a store of now,
+    edited back to what such a recorder wrote)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 1.0},
+                           {"params": model[2].parameters(), "lr": 0.01}])
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, params="2.*", optimizer=opt) as rec:
+        for _ in range(2):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+            opt.step()
+            opt.zero_grad()
+    want = gradlog.open(path).self_influence(weighted=True).column("score").to_numpy()
+    meta = json.loads((path / "zarr.json").read_text())
+    del meta["attributes"]["run_id"]
+    (path / "zarr.json").write_text(json.dumps(meta))
+    for part in [*path.glob("index/*.parquet"), *path.glob("steps/*.parquet")]:
+        table = pq.read_table(part)
+        at = table.schema.get_field_index("lr")
+        lr = pa.array([1.0] * table.num_rows, table.schema.field(at).type)
+        pq.write_table(table.set_column(at, table.schema.field(at), lr), part)
+    old = gradlog.open(path)
+    assert old.datums.column("lr").to_pylist() == [1.0] * 16
+    got = old.self_influence(weighted=True).column("score").to_numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
 def test_parameters_another_optimizer_trains_are_named(tmp_path: Path) -> None:
     """Lightning with two optimizers passes the first: the others' parameters have no rate
     or state in the run; said when recording starts."""

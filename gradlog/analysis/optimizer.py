@@ -54,6 +54,7 @@ from gradlog.analysis.gradients import project
 from gradlog.analysis.scan import ArrayReader
 from gradlog.analysis.selection import check_lr, record_coefficients
 from gradlog.errors import InputError, SelectionError, StoreCorruptError, StoreFormatError
+from gradlog.store import root
 from gradlog.store.format import norm_column
 from gradlog.store.optimizer import OptimizerStep, optimizer_steps, read_optimizer_step
 from gradlog.store.reader import StoreReader
@@ -153,7 +154,10 @@ def param_coefficients(
     kept = set(optimizer_steps(run.path))
     if not kept:
         return common, None
-    ustep, inverse = np.unique(records.column("step").to_numpy(), return_inverse=True)
+    ustep, first, inverse = np.unique(records.column("step").to_numpy(), return_index=True,
+                                      return_inverse=True)
+    record_lr = records.column("lr").to_numpy(zero_copy_only=False).astype(np.float64)
+    group_0_rates = not root.records_rate_of_recorded_group(run.attrs)
     rates: dict[str, np.ndarray] | None = None
     unread: list[int] = []  # steps of the run without readable state
     for i, step in enumerate(ustep.tolist()):
@@ -161,7 +165,8 @@ def param_coefficients(
         if own is None:
             unread.append(step)
             continue
-        if len(set(own.values())) <= 1:  # one rate: the record's (or the caller's lr=)
+        agree = len(set(own.values())) <= 1  # one rate: the record's (or rec.backward's lr=)
+        if agree and (not group_0_rates or all(v == record_lr[first[i]] for v in own.values())):
             continue
         if rates is None:
             rates = {n: np.full(ustep.size, np.nan) for n in names}

@@ -188,6 +188,17 @@ class OptimizerCapture:
                 stacklevel=4,
             )
             return None
+        if optimizer_kind(inner) == "adam" and any(callable(getattr(p, "full_tensor", None))
+                                                   for p in params.values()):
+            warnings.warn(  # (gathering them would take every rank; rank 0 alone keeps state)
+                "gradlog keeps no optimizer state for parameters sharded by FSDP2 (DTensors) "
+                "yet: influence on this run is the SGD first-order score (kind='tracin'); "
+                "kind='optimizer' will be refused.",
+                UserWarning,
+                stacklevel=4,
+            )
+            _warn_if_rates_differ(inner, params)
+            return None
         mine = {id(p) for p in params.values()}
         for group in inner.param_groups:
             if any(id(p) in mine for p in group["params"]) and group.get("maximize", False):

@@ -11,7 +11,7 @@ from gradlog.errors import NotAStoreError, StoreFormatError
 from gradlog.store import format as fmt
 from gradlog.store.fs import StorePath
 
-__all__ = ["identity", "read_root_attrs", "stamp"]
+__all__ = ["identity", "read_root_attrs", "records_rate_of_recorded_group", "stamp"]
 
 
 def read_root_attrs(path: StorePath) -> dict[str, Any]:
@@ -57,3 +57,11 @@ def stamp(path: StorePath) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def records_rate_of_recorded_group(attrs: dict[str, Any]) -> bool:
+    """Whether a record's learning rate, when taken from the optimizer, is that of its first
+    param group holding a recorded parameter (stores with ``run_id``, from 2026-11-26), not
+    of its first param group (earlier stores: there a rate other than the kept state's came
+    from group 0, not from ``lr=``)."""
+    return "run_id" in attrs
