@@ -221,6 +221,24 @@ def test_fp16_loss_scale_and_tensors_outside_the_model_train_as_without(tmp_path
     assert gradlog.open(tmp_path / "run.gradlog").steps.num_rows == 2
 
 
+@pytest.mark.filterwarnings("ignore::gradlog.errors.NonFiniteGradientWarning")
+def test_a_step_the_amp_scaler_skipped_is_named(tmp_path: Path) -> None:
+    """A GradScaler starting far too high overflows and skips its first steps: their records
+    hold non-finite gradients, and a warning names each step the scaler skipped."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40))
+    store = tmp_path / "run.gradlog"
+    with warnings.catch_warnings(record=True) as warned:  # (pytest.warns re-raises the rest)
+        warnings.simplefilter("always")
+        _trainer(tmp_path, [GradlogCallback(store)], max_steps=2, plugins=[amp]).fit(
+            _SmallLossesFp16(True))
+    skipped = {str(w.message).split("skipped step ")[1].split(" ")[0] for w in warned
+               if "the AMP loss scaler skipped step" in str(w.message)}
+    assert skipped == {"0", "1"}  # both steps overflowed (2**40 halves to 2**38 at most)
+    assert gradlog.open(store).steps.num_rows == 2
+
+
 def test_training_is_unchanged(tmp_path: Path) -> None:
     """Recording leaves Lightning's training as it was: the same final parameters."""
     plain = Classifier(record=False)

@@ -9,20 +9,21 @@ it runs ``GradRecorder.backward`` on the per-datum losses (reentrant autograd, a
 ``torch.utils.checkpoint`` does), so that ``p.grad`` receives ``c`` times the gradient of the
 batch loss, exactly what the trainer's own backward would have accumulated.
 
-The recorder adds the gradient of the batch loss itself (``mean`` or ``sum`` over datums), so
-the session divides the gradients already accumulated by ``c`` before and multiplies them by
-``c`` after (exact when ``c`` is a power of two, e.g. ``1/2``, ``1/4``; otherwise within a
-rounding of the accumulated gradient). Per-datum gradients and losses are recorded unscaled;
-each record's weight includes ``c`` divided by the AMP loss scale (the trainer unscales
-``p.grad`` by it before the optimizer step), so that ``sum_b w_b g_b`` over a step's
-micro-batches is the gradient the optimizer steps with (``1/(k B)`` for ``k`` accumulated
-micro-batches of ``B``).
+The recorder's backward of the batch loss carries ``c`` (``GradRecorder._seed_scale``), as
+the trainer's own would: ``p.grad`` of every leaf, the model's or not, is bitwise the
+trainer's, and an fp16 backward keeps its loss scale. Per-datum gradients and losses are
+recorded unscaled; each record's weight includes ``c`` divided by the AMP loss scale (the
+trainer unscales ``p.grad`` by it before the optimizer step), so that ``sum_b w_b g_b`` over
+a step's micro-batches is the gradient the optimizer steps with (``1/(k B)`` for ``k``
+accumulated micro-batches of ``B``). A step the AMP scaler skipped (its scaled gradients
+overflowed) is kept as recorded, with a warning naming it when the scale's drop shows it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +92,7 @@ class RecordingSession:
         self._losses = 0  # batches that went through loss() since start()
         # the trainer's AMP loss scale (a GradScaler's; 1 without one): set by the callback
         self.amp_scale: Callable[[], float] = lambda: 1.0
+        self._scaled: tuple[int, float] | None = None  # last recorded step, its AMP scale
 
     @property
     def recording(self) -> bool:
@@ -138,7 +140,25 @@ class RecordingSession:
         """Commit the last step and close the store (``failed``: see GradRecorder.close)."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
+            self._note_skipped(None)
             recorder.close(failed=failed)
+
+    def _note_skipped(self, step: int | None) -> None:
+        """Before step ``step`` (None: at the end): warn if the AMP scaler skipped the last
+        recorded step, which its scale's drop shows (a GradScaler halves it on overflow)."""
+        last = self._scaled
+        if last is None or last[0] == step:
+            return
+        self._scaled = None
+        if self.amp_scale() < last[1]:
+            warnings.warn(
+                f"the AMP loss scaler skipped step {last[0]} (its scaled fp16 gradients "
+                "overflowed; the optimizer did not step): its records are kept as recorded, "
+                "their gradients mostly non-finite. Leave it out of queries "
+                f"(steps= without {last[0]}).",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def loss(
         self,
@@ -203,6 +223,8 @@ class RecordingSession:
         # The recorded backward carries the trainer's whole scale, as its own would: p.grad
         # of every leaf (the model's or not) is what the trainer expects, and an fp16
         # backward keeps its loss scale (unscaled, small gradients underflow)
+        self._note_skipped(step)
+        self._scaled = (step, self.amp_scale())
         recorder._weight_scale = scale / self.amp_scale()  # the accumulation's 1/k
         recorder._seed_scale = scale
         try:
