@@ -227,11 +227,11 @@ class GradRecorder:
 
         def compute() -> tuple[torch.Tensor, PerDatumGrads]:
             backend.seed_scale = seed
-            if not backend.settles_loss_checks:
-                loss_checks.settle()
-                return reduced, backend.backward(reduced, batch_loss())
-            backend.loss_checks = loss_checks  # read before it touches p.grad, after its walks
             try:
+                if not backend.settles_loss_checks:
+                    loss_checks.settle()
+                    return reduced, backend.backward(reduced, batch_loss())
+                backend.loss_checks = loss_checks  # read before it touches p.grad, after walks
                 return reduced, backend.backward(reduced, batch_loss())
             finally:  # (never left for a later call to read, nor holding this graph)
                 backend.loss_checks = None

@@ -51,11 +51,17 @@ def as_ids(sel: Selector, name: str) -> np.ndarray | None:
     elif isinstance(sel, np.ndarray):
         values = sel
     elif isinstance(sel, range):
-        far = _outside([sel[0], sel[-1]]) if len(sel) else None
+        far = _outside([sel[0], sel[-1]]) if sel else None
         if far is not None:
             raise SelectionError(f"{name}={sel!r}: {name} ids are int64: {far} is outside "
                                  "[-2**63, 2**63 - 1].")
-        values = sel.start + sel.step * np.arange(len(sel), dtype=np.int64)
+        try:
+            n = len(sel)
+            values = np.array([sel[0]] if n == 1 else
+                              sel.start + sel.step * np.arange(n, dtype=np.int64))
+        except (OverflowError, ValueError, MemoryError):  # a step or length past int64
+            raise SelectionError(f"{name}={sel!r}: too many ids, or a step past int64; pass "
+                                 "a slice for an open range.") from None
     elif isinstance(sel, Iterable) and not isinstance(sel, (str, bytes, dict)):
         try:  # numpy takes 0-d arrays and tensors as their values
             values = np.asarray(list(sel))
