@@ -22,7 +22,7 @@ from gradlog._torch_private import (
     tensor_post_accumulate_hooks,
 )
 from gradlog._tree import flatten
-from gradlog.backends.base import Backend, LossFn, PerDatumGrads, graph_nodes
+from gradlog.backends.base import Backend, LossFn, PerDatumGrads, check_tolerance, graph_nodes
 from gradlog.errors import BackendError, InputError
 from gradlog.params import check_differentiable
 
@@ -138,6 +138,8 @@ class VmapBackend(Backend):
                 "flow are not supported by vmap; use backend='loop'."
             ) from e
         check(losses)
+        if self.datum_check_due:  # (steps the recorder checks: its self-check cannot here)
+            self._check_alone_as_together(loss_fn, batch, reduce, mask, losses)
 
         # p.grad of every trainable parameter from the same per-datum gradients, as autograd
         # would accumulate it: the parameter's gradient hooks first, then accumulation, then
@@ -169,6 +171,36 @@ class VmapBackend(Backend):
 
         by_id = {id(p): n for n, p in trainable.items()}
         return losses.detach(), {n: grads[by_id[id(p)]] for n, p in self.params.items()}
+
+    def _check_alone_as_together(
+        self, loss_fn: LossFn, batch: Any,
+        reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+        mask: torch.Tensor | None, alone: torch.Tensor,
+    ) -> None:
+        """vmap computes each datum's loss on a batch of one: a loss that couples the datums
+        (a batch mean, in-batch negatives) would train on another function, and ``p.grad``,
+        summed from the records, agrees with them. So the batch's own losses are compared
+        (one forward, the RNG forked); skipped where dropout draws differ by design."""
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+               for m in self.model.modules()):
+            return
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        with forked_rng(cuda_devices(tensors)), torch.no_grad():
+            together = reduce(loss_fn(self.model, batch), mask)
+        rtol, atol = check_tolerance({alone.dtype})
+        if together.shape != alone.shape or not torch.allclose(
+                together.to(alone.dtype), alone.detach(), rtol=rtol * 10, atol=atol):
+            gap = (together.to(alone.dtype) - alone.detach()).abs()
+            b = int(gap.argmax()) if gap.numel() else 0
+            raise BackendError(
+                f"backend='vmap' computes each datum's loss alone, and it differs from the "
+                f"batch's (datum {b}: {float(alone[b]):.6g} alone, "
+                f"{float(together.flatten()[b]):.6g} in the batch): the loss couples the "
+                "datums (a batch mean or statistic, in-batch negatives), which vmap would "
+                "change, or draws random numbers outside nn.Dropout. Use backend='loop' (or "
+                "the hooks backend with rec.backward); for a loss that is random per datum, "
+                "check_every=0 skips this check. p.grad is untouched."
+            )
 
     def _used_by(self, loss_fn: LossFn, batch: Any,
                  reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
