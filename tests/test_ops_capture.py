@@ -200,6 +200,31 @@ def test_an_output_shared_by_the_batch_through_views_is_exact() -> None:
     assert_like_loop(model, lambda: model(x).pow(2).sum(1))
 
 
+class ScaledPositions(nn.Module):
+    """Positions scaled outside any layer, ``(wpe[:T] * 2)[None]``: an op on a parameter
+    alone, broadcast over the batch after a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 2)
+        self.head.register_full_backward_hook(lambda *_: None)  # no datum check: shapes alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d)
+        return self.head(torch.tanh(x + (self.wpe.weight[: x.shape[1]] * 2.0)[None]).mean(1))
+
+
+@pytest.mark.parametrize("T", [5, 3])
+def test_an_op_on_parameters_alone_never_takes_a_size_of_b_for_the_batch(T: int) -> None:
+    """With T == B the ``(T, d)`` product's first dimension passed for the batch: each
+    datum got one position's gradient (the sums still right, so only the datum check could
+    see it, and a backward hook turns that off)."""
+    torch.manual_seed(0)
+    model = ScaledPositions().to(D64)
+    x = torch.randn(3, T, 4, dtype=D64)
+    assert_like_loop(model, lambda: model(x).pow(2).sum(1))
+
+
 @pytest.mark.slow  # (importing transformers: ~15 s)
 def test_t5_relative_attention_bias_is_exact() -> None:
     transformers = pytest.importorskip("transformers")

@@ -20,6 +20,7 @@ from gradlog._torch_private import (
     autograd_node_leading_copies,
     autograd_node_output_shape,
     autograd_node_shapes_known,
+    storage_key,
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Call, Entry
@@ -80,6 +81,22 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
         if len(at) == 1:
             call.bd = at[0]
     call.lead = shape[call.bd] if len(shape) > call.bd else None
+    if entry.op and entry.op not in COPYING_OPS and _on_parameters_alone(call):
+        call.lead = None  # a size of B there is the parameters': no datum's data came in
+
+
+COPYING_OPS = frozenset({"repeat", "expand", "expand_as", "tile", "broadcast_to", "cat",
+                         "concat", "concatenate", "stack", "repeat_interleave"})
+"""Ops that can copy a parameter over the batch by themselves (``bias.repeat(1, B, 1)``):
+their output may have the batch without a datum's data among their arguments."""
+
+
+def _on_parameters_alone(call: Call) -> bool:
+    """Whether every tensor argument of an op call with more than one element is one of its
+    parameters or a view of one (``wpe.weight[:T] * 2``)."""
+    own = {storage_key(p) for p in call.entry.params}
+    return all(storage_key(t) in own for t in flatten((call.args, call.kwargs))[0]
+               if isinstance(t, torch.Tensor) and t.numel() > 1)
 
 
 def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
