@@ -319,6 +319,19 @@ def test_a_cat_of_a_size_1_led_output_with_other_tensors_is_not_a_copy() -> None
     assert_hooks_match_loop(model, lambda: squares(model(c, tokens)))
 
 
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_a_layer_whose_forward_was_replaced_gets_no_formula(batch_grad: str) -> None:
+    """``lin.forward = ...`` masking a few weights: the Linear formula ignored the mask
+    (and with ``batch_grad="sum"`` gave masked weights a gradient in p.grad too)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    lin, mask = model[0], torch.ones(5, 6, dtype=D64)
+    mask[0, :3] = 0
+    lin.forward = lambda x: F.linear(x, lin.weight * mask, lin.bias)  # type: ignore[method-assign]
+    x = torch.randn(B, 6, dtype=D64)
+    assert_hooks_match_loop(model, lambda: squares(model(x)), batch_grad=batch_grad)
+
+
 def test_a_loss_coupling_the_datums_is_refused() -> None:
     """In-batch negatives: datum b's loss depends on every datum's embedding."""
     torch.manual_seed(0)

@@ -268,7 +268,10 @@ def register_rule(
 def find_rule(module: nn.Module) -> Rule | None:
     """The rule for ``module``: its exact type, then its class name, then a base class whose
     ``forward`` it does not override (a subclass with its own forward gets no rule, so the
-    backend falls back to ``torch.func`` rather than trust a formula for another function)."""
+    backend falls back to ``torch.func`` rather than trust a formula for another function).
+    An instance whose ``forward`` was replaced (``layer.forward = ...``) gets none either."""
+    if "forward" in vars(module):
+        return None
     cls = type(module)
     if cls in RULES:
         return RULES[cls]
