@@ -202,12 +202,11 @@ class OpCapture(TorchFunctionMode):
             self._undo = None
 
     def checked(self) -> None:
-        """The backward :meth:`unverified` asked for passed its check at every entry: its
-        uses are learnt, and the next forward need not be watched."""
-        for n, sig in self.pending.items():
-            self.known.setdefault(n, set()).add(sig)
-        if self.pending:
-            self.pending, self.rescan = {}, False
+        """The backward :meth:`unverified` asked for passed its check at every entry. Its
+        new uses are not learnt from that: a use that gave no gradient at that step (a
+        by-hand embedding of padding only) passes any sum. The next forward stays watched
+        (``rescan``) and learns them, capturing the use."""
+        self.pending = {}
 
     # -- the mode -----------------------------------------------------------------------------
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
