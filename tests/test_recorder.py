@@ -194,6 +194,20 @@ def test_an_exception_leaves_the_step_in_progress_uncommitted(
     assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1, 2]
 
 
+def test_resuming_with_every_says_the_default_counters_may_not_match(tmp_path: Any) -> None:
+    """Steps trained but not recorded after the last committed one (every=2: step 3) are
+    not in the store: a resumed default counter would label step 5's batch 4."""
+    model = mlp()
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, every=2) as rec:
+        for _ in range(4):  # steps 0-3: 0 and 2 recorded
+            rec.backward(_losses(model))
+    with pytest.warns(UserWarning, match=r"resumed with every=2: .* \(2\) .* Pass step="), \
+            gradlog.GradRecorder(model, path, every=2, resume=True) as rec:
+        rec.backward(_losses(model), step=4)
+    assert gradlog.open(path).steps.column("step").to_pylist() == [0, 2, 4]
+
+
 def test_an_exception_keeps_a_step_known_to_be_complete(tmp_path: Any) -> None:
     """The pending step is complete when a later step was begun (a NaN loss refused at the
     next step's backward) or when the optimizer stepped after its last micro-batch (the

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,16 @@ class StepPipeline:
         ) if self.dist is None or self.dist.rank == 0 else None
         if options.resume and self.writer.last_step is not None:
             self.lifecycle.resume(self.writer.last_step, self.writer.next_datum_id)
+            if config.every > 1:
+                warnings.warn(
+                    f"resumed with every={config.every}: steps trained but not recorded after "
+                    f"the last committed step ({self.writer.last_step}) are not in the store, "
+                    "so the default step counter continues right after it and the default "
+                    "datum ids with it. Pass step= (the optimizer step) and datum_ids= to "
+                    "rec.backward to keep them right.",
+                    UserWarning,
+                    stacklevel=4,
+                )
         if self.writer.planned_specs is not None:  # resumed: the stored forms hold
             self.encoder.resume(self.writer.planned_specs)
 
