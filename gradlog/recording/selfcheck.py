@@ -133,8 +133,12 @@ class SelfCheck:
                 raise GradientCheckError(
                     f"self-check failed for {name!r}: the weighted sum of per-datum gradients "
                     f"differs from p.grad by {err:.3g} (|p.grad| {scale:.3g}, rtol "
-                    f"{rtol:.3g}). Per-datum gradients of this parameter are wrong. "
-                    "Likely causes: a layer that mixes datums (batch statistics, a batch-level "
-                    "loss term), an in-place change of the parameter during the step, or a "
-                    "backend bug; compare with backend='loop'. Nothing of this batch was written."
+                    f"{rtol:.3g}). Per-datum gradients of this parameter are wrong, or "
+                    "rounded apart. Likely causes: a layer that mixes datums (batch "
+                    "statistics, a batch-level loss term), an in-place change of the parameter "
+                    "during the step, a backend bug (compare with backend='loop'), or, where "
+                    "|p.grad| is tiny next to the model's other gradients, a model computing in "
+                    "a lower precision than its parameters (a float32 softmax in a float64 "
+                    "model: its rounding shows on gradients that are analytically zero; "
+                    "check_every=0 skips this check). Nothing of this batch was written."
                 )
