@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import hashlib
 import json
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -135,6 +136,14 @@ def _seeded(request: FormRequest, seed: int) -> FormRequest:
     return options
 
 
+def _plain_ints(obj: Any, names: Sequence[str]) -> None:
+    """Numpy's and other integral scalars as Python ints (they are stored as JSON)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            object.__setattr__(obj, name, int(value))
+
+
 def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}; pass one of those.")
@@ -208,6 +217,7 @@ class RecorderConfig:
     projection_seed: int = 0
 
     def __post_init__(self) -> None:
+        _plain_ints(self, ("every", "check_every", "form_budget", "projection_seed"))
         if isinstance(self.params, str):
             object.__setattr__(self, "params", (self.params,))
         if (not isinstance(self.params, (list, tuple)) or not self.params
@@ -390,6 +400,7 @@ class RecordingOptions:
 
     def __post_init__(self) -> None:
         _choice("watch_ops", self.watch_ops, ("auto", "always"))
+        _plain_ints(self, ("tokens", "planned_steps", "records_per_step"))
         for name in ("tokens", "planned_steps", "records_per_step"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -288,6 +288,22 @@ def test_bad_options(tmp_path: Any, option: dict[str, Any], message: str) -> Non
         gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", **option)
 
 
+def test_numpy_integers_are_taken_as_ints(tmp_path: Any) -> None:
+    """Counts computed with numpy (np.int64) are as good as Python ints, and are stored as
+    plain JSON numbers."""
+    model = mlp()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", every=np.int64(1),
+                              check_every=np.int32(1), form="auto",
+                              form_budget=np.int64(4096), projection_seed=np.uint8(3),
+                              records_per_step=np.int64(4)) as rec:
+        rec.backward(_losses(model))
+    config = gradlog.open(tmp_path / "r.gradlog").config
+    assert (config["form_budget"], config["projection_seed"], config["every"]) == (4096, 3, 1)
+    assert all(type(config[k]) is int for k in ("form_budget", "projection_seed", "every"))
+    with pytest.raises(ConfigError, match="must be an integer >= 1"):
+        gradlog.GradRecorder(model, tmp_path / "s.gradlog", every=np.float64(2.0))
+
+
 def test_vmap_needs_the_loss_function(tmp_path: Any) -> None:
     model = mlp()
     with (
@@ -333,6 +349,51 @@ def test_self_check_catches_wrong_gradients(tmp_path: Any) -> None:
         rec.backward(_losses(model))
     rec.close()
     assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0  # nothing wrong was written
+
+
+def test_self_check_catches_nan_records_where_p_grad_is_finite(tmp_path: Any) -> None:
+    """A NaN compares False with every tolerance: a record holding one where p.grad is
+    finite must fail the check, not pass it."""
+    model = mlp()
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1)
+    rec.open()
+    assert rec._backend is not None
+    original = rec._backend.backward
+
+    def broken(losses: torch.Tensor, batch_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = original(losses, batch_loss)
+        grads["2.bias"] = grads["2.bias"].clone()
+        grads["2.bias"][1, 0] = float("nan")
+        return grads
+
+    rec._backend.backward = broken  # type: ignore[method-assign]
+    with pytest.raises(GradientCheckError, match=r"'2\.bias'.*NaN or inf"):
+        rec.backward(_losses(model))
+    rec.close()
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, value: float) -> None:
+    """A rule that makes NaN or inf (every entry of datum 1's Linear weights) is refused by
+    the per-step spot check, the only check of a step after the first."""
+    from gradlog.rules import linear as linear_rules
+
+    model = mlp()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=0) as rec:
+        rec.backward(_losses(model, seed=0))  # the datum check's first step, intact
+        original = linear_rules._outer_sum
+
+        def broken(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = original(*args, **kwargs)
+            out[1] = value
+            return out
+
+        monkeypatch.setattr(linear_rules, "_outer_sum", broken)
+        with pytest.raises(BackendError, match=r"do not add up.*NaN/inf"):
+            rec.backward(_losses(model, seed=1))
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 1
 
 
 def test_every_n_steps_and_lr_from_optimizer(tmp_path: Any) -> None:

@@ -118,8 +118,19 @@ class SelfCheck:
             prior = before[name]
             # FSDP2: p.grad is this rank's shard (a DTensor); compare whole tensors
             delta = dense(p.grad.detach()) - (0 if prior is None else dense(prior))
-            err = float(torch.linalg.vector_norm((delta - total).double()))
-            results.append((name, err, float(torch.linalg.vector_norm(delta.double())), p.dtype))
+            # NaN/inf in p.grad (an overflow a loss scaler skips): nothing to compare there.
+            # NaN/inf in the records where p.grad is finite: wrong (a NaN err passes `>`).
+            finite = delta.isfinite()
+            diff = torch.where(finite, delta - total, 0).double()
+            if not bool(diff.isfinite().all()):
+                raise GradientCheckError(
+                    f"self-check failed for {name!r}: its per-datum gradients hold NaN or inf "
+                    "where p.grad is finite, so they are wrong (a backend bug: compare with "
+                    "backend='loop'). Nothing of this batch was written."
+                )
+            err = float(torch.linalg.vector_norm(diff))
+            scale = float(torch.linalg.vector_norm(torch.where(finite, delta, 0).double()))
+            results.append((name, err, scale, p.dtype))
         # Rounding error follows the size of the intermediate values, not of the result: a
         # gradient that is analytically zero (attention key biases) is pure rounding noise of
         # the model's other gradients. So the floor scales with the largest gradient.

@@ -390,7 +390,7 @@ class HooksBackend(Backend):
                 self.settle()  # the spot check's verdict first, and none left pending
                 checks.check_datum(datum, out, self.params,
                                    (*self.low_precision.values(), *self._autocast),
-                                   trusted=not foreign)
+                                   trusted=not foreign, loss_scaled=self.seed_scale != 1)
             return out
         finally:
             for call in self._touched:

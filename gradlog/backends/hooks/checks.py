@@ -150,9 +150,9 @@ class SpotCheck:
         )
         ours = torch.cat(rows, 1).to(torch.float64)  # (B, n*k)
         total = torch.cat(totals).to(torch.float64)  # (n*k,)
-        gap = (ours.sum(0) * weight - total).abs()  # (n*k,)
         scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
-        return _over_tolerance(names, gap, scale, rtol, atol, "spot check of a few entries")
+        return _over_tolerance(names, ours.sum(0) * weight, total, scale, rtol, atol,
+                               "spot check of a few entries")
 
     def _check_all(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
                    weight: float) -> Verdict | None:
@@ -171,9 +171,13 @@ class SpotCheck:
             for part in range(0, index.numel(), 1 << 20):
                 at = slice(part, part + (1 << 20))
                 ours = entries(records[name], index[at]).to(torch.float64)  # (B, block)
-                scale = ours.abs().sum(0) * weight + total[at].abs()
-                w.append(((ours.sum(0) * weight - total[at]).abs() - rtol * scale).amax())
-                m.append(scale.amax())
+                summed, theirs = ours.sum(0) * weight, total[at]
+                scale = ours.abs().sum(0) * weight + theirs.abs()
+                finite = summed.isfinite() & theirs.isfinite()
+                over = torch.where(finite, (summed - theirs).abs() - rtol * scale,
+                                   _non_finite_verdict(theirs))
+                w.append(over.amax())
+                m.append(torch.where(finite, scale, 0).amax())
             worst.append(torch.stack(w).amax())
             largest.append(torch.stack(m).amax())
         over = torch.stack(worst) - rtol * torch.stack(largest).amax() - atol  # (n,)
@@ -215,7 +219,8 @@ _WATCH_HINT = (
 def _not_adding_up(bad: list[str], how: str) -> str:
     return (
         f"the per-datum gradients of {bad} do not add up to their gradient in this "
-        f"backward ({how}: sum_b w_b g_b != the gradient autograd accumulated): part of "
+        f"backward ({how}: sum_b w_b g_b != the gradient autograd accumulated, or NaN/inf "
+        "where that gradient is finite): part of "
         "their use was not seen by gradlog, e.g. a parameter also used outside the model's "
         "forward (in the loss code: op-level capture sees only the root module's forward; "
         "a torch.compile'd model called through a method other than forward runs its inner "
@@ -223,14 +228,29 @@ def _not_adding_up(bad: list[str], how: str) -> str:
         "into the model's forward (call the compiled module itself), or use backend='loop'.")
 
 
-def _over_tolerance(names: list[str], gap: torch.Tensor, scale: torch.Tensor, rtol: float,
-                    atol: float, how: str) -> Verdict:
-    """Whether the names' entries (``gap`` and ``scale`` hold k per name, in order) differ by
-    more than the tolerance. Floor: a parameter whose true gradient is 0 (a key bias under
-    softmax) holds only rounding noise, so the tolerance also scales with the largest
-    gradient seen."""
-    over = gap - rtol * (scale + scale.max()) - atol  # (n*k,) > 0: does not add up
+def _over_tolerance(names: list[str], ours: torch.Tensor, theirs: torch.Tensor,
+                    scale: torch.Tensor, rtol: float, atol: float, how: str, *,
+                    compare_non_finite: bool = True) -> Verdict:
+    """Whether the names' entries (``ours``, ``theirs`` and ``scale`` hold k per name, in
+    order) differ by more than the tolerance. Floor: a parameter whose true gradient is 0 (a
+    key bias under softmax) holds only rounding noise, so the tolerance also scales with the
+    largest gradient seen. Non-finite entries: see :func:`_non_finite_verdict` (not
+    ``compare_non_finite``: never compared)."""
+    finite = ours.isfinite() & theirs.isfinite()
+    floor = torch.where(finite, scale, 0).amax()
+    elsewhere = (_non_finite_verdict(theirs) if compare_non_finite
+                 else torch.full_like(theirs, -torch.inf))
+    over = torch.where(finite, (ours - theirs).abs() - rtol * (scale + floor) - atol,
+                       elsewhere)  # (n*k,) > 0: does not add up
     return Verdict(names, over.reshape(len(names), -1).amax(1), how)  # (n,)
+
+
+def _non_finite_verdict(theirs: torch.Tensor) -> torch.Tensor:
+    """Where ours or autograd's entry is NaN or inf: records that are not finite where
+    autograd's gradient is fail (+inf: a NaN compared passes every ``>`` test, so a rule
+    that made one would go unseen); where autograd's own is not finite (an overflow a loss
+    scaler skips, a NaN the model made) there is nothing to compare (-inf)."""
+    return torch.where(theirs.isfinite(), torch.inf, -torch.inf).to(theirs.dtype)
 
 
 def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
@@ -320,7 +340,7 @@ def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
 
 def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[str, Any],
                 params: Mapping[str, nn.Parameter], narrow: Iterable[torch.dtype], *,
-                trusted: bool = True) -> None:
+                trusted: bool = True, loss_scaled: bool = False) -> None:
     """Datum b's records against its own gradient at the sampled entries. Not ``trusted``
     (the graph holds autograd Functions gradlog does not know, whose second backward may
     differ: state used up, gradients scaled in place): a warning, not an error.
@@ -333,6 +353,9 @@ def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[
             backward runs in the narrow dtype through every layer it crosses, recorded or
             not: one tolerance for all.
         trusted: Whether a mismatch is an error (else a warning).
+        loss_scaled: Whether the batch's backward carried a loss scale (a GradScaler's) that
+            the datum's own unscaled backward does not: records that overflowed under it
+            (a step the scaler skips) are not compared.
     """
     b, sampled = datum
     names, ours, theirs = list(sampled), [], []
@@ -349,8 +372,8 @@ def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[
     a = torch.stack([o.to(ours[0].device) for o in ours])  # (n, k)
     c = torch.stack([t.to(ours[0].device) for t in theirs])  # (n, k)
     scale = a.abs() + c.abs()  # (n, k)
-    bad = _over_tolerance(names, (a - c).abs().reshape(-1), scale.reshape(-1), rtol, atol,
-                          "datum check").bad()
+    bad = _over_tolerance(names, a.reshape(-1), c.reshape(-1), scale.reshape(-1), rtol, atol,
+                          "datum check", compare_non_finite=not loss_scaled).bad()
     if bad and not trusted:
         warnings.warn(
             f"gradlog's datum check: the per-datum gradients of {bad[:6]} for datum {b} "
