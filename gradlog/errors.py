@@ -48,9 +48,10 @@ class InputError(GradlogError, ValueError):
 
 
 class NonFiniteGradientWarning(UserWarning):
-    """A datum's per-datum gradient holds NaN or inf though its loss is finite; it was
-    stored as computed, flagged by its non-finite norm in the index (the message names the
-    datum ids and parameters)."""
+    """A datum's per-datum gradient holds NaN or inf though its loss is finite (stored as
+    computed, flagged by its non-finite norm in the index), or a finite one overflowed the
+    ``float16`` storage dtype (stored as inf, its norm exact). The message names the datum
+    ids and parameters."""
 
 
 class NonFiniteLossError(InputError):

@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,28 @@ def test_float16_storage_keeps_normal_values_to_its_precision(tmp_store: Path) -
     meta = json.loads((tmp_store / "grads/0.weight/zarr.json").read_text())
     assert meta["data_type"] == "float16"
     assert run.grads("0.weight").dtype == np.float32
+
+
+@pytest.mark.parametrize("form", ["full", "projection"])
+def test_float16_overflow_is_said_naming_the_datums(tmp_store: Path, form: str) -> None:
+    """Entries past float16's 65504 are stored as inf: the writer says which datums lost
+    their records, and the others are kept to float16's precision."""
+    model = nn.Linear(3, 2)
+    x = torch.ones(4, 3)
+    x[2] *= 1e4  # datum 2's weight gradient reaches ~1e8 (its bias's stays ~1e4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradlog.GradRecorder(model, tmp_store, dtype="float16", form=form) as rec:
+            rec.backward((model(x) ** 2).sum(1), datum_ids=[10, 11, 12, 13])
+    said = [str(w.message) for w in caught if w.category is errors.NonFiniteGradientWarning]
+    assert len(said) == 1 and "datum id(s) [12]" in said[0] and "['weight']" in said[0]
+    assert not [w for w in caught if w.category is RuntimeWarning]  # numpy's cast warning
+    run = gradlog.open(tmp_store)
+    norms = run.datums.column("norm/weight").to_numpy()
+    assert np.isfinite(norms).all() and norms[2] > 65504  # exact, from before the cast
+    if form == "full":
+        got = run.grads("weight")
+        assert np.isinf(got[2]).any() and np.isfinite(got[[0, 1, 3]]).all()
 
 
 # -- resume ----------------------------------------------------------------------------------

@@ -153,6 +153,25 @@ def test_a_missing_or_truncated_shard_is_detected(tmp_store: Path) -> None:
     assert "missing" in verify(tmp_store).check("checksums").problems[0]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bitround9"])
+def test_shards_swapped_between_steps_are_detected(tmp_store: Path, dtype: str) -> None:
+    """Two intact shards swapped (or one copied in from another store) pass their checksums;
+    their records' norms do not match the index's exact ones."""
+    _record(tmp_store, dtype=dtype)
+    assert verify(tmp_store).ok
+    a, b = _shard(tmp_store, "0.weight", 0), _shard(tmp_store, "0.weight", 2)
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    report = verify(tmp_store)
+    problems = report.check("checksums").problems
+    assert not report.ok and len(problems) == 2, problems
+    assert "grads/0.weight" in problems[0] and "rows 0..3" in problems[0]
+    assert "do not have the norm the index gives them" in problems[0]
+    result = _cli(tmp_store)
+    assert result.exit_code == 1 and "norm the index gives" in result.output
+
+
 def test_a_missing_array_is_a_clear_error(tmp_store: Path) -> None:
     _record(tmp_store)
     shutil.rmtree(tmp_store / "grads/0.bias")

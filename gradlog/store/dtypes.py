@@ -118,7 +118,8 @@ def bitround_int32(bits: Any, keepbits: int) -> Any:
 def to_storage_numpy(array: np.ndarray, dtype: StorageDtype) -> np.ndarray:
     """Round a numpy array to the storage dtype; returns an array of ``dtype.array_dtype``."""
     if dtype.name in ("float32", "float64", "float16", "int64"):
-        return np.asarray(array, dtype=dtype.array_dtype)
+        with np.errstate(over="ignore"):  # float16's overflow to inf: the writer notes it
+            return np.asarray(array, dtype=dtype.array_dtype)
     if dtype.name == "bfloat16":
         bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
         rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))

@@ -164,8 +164,15 @@ class RecordArrays:
             first = _FIRST_SHARDS * self.rows_per_shard
             self.set_rows(max(round_end, _GROWTH * self.capacity, first))
         shards: list[_Shard] = []
+        overflowed: dict[str, np.ndarray] = {}  # float16 only: parameter -> rows (B,)
         for key, layout in self.layouts.items():
             rows = self._stored_rows(key, payload.pop(key))
+            if self.targets[key].dtype.name == "float16" and rows.size:
+                param = self.targets[key].param
+                inf = np.isinf(rows.reshape(len(rows), -1)).any(1)
+                if param in index.norms and inf.shape == index.norms[param].shape:
+                    inf &= np.isfinite(index.norms[param])  # else flagged as non-finite
+                overflowed[param] = overflowed.get(param, False) | inf
             if rows.shape != (batch, *layout.row_shape):
                 raise StoreFormatError(
                     f"gradients of {key!r} have shape {rows.shape}, expected "
@@ -182,6 +189,7 @@ class RecordArrays:
             del rows
         self._write_shards(shards)
         del shards
+        self._note_overflow(index, overflowed)
         columns: dict[str, Any] = {
             "step": np.full(batch, index.step, dtype=np.int64),
             "micro": np.full(batch, index.micro, dtype=np.int32),
@@ -262,6 +270,23 @@ class RecordArrays:
             "losses are finite. They are stored as computed, flagged by a non-finite norm "
             "in the index (run.datums 'norm/<param>', run.norms()); p.grad summed them too. "
             "Usual causes: sqrt or log at 0, a division by zero, an overflow in the loss."
+        )
+
+    def _note_overflow(self, index: CallIndex, overflowed: Mapping[str, np.ndarray]) -> None:
+        """Note float16 records that became infinite though the gradient is finite (an
+        entry past float16's largest value, 65504): they are stored so (their index norm
+        stays exact), and the writer warns on the caller's thread (:attr:`notices`)."""
+        bad = {name: rows for name, rows in overflowed.items() if rows.any()}
+        if not bad:
+            return
+        ids = index.datum_ids[np.logical_or.reduce(list(bad.values()))].tolist()
+        self.notices.append(
+            f"step {index.step} (micro-batch {index.micro}): the per-datum gradients of datum "
+            f"id(s) {ids[:20]}{' ...' if len(ids) > 20 else ''} in parameter(s) "
+            f"{sorted(bad)[:10]}{' ...' if len(bad) > 10 else ''} have entries beyond "
+            "float16's range (|g| > 65504), stored as inf: those records are lost (their "
+            "norms in the index are exact). Record with dtype='bfloat16' (float32's range, 8 "
+            "significant bits) or 'float32'."
         )
 
     def _stored_rows(self, key: str, values: np.ndarray) -> np.ndarray:

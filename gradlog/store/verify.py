@@ -13,7 +13,8 @@ first):
 - **arrays**: every parameter with records has an array of the right dtype, shape and layout
   that covers every committed row;
 - **checksums**: every chunk holding a committed record is read and its crc32c verified (and,
-  in version 2, the shard index's), so damage anywhere is found;
+  in version 2, the shard index's), so damage anywhere is found, and each ``full`` record's
+  norm is compared with the index's exact one, so a shard holding other rows is found too;
 - **schemas**: root attributes and every committed index and steps row against the JSON
   Schemas (with ``jsonschema`` when it is installed; otherwise the structural checks above,
   which gradlog knows itself, stand in);
@@ -51,6 +52,7 @@ from gradlog.errors import GradlogError
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
+from gradlog.store.dtypes import StorageDtype
 from gradlog.store.fs import StorePath
 from gradlog.store.optimizer import verify_optimizer_state
 from gradlog.store.probes import (
@@ -397,21 +399,63 @@ def _check_checksums(
     rows = np.asarray([r["row"] for r in records], dtype=np.int64)
     n_files = 0
     n_bytes = 0
-    for array in arrays.values():
+    for path, array in arrays.items():
         if rows.size == 0:
             break
+        full = path == run.attrs["params"][array.name].get("arrays", {}).get(
+            "grad", {"path": fmt.array_path(array.name)})["path"]  # the `full` form's array
+        norms = np.asarray([r[fmt.norm_column(array.name)] for r in records], dtype=np.float64)
         per_file = array.rows_per_chunk()
         for chunk in np.unique(rows // per_file):
-            mine = rows[rows // per_file == chunk]
+            at = rows // per_file == chunk
+            mine = rows[at]
             try:
-                array.read(mine)  # every committed row of this file, checksums verified
+                values = array.read(mine)  # every committed row of this file, checksums verified
             except GradlogError as e:
                 check.problems.append(str(e))
+            else:
+                if full:
+                    where = f"{array.where}, rows {mine[0]}..{mine[-1]}"
+                    _check_norms(values, norms[at], array.dtype, where, check, report)
             key = array.chunk_key(int(chunk))
             file = array.directory / key
             n_files += 1
             n_bytes += file.stat().st_size if file.is_file() else 0
-    check.summary = f"{n_files} chunk files read ({n_bytes / 2**20:.1f} MiB), crc32c verified"
+    check.summary = (f"{n_files} chunk files read ({n_bytes / 2**20:.1f} MiB), crc32c "
+                     "verified, full records' norms against the index")
+
+
+def _check_norms(values: np.ndarray, norms: np.ndarray, dtype: StorageDtype, where: str,
+                 check: Check, report: Report) -> None:
+    """Stored full records against their exact norms in the index (computed before the
+    cast to the storage dtype): a shard of other rows (files swapped or copied between
+    stores, a writer that misplaced rows) passes its own checksum but not this. The cast
+    moves a norm by at most its relative rounding ``u`` (float16 adds 2^-25 per entry below
+    its normal range); computing the record may differ from computing its norm by float32
+    rounding: 1e-3 relative allows both."""
+    flat = values.reshape(len(values), -1).astype(np.float64)
+    got = np.sqrt(np.einsum("ij,ij->i", flat, flat))
+    finite = np.isfinite(norms)  # non-finite records are flagged so: nothing to compare
+    overflow = finite & ~np.isfinite(got)
+    if overflow.any() and dtype.name == "float16":
+        report.notes.append(f"{where}: {int(overflow.sum())} record(s) overflowed float16 "
+                            "when recorded (stored as inf, as the recorder warned).")
+        finite &= ~overflow
+    u = 2.0 ** -(dtype.keepbits + 1) if dtype.keepbits is not None else _UNIT_ROUNDOFF.get(
+        dtype.name, 2.0**-24)
+    floor = 2.0**-25 * math.sqrt(flat.shape[1]) if dtype.name == "float16" else 1e-300
+    bad = finite & ~(np.abs(got - norms) <= (4 * u + 1e-3) * norms + floor)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        check.problems.append(
+            f"{where}: {int(bad.sum())} stored record(s) do not have the norm the index gives "
+            f"them (first: {got[i]:.6g} stored, {norms[i]:.6g} in the index): the shard holds "
+            "other records than its rows' (files swapped or copied in from another store?)."
+        )
+
+
+_UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11,
+                  "bfloat16": 2.0**-8}
 
 
 # -- schemas ----------------------------------------------------------------------------------
