@@ -43,7 +43,8 @@ def influence(
              "recorded optimizer state) or cosine; default: optimizer when the run kept "
              "its optimizer's state, else tracin.")] = None,
     out: Annotated[Path | None, typer.Option(
-        help="With --probes: write the matrix (.parquet, .csv or .npz).")] = None,
+        help="Write the result (.parquet, .csv or .npz): the matrix of --probes, or the "
+             "ranking of --probe or --self (the rows shown: --top per side).")] = None,
     params: ParamsOpt = None,
     weighted: Annotated[
         bool, typer.Option(help="Include each record's weight w_b (first-order loss change).")
@@ -64,8 +65,8 @@ def influence(
         known = (f"recorded probes: {', '.join(map(str, ids[:20]))}" if ids
                  else "this run has no probes")
         raise InputError(f"pass exactly one of --probe ID, --probes IDS ({known}) or --self.")
-    if out is not None and probes is None:
-        raise InputError("--out writes the matrix of --probes; pass --probes (e.g. --probes all).")
+    if out is not None and out.suffix.lstrip(".").lower() not in _OUT_FORMATS:
+        raise InputError(f"--out {out}: name the file .parquet, .csv or .npz.")
     if probes is not None:
         _influence_matrix(run, probes, kind=kind, out=out, params=params, weighted=weighted,
                           lr=lr, max_memory=max_memory, as_json=as_json)
@@ -77,9 +78,15 @@ def influence(
                               weighted=weighted, lr=lr, **scan_args(max_memory))
     rows = found.to_pylist()
     score_kind = (found.schema.metadata or {}).get(b"score_kind", b"").decode() or None
+    if out is not None:
+        _write_table(found, out)
     if as_json:
         echo_json({"probe": probe, "self": self_, "weighted": weighted, "kind": score_kind,
-                   "rows": rows})
+                   **({"out": str(out)} if out is not None else {"rows": rows})})
+        return
+    if out is not None:
+        what = "self-influence" if probe is None else f"probe {probe} ({score_kind})"
+        console.print(f"wrote {len(rows)} ranked datums ({what}) to {out}")
         return
     if probe is None:
         title = f"self-influence sum_t lr_t{' w' if weighted else ''} ||g_t||^2"
@@ -90,7 +97,7 @@ def influence(
                        [r for r in rows if r["kind"] == side])
 
 
-_MATRIX_FORMATS = ("parquet", "csv", "npz")
+_OUT_FORMATS = ("parquet", "csv", "npz")
 
 
 def _influence_matrix(
@@ -98,8 +105,6 @@ def _influence_matrix(
     weighted: bool, lr: float | None, max_memory: str | None, as_json: bool,
 ) -> None:
     """``--probes``: the datums x probes matrix, to ``--out`` or summarised."""
-    if out is not None and out.suffix.lstrip(".").lower() not in _MATRIX_FORMATS:
-        raise InputError(f"--out {out}: name the file .parquet, .csv or .npz.")
     chosen = None if probes.strip() == "all" else selector(probes, "probes")
     if isinstance(chosen, slice):
         ids = run.probe_ids
@@ -131,21 +136,50 @@ def _influence_matrix(
     for j, p in enumerate(matrix.probe_ids.tolist()):
         col = matrix.scores[:, j]
         hi, lo = int(col.argmax()), int(col.argmin())
-        view.add_row(str(p), str(matrix.datum_ids[hi]), num(float(col[hi]), 6),
-                     str(matrix.datum_ids[lo]), num(float(col[lo]), 6))
+        # as --probe's tables: a proponent has a positive score, an opponent a negative one;
+        # a probe that no datum hurt (or helped) has none, not its least helpful datum
+        view.add_row(str(p), *_top_cells(matrix.datum_ids[hi], float(col[hi]), col[hi] > 0),
+                     *_top_cells(matrix.datum_ids[lo], float(col[lo]), col[lo] < 0))
     console.print(view)
 
 
+def _top_cells(datum: Any, score: float, found: bool) -> tuple[str, str]:
+    """A probe's proponent or opponent cells: its datum and score, or "none" and "-"."""
+    return (str(datum), num(score, 6)) if found else ("none", "-")
+
+
 def _write_matrix(matrix: Any, out: Path) -> None:
+    """The datums x probes matrix to ``out``: npz arrays, or its table as parquet or CSV."""
+    if out.suffix.lstrip(".").lower() == "npz":
+        import numpy as np
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(out, datum_ids=matrix.datum_ids, probe_ids=matrix.probe_ids,
+                 scores=matrix.scores, kind=np.array(matrix.kind))
+        return
+    _write_table(matrix.to_table(), out)
+
+
+def _write_table(tbl: Any, out: Path) -> None:
+    """A pyarrow table to ``out`` by its extension: parquet, CSV, or npz (an array a column,
+    and the schema's ``score_kind``: a ranking's ``kind`` column says proponent/opponent)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     suffix = out.suffix.lstrip(".").lower()
     if suffix == "npz":
         import numpy as np
+        import pyarrow as pa
 
-        np.savez(out, datum_ids=matrix.datum_ids, probe_ids=matrix.probe_ids,
-                 scores=matrix.scores, kind=np.array(matrix.kind))
+        arrays = {
+            # strings as a unicode array: an object array would need allow_pickle to load
+            name: np.array(col.to_pylist(), dtype=str) if pa.types.is_string(col.type)
+            else col.to_numpy()
+            for name, col in zip(tbl.column_names, tbl.columns)
+        }
+        kind = (tbl.schema.metadata or {}).get(b"score_kind")
+        if kind:
+            arrays["score_kind"] = np.array(kind.decode())
+        np.savez(out, **arrays)
         return
-    tbl = matrix.to_table()
     if suffix == "csv":
         import pyarrow.csv as pcsv
 

@@ -32,6 +32,7 @@ from torch import nn
 
 __all__ = [
     "DispatchMode",
+    "InCompiledRegion",
     "autograd_node_forward_class",
     "autograd_node_leading_copies",
     "autograd_node_nll_target",
@@ -161,8 +162,11 @@ def saved_tensor_hooks_kind() -> str:
 
 def force_eager() -> Callable[[], None] | None:
     """Make ``torch.compile``'d code run eagerly (no tracing, no recompiles) until the
-    returned function is called; None when this torch cannot (torch < 2.6) or when called
-    inside a compiled region.
+    returned function is called; None when this torch cannot (torch < 2.6).
+
+    Raises:
+        InCompiledRegion: called while compiled code runs (dynamo traces or runs a function
+            that calls the model): too late to keep it eager.
 
     Public API since torch 2.6: ``torch.compiler.set_stance("force_eager")``, whose return
     value restores the prior stance on ``__exit__``.
@@ -170,15 +174,22 @@ def force_eager() -> Callable[[], None] | None:
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         return None
+    if torch.compiler.is_compiling():  # dynamo traces this call: it may not set_stance
+        raise InCompiledRegion("called while torch.compile traces the caller")
     try:
         stance = set_stance("force_eager")
-    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
-        return None
+    except RuntimeError as e:  # "attempted to set_stance in a torch.compile region"
+        raise InCompiledRegion(str(e)) from None
 
     def restore() -> None:
         stance.__exit__(None, None, None)
 
     return restore
+
+
+class InCompiledRegion(RuntimeError):
+    """:func:`force_eager` was called while a ``torch.compile``'d function or module runs
+    (the recorded model is called from inside it)."""
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ accumulation, skipped steps, what it records about itself, and the errors it rai
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -599,4 +600,28 @@ def test_a_compiled_model_records_what_the_eager_one_records_without_recompiling
         np.testing.assert_array_equal(got[name], eager[name])
     model(xs[0])  # outside the recorder the model compiles as usual
     assert len(compiled) == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("wrap", ["function", "wrapper module"])
+def test_a_recorded_model_called_inside_compiled_code_is_refused_clearly(
+        tmp_path: Path, wrap: str) -> None:
+    """The recorded model inside a compiled function or a compiled wrapper: dynamo traced
+    gradlog's own hook and failed on a forbidden call (an AssertionError from torch's
+    internals). Now a refusal that says what to do; the same recorder then records the
+    model called eagerly."""
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("torch < 2.6 has no set_stance")
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(6, 4)
+    outer = (torch.compile(lambda x: model(x), backend="eager") if wrap == "function"
+             else torch.compile(nn.Sequential(model), backend="eager"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's own notes while it traces
+        with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+            with pytest.raises(UnsupportedLayerError, match=r"inside a torch\.compile'd"):
+                outer(x)
+            rec.backward((model(x) ** 2).sum(1))  # the eager call still records
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 1
     torch._dynamo.reset()

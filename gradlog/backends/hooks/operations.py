@@ -45,10 +45,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradlog._torch_private import force_eager, gradient_accumulator
+from gradlog._torch_private import InCompiledRegion, force_eager, gradient_accumulator
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
 from gradlog.backends.hooks.graph import GraphSurvey
+from gradlog.errors import UnsupportedLayerError
 from gradlog.rules.ops import ParamUse, Step, op_kind, op_rule
 
 __all__ = ["SCANS", "VIEWS", "WATCH", "OpCapture"]
@@ -127,7 +128,19 @@ class OpCapture(TorchFunctionMode):
         recompile at every step (its recompile limit was hit by step 8)."""
         if self.depth == 0:
             self.grad = torch.is_grad_enabled()  # (a forward without grad is always watched)
-            self.restore = force_eager() if self.grad else None
+            try:
+                self.restore = force_eager() if self.grad else None
+            except InCompiledRegion:
+                self.depth, self.watching, self.restore = 1, False, None  # (leave still runs)
+                raise UnsupportedLayerError(
+                    "the recorded model was called from inside a torch.compile'd function or "
+                    "module (torch.compile(lambda x: model(x)), a compiled wrapper around it, "
+                    "a compiled training step): gradlog's hooks need the recorded forward to "
+                    "run eagerly, which it arranges only when the compiled code starts at the "
+                    "recorded module. Pass the compiled module itself to GradRecorder "
+                    "(GradRecorder(torch.compile(model), ...)) and call it, or call the model "
+                    "outside the compiled function. Nothing of this forward was recorded."
+                ) from None
             self.watching = self.always or self.rescan or self.scans < SCANS or not self.grad
             self.free = 0
             if self.watching:
