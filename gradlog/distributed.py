@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import fsdp_reduces_grads
-from gradlog.errors import GradlogError, InputError
+from gradlog.errors import ConfigError, GradlogError, InputError
 
-__all__ = ["Distributed", "dense", "detect", "fsdp2_module_class"]
+__all__ = ["Distributed", "check_backend", "dense", "detect", "fsdp2_module_class"]
 
 
 def fsdp2_module_class() -> type | None:
@@ -212,6 +212,40 @@ def detect(model: nn.Module, distributed: bool | None) -> Distributed | None:
     if distributed is None and ((ddp is None and fsdp is None) or world == 1):
         return None
     return Distributed(dist.get_rank(), world, str(dist.get_backend()), ddp, fsdp)
+
+
+def check_backend(model: nn.Module, backend: str) -> None:
+    """Refuse a backend that cannot train ``model`` as its parallel wrapper does.
+
+    vmap sets ``p.grad`` itself, past DDP's averaging over ranks (each rank would step on
+    its own gradient: the ranks train apart) and past FSDP2's reduce-scatter; the loop
+    backend's ``autograd.grad`` reaches FSDP2's unsharded parameters, not the sharded ones
+    it records (every record would be 0). The hooks backend works inside one backward.
+
+    Raises:
+        ConfigError: such a backend for such a model.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if backend not in ("vmap", "loop"):
+        return
+    fsdp_cls = fsdp2_module_class()
+    if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in model.modules()):
+        wrapper = "FSDP2 (fully_shard)"
+    elif isinstance(model, DistributedDataParallel) and backend == "vmap":
+        wrapper = "DistributedDataParallel"
+    else:
+        return
+    raise ConfigError(
+        f"backend={backend!r} cannot record a model under {wrapper}: "
+        + ("it sets p.grad itself, past the wrapper's reduction over ranks (the ranks would "
+           "train apart)" if backend == "vmap" else
+           "its autograd.grad reaches the gathered parameters, not the sharded ones it "
+           "records")
+        + ". Use the default backend ('auto', the hooks backend), which records inside the "
+        "wrapper's own backward" + (", or 'loop' under DDP." if wrapper.startswith("Dist")
+                                    else ".")
+    )
 
 
 def _refuse_fsdp1(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "StoreExistsError",
     "StoreFormatError",
     "StoreLockedError",
+    "StoreReplacedError",
     "StoreResumeError",
     "StoreVersionError",
     "StoreWriteError",

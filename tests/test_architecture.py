@@ -269,3 +269,17 @@ def test_every_package_ships() -> None:
         module for module, path in MODULES.items() if path.name == "__init__.py"
     } | {"gradlog.schemas"}
     assert packages - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_every_error_class_is_public() -> None:
+    """Each exception and warning class of gradlog.errors is in its __all__ (so
+    test_cli's check makes it importable from ``gradlog``): StoreReplacedError was left out,
+    and ``except gradlog.StoreReplacedError:`` raised AttributeError."""
+    import inspect
+
+    from gradlog import errors
+
+    defined = {name for name, obj in vars(errors).items() if inspect.isclass(obj)
+               and issubclass(obj, (Exception, Warning)) and obj.__module__ == errors.__name__
+               and not name.startswith("_")}
+    assert defined <= set(errors.__all__), sorted(defined - set(errors.__all__))

@@ -169,6 +169,23 @@ def test_one_rank_process_group_records_like_one_process(tmp_path: Path) -> None
                                       check_every=1, **forms) as rec:
                 for x, y, _ in data:
                     rec.backward(nn.functional.cross_entropy(wrapped(x), y, reduction="none"))
+        # vmap sets p.grad past DDP's averaging (the ranks trained apart); loop's
+        # autograd.grad under FSDP2 missed the sharded parameters (every record was 0)
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+
+        from gradlog.errors import ConfigError
+
+        sharded = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        fully_shard(sharded)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        for model, backend, wrapper in ((ddp, "vmap", "DistributedDataParallel"),
+                                        (sharded, "vmap", "FSDP2"), (sharded, "loop", "FSDP2")):
+            with pytest.raises(ConfigError, match=rf"backend='{backend}'.*under {wrapper}"):
+                gradlog.GradRecorder(model, store / "refused", backend=backend).open()
+        assert not (store / "refused").exists()
         # FSDP1 flattens parameters: refused by name, with the fix (FSDP1 refuses to be
         # built on CPU, so an uninitialised instance stands in for one inside a model)
         class StandIn(torch.distributed.fsdp.FullyShardedDataParallel):

@@ -194,6 +194,11 @@ def test_optimizer_kind_refused_without_state(tmp_path: Path) -> None:
     assert run.influence(0, top=1).schema.metadata[b"score_kind"] == b"tracin"
     with pytest.raises(InputError, match="kind='bogus' is not one of"):
         run.influence(0, kind="bogus")
+    # under FSDP2 (which keeps no optimizer state yet) the message names that cause alone
+    run.attrs["backend"]["distributed"] = {"world_size": 2, "strategy": "fsdp2"}
+    with pytest.raises(InputError, match="recorded under FSDP2") as refused:
+        run.influence(0, kind="optimizer")
+    assert "optimizer_state" not in str(refused.value)
 
 
 def test_every_query_weights_each_parameter_by_its_own_group_rate(tmp_path: Path) -> None:

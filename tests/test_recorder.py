@@ -75,6 +75,21 @@ def test_bad_input_is_refused_and_run_stays_readable(
     _assert_first_step_intact(path)
 
 
+def test_an_empty_batch_under_torch_distributed_says_a_rank_cannot_skip_alone(
+        recording: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain advice, skip the batch, would hang the other ranks in their collectives."""
+    import torch.distributed as dist
+
+    model, rec, path = recording
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *_: 2)
+    with pytest.raises(InputError, match="cannot skip a step alone"):
+        rec.backward(_losses(model)[:0])
+    monkeypatch.undo()
+    rec.close()
+    _assert_first_step_intact(path)
+
+
 def test_steps_must_not_decrease(recording: Any) -> None:
     model, rec, path = recording
     rec.backward(_losses(model), step=5)

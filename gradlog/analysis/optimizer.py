@@ -109,6 +109,14 @@ def check_kind(run: StoreReader, kind: str | None) -> str:
     if kind not in KINDS:
         raise InputError(f"kind={kind!r} is not one of {list(KINDS)}.")
     if kind == "optimizer" and recorded_kind(run) is None:
+        strategy = (run.attrs.get("backend", {}).get("distributed") or {}).get("strategy")
+        if strategy == "fsdp2":
+            raise InputError(
+                f"kind='optimizer' needs the optimizer's state, and {run.path} has none: it "
+                "was recorded under FSDP2, whose sharded optimizer state gradlog does not "
+                "keep yet (the recorder warned). Use kind='tracin' (the SGD score) or "
+                "'cosine'."
+            )
         raise InputError(
             f"kind='optimizer' needs the optimizer's state, and {run.path} has none: it was "
             "recorded without GradRecorder(optimizer=...), with optimizer_state='none', with "

@@ -139,7 +139,14 @@ class LossChecks:
         """
         batch = reduced.shape[0]
         if batch == 0:
-            raise InputError("losses hold no datum (batch size 0); skip empty batches.")
+            import torch.distributed as dist
+
+            alone = ("; under torch.distributed a rank cannot skip a step alone (the other "
+                     "ranks would wait for it in DDP's and gradlog's collectives): give every "
+                     "rank at least one datum a step (DistributedSampler pads; drop_last=True "
+                     "drops a short last batch)" if dist.is_available() and dist.is_initialized()
+                     and dist.get_world_size() > 1 else "")
+            raise InputError(f"losses hold no datum (batch size 0); skip empty batches{alone}.")
         ids = None if datum_ids is None else datum_ids_array(datum_ids, batch)
         finite = torch.isfinite(reduced.detach())
 

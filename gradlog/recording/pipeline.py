@@ -25,7 +25,7 @@ from torch import nn
 from gradlog import planning
 from gradlog.backends import BACKENDS, Backend, PerDatumGrads
 from gradlog.config import RecorderConfig, RecordingOptions
-from gradlog.distributed import Distributed, detect
+from gradlog.distributed import Distributed, check_backend, detect
 from gradlog.errors import BackendError, InputError
 from gradlog.recording import handoff
 from gradlog.recording.agreement import share_plan
@@ -59,6 +59,7 @@ def make_backend(
 ) -> Backend:
     """The configured backend, attached to the model; which parameters hand over their
     factors or sparse rows (``keep_material``) follows their forms."""
+    check_backend(model, BACKENDS[config.backend].name)
     backend = BACKENDS[config.backend](
         model,
         params,

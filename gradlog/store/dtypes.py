@@ -39,6 +39,7 @@ __all__ = [
     "bitround_int32",
     "default_compression",
     "from_storage",
+    "norms_disagree",
     "storage_dtype",
     "to_storage_numpy",
 ]
@@ -71,6 +72,31 @@ class StorageDtype:
     def itemsize(self) -> int:
         """Bytes per stored element."""
         return int(self.array_dtype.itemsize)
+
+
+_SIGNIFICANT_BITS = {"float64": 53, "float32": 24, "float16": 11, "bfloat16": 8}
+
+
+def norms_disagree(values: np.ndarray, norms: np.ndarray,
+                   dtype: StorageDtype) -> tuple[np.ndarray, np.ndarray]:
+    """Which stored records ``values`` (read back, ``(n, ...)``) do not have their exact
+    ``norms`` (float64, computed before the cast): ``(disagree, overflowed)`` masks ``(n,)``.
+
+    The cast moves a norm by at most the dtype's relative rounding (``float16`` adds 2^-25
+    per entry below its normal range); forming a record may differ from forming its norm by
+    float32 rounding: 1e-3 relative allows both. Non-finite norms are not compared (their
+    records are flagged so); ``overflowed``: finite records stored as inf (``float16`` past
+    65504), not counted as disagreeing.
+    """
+    flat = values.reshape(len(values), -1).astype(np.float64)
+    got = np.sqrt(np.einsum("ij,ij->i", flat, flat))
+    finite = np.isfinite(norms)
+    overflowed = finite & ~np.isfinite(got)
+    bits = dtype.keepbits + 1 if dtype.keepbits is not None else _SIGNIFICANT_BITS.get(
+        dtype.name, 24)
+    floor = 2.0**-25 * np.sqrt(flat.shape[1]) if dtype.name == "float16" else 0.0
+    close = np.abs(got - norms) <= (4 * 2.0**-bits + 1e-3) * norms + floor
+    return finite & ~overflowed & ~close, overflowed
 
 
 def storage_dtype(name: str) -> StorageDtype:

@@ -52,7 +52,7 @@ from gradlog.errors import GradlogError
 from gradlog.store import format as fmt
 from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
-from gradlog.store.dtypes import StorageDtype
+from gradlog.store.dtypes import StorageDtype, norms_disagree
 from gradlog.store.fs import StorePath
 from gradlog.store.optimizer import verify_optimizer_state
 from gradlog.store.probes import (
@@ -397,8 +397,7 @@ def _check_checksums(
     check = Check("checksums")
     report.checks.append(check)
     rows = np.asarray([r["row"] for r in records], dtype=np.int64)
-    n_files = 0
-    n_bytes = 0
+    n_files = n_bytes = 0
     for path, array in arrays.items():
         if rows.size == 0:
             break
@@ -414,11 +413,10 @@ def _check_checksums(
             except GradlogError as e:
                 check.problems.append(str(e))
             else:
-                if full:
-                    where = f"{array.where}, rows {mine[0]}..{mine[-1]}"
-                    _check_norms(values, norms[at], array.dtype, where, check, report)
-            key = array.chunk_key(int(chunk))
-            file = array.directory / key
+                if full:  # (file swaps pass their checksums)
+                    _check_norms(values, norms[at], array.dtype,
+                                 f"{array.where}, rows {mine[0]}..{mine[-1]}", check, report)
+            file = array.directory / array.chunk_key(int(chunk))
             n_files += 1
             n_bytes += file.stat().st_size if file.is_file() else 0
     check.summary = (f"{n_files} chunk files read ({n_bytes / 2**20:.1f} MiB), crc32c "
@@ -427,35 +425,20 @@ def _check_checksums(
 
 def _check_norms(values: np.ndarray, norms: np.ndarray, dtype: StorageDtype, where: str,
                  check: Check, report: Report) -> None:
-    """Stored full records against their exact norms in the index (computed before the
-    cast to the storage dtype): a shard of other rows (files swapped or copied between
-    stores, a writer that misplaced rows) passes its own checksum but not this. The cast
-    moves a norm by at most its relative rounding ``u`` (float16 adds 2^-25 per entry below
-    its normal range); computing the record may differ from computing its norm by float32
-    rounding: 1e-3 relative allows both."""
-    flat = values.reshape(len(values), -1).astype(np.float64)
-    got = np.sqrt(np.einsum("ij,ij->i", flat, flat))
-    finite = np.isfinite(norms)  # non-finite records are flagged so: nothing to compare
-    overflow = finite & ~np.isfinite(got)
-    if overflow.any() and dtype.name == "float16":
-        report.notes.append(f"{where}: {int(overflow.sum())} record(s) overflowed float16 "
+    """Stored full records against their exact norms in the index: a shard of other rows
+    (files swapped or copied in from another store) passes its own checksum, not this."""
+    bad, overflowed = norms_disagree(values, norms, dtype)
+    if overflowed.any():
+        report.notes.append(f"{where}: {int(overflowed.sum())} record(s) overflowed {dtype.name} "
                             "when recorded (stored as inf, as the recorder warned).")
-        finite &= ~overflow
-    u = 2.0 ** -(dtype.keepbits + 1) if dtype.keepbits is not None else _UNIT_ROUNDOFF.get(
-        dtype.name, 2.0**-24)
-    floor = 2.0**-25 * math.sqrt(flat.shape[1]) if dtype.name == "float16" else 1e-300
-    bad = finite & ~(np.abs(got - norms) <= (4 * u + 1e-3) * norms + floor)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
+        got = float(np.linalg.norm(values[i].astype(np.float64)))
         check.problems.append(
             f"{where}: {int(bad.sum())} stored record(s) do not have the norm the index gives "
-            f"them (first: {got[i]:.6g} stored, {norms[i]:.6g} in the index): the shard holds "
+            f"them (first: {got:.6g} stored, {norms[i]:.6g} in the index): the shard holds "
             "other records than its rows' (files swapped or copied in from another store?)."
         )
-
-
-_UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11,
-                  "bfloat16": 2.0**-8}
 
 
 # -- schemas ----------------------------------------------------------------------------------
