@@ -12,6 +12,7 @@ import copy
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -241,8 +242,58 @@ def test_a_sequence_first_layout_by_hand(T: int) -> None:
     if T != B:
         assert_hooks_match_loop(model, lambda: squares(model(x)))
     else:
-        with pytest.raises(BackendError, match="differ from that datum's own gradient"):
+        with pytest.raises(BackendError, match="differ from the datums' own gradients"):
             per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+@pytest.mark.parametrize("pair", [(0, 1), (2, 5), (3, 4)])
+def test_a_rule_swapping_two_datums_is_refused_though_their_sum_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[int, int]) -> None:
+    """A rule bug that gives datum i datum j's gradient and back keeps every sum (the spot
+    and self-checks pass); a check of one random datum saw it only when that datum was i
+    or j. The datum check weights every datum at random: refused on the first step."""
+    from gradlog.rules import linear as linear_rules
+
+    original = linear_rules._outer_sum
+
+    def swapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original(*args, **kwargs)
+        out[list(pair)] = out[list(pair[::-1])].clone()
+        return out
+
+    monkeypatch.setattr(linear_rules, "_outer_sum", swapped)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(6, 4, dtype=D64), torch.randint(0, 3, (6,))
+    with (pytest.raises(BackendError, match="differ from the datums' own gradients"),
+          gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1) as rec):
+        rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+
+
+def test_the_datum_check_runs_again_at_a_new_batch_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug that shows only in the short last batch (B 5 after batches of 6) is refused at
+    that batch: each batch size is checked once."""
+    from gradlog.rules import linear as linear_rules
+
+    original = linear_rules._outer_sum
+
+    def wrong_at_five(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = original(*args, **kwargs)
+        if out.shape[0] == 5:
+            out[[0, 1]] = out[[1, 0]].clone()
+        return out
+
+    monkeypatch.setattr(linear_rules, "_outer_sum", wrong_at_five)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(17, 4, dtype=D64), torch.randint(0, 3, (17,))
+    path = tmp_path / "r.gradlog"
+    with (pytest.raises(BackendError, match="differ from the datums' own gradients"),
+          gradlog.GradRecorder(model, path) as rec):
+        for lo in (0, 6, 12):
+            rec.backward(F.cross_entropy(model(x[lo:lo + 6]), y[lo:lo + 6], reduction="none"))
+    assert gradlog.open(path).steps["step"].to_pylist() == [0, 1]
 
 
 class _FlattenedExperts(nn.Module):

@@ -413,17 +413,18 @@ class HooksBackend(Backend):
                                         self.datum_check_due)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
-                     keep_graph: bool) -> tuple[int, dict[str, tuple[Any, Any]]] | None:
-        """``autograd.grad(losses[b])`` for a random datum b at a few random entries per
-        parameter (None: autograd refused; no check). The global RNG is forked and set to
-        ``rng``, as before the batch's backward: a backward's random draws draw the same."""
+                     keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries
+        per parameter (None: autograd refused; no check); see :func:`checks.check_datum`.
+        The global RNG is forked and set to ``rng``: the backward's random draws repeat."""
         names = [n for n, p in self.params.items() if p.numel()]
-        b = int(torch.randint(losses.shape[0], (1,), generator=self._spot_rng))
+        v = torch.randn(losses.shape[0], generator=self._spot_rng, dtype=torch.float64)
         devices = cuda_devices(self.model)
         self._probing = True  # the hooks let this backward pass (see _on_output_grad)
         try:
             with forked_rng(devices, rng):
-                got = torch.autograd.grad(losses[b], [self.params[n] for n in names],
+                weighted = (losses * v.to(losses.device, losses.dtype)).sum()
+                got = torch.autograd.grad(weighted, [self.params[n] for n in names],
                                           retain_graph=keep_graph, allow_unused=True)
         except Exception as e:  # selective checkpointing ("backward an extra time"), a
             # Function whose backward uses up its state: no check (p.grad is unaffected)
@@ -431,7 +432,7 @@ class HooksBackend(Backend):
             return None
         finally:
             self._probing = False
-        return b, checks.sample_entries(names, got, self.params, self._spot_rng)
+        return v, checks.sample_entries(names, got, self.params, self._spot_rng)
 
     def _reset(self, batch_size: int, survey: graph.GraphSurvey | None = None) -> None:
         if batch_size:

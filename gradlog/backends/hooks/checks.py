@@ -4,7 +4,8 @@ Four checks, cheapest first: inputs modified in place after a call used them
 (:func:`check_versions`); parameters that got a gradient no hooked call saw
 (:func:`check_coverage`); on every backward, ``sum_b w_b g_b`` against autograd's gradient at a
 few random entries per parameter (:class:`SpotCheck`); and on the first backward of each new
-layout, one datum's records against that datum's own ``autograd.grad`` (the datum check:
+layout and batch size, the records weighted by random ``v_b`` against ``autograd.grad`` of
+``sum_b v_b losses[b]`` (the datum check:
 :func:`wants_datum_check`, :func:`datum_check_mode`, :func:`sample_entries`,
 :func:`check_datum`). Tolerances come from :func:`gradlog.backends.base.check_tolerance`.
 """
@@ -256,17 +257,18 @@ def _non_finite_verdict(theirs: torch.Tensor) -> torch.Tensor:
 def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
                       model: nn.Module, params: Mapping[str, nn.Parameter],
                       due: bool = False) -> bool:
-    """Check one datum on the first backward, and again whenever a forward has a layout
+    """Check the datums (:func:`check_datum`) on the first backward, and again at each
+    batch size not checked yet (a short last batch) and whenever a forward has a layout
     not checked yet that shapes alone cannot settle: a layer output with several leading
     dimensions of size B (a sequence-first tensor whose length equals the batch size), or
     a module called more than once (reuse, or once per datum by hand). A wrong split
-    between datums still sums to ``p.grad``; one datum's own backward sees it. ``checked``
+    between datums still sums to ``p.grad``; the weighted check sees it. ``checked``
     (the layouts checked so far) is updated. ``due``: the recorder self-checks this batch
     (``check_every``): check a datum too, so a loss that starts coupling data is caught."""
     uses: dict[int, int] = {}
     for c in calls:
         uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
-    unsure: set[Layout] = set()
+    unsure: set[Layout] = {("<batch size>", B, ())}
     for c in calls:
         shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
         lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
@@ -338,46 +340,53 @@ def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
     return sampled
 
 
-def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[str, Any],
-                params: Mapping[str, nn.Parameter], narrow: Iterable[torch.dtype], *,
-                trusted: bool = True, loss_scaled: bool = False) -> None:
-    """Datum b's records against its own gradient at the sampled entries. Not ``trusted``
-    (the graph holds autograd Functions gradlog does not know, whose second backward may
-    differ: state used up, gradients scaled in place): a warning, not an error.
+def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
+                records: Mapping[str, Any], params: Mapping[str, nn.Parameter],
+                narrow: Iterable[torch.dtype], *, trusted: bool = True,
+                loss_scaled: bool = False) -> None:
+    """The records weighted by random ``v`` (``sum_b v_b g_b``) against autograd's gradient
+    of ``sum_b v_b losses[b]`` at the sampled entries. Every datum is checked at once: a
+    split between datums that keeps their sum (the spot check's blind spot: two datums'
+    gradients swapped, a share moved) changes the weighted sum, and so does a loss that
+    couples the datums. Not ``trusted`` (the graph holds autograd Functions gradlog does
+    not know, whose second backward may differ: state used up, gradients scaled in
+    place): a warning, not an error.
 
     Args:
-        datum: ``b`` and :func:`sample_entries`' result.
+        datum: ``v`` ``(B,)`` float64 and :func:`sample_entries`' result.
         records: The backward's per-datum gradients or materials, by name.
         params: The recorded parameters, by name.
-        narrow: Autocast dtypes the backward ran in. Under autocast the datum's own
+        narrow: Autocast dtypes the backward ran in. Under autocast the check's own
             backward runs in the narrow dtype through every layer it crosses, recorded or
             not: one tolerance for all.
         trusted: Whether a mismatch is an error (else a warning).
         loss_scaled: Whether the batch's backward carried a loss scale (a GradScaler's) that
-            the datum's own unscaled backward does not: records that overflowed under it
+            the check's own unscaled backward does not: records that overflowed under it
             (a step the scaler skips) are not compared.
     """
-    b, sampled = datum
-    names, ours, theirs = list(sampled), [], []
+    v, sampled = datum
+    names, ours, theirs, scales = list(sampled), [], [], []
     for name in names:
         index, theirs_k = sampled[name]
-        mine = entries(records[name], index)[b].to(torch.float64)  # (k,)
-        ours.append(mine)
-        theirs.append(torch.zeros_like(mine) if theirs_k is None
-                      else theirs_k.to(mine.device, torch.float64))  # (k,)
+        rows = entries(records[name], index).to(torch.float64)  # (B, k)
+        w = v.to(rows.device)[:, None]  # (B, 1)
+        ours.append((w * rows).sum(0))  # (k,)
+        scales.append((w.abs() * rows.abs()).sum(0))  # (k,)
+        theirs.append(torch.zeros_like(ours[-1]) if theirs_k is None
+                      else theirs_k.to(rows.device, torch.float64))  # (k,)
     narrow = list(narrow)
     rtol, atol = check_tolerance((params[n].dtype for n in names),
                                  [max(narrow, key=lambda d: torch.finfo(d).eps)]
                                  if narrow else ())
-    a = torch.stack([o.to(ours[0].device) for o in ours])  # (n, k)
-    c = torch.stack([t.to(ours[0].device) for t in theirs])  # (n, k)
-    scale = a.abs() + c.abs()  # (n, k)
-    bad = _over_tolerance(names, a.reshape(-1), c.reshape(-1), scale.reshape(-1), rtol, atol,
-                          "datum check", compare_non_finite=not loss_scaled).bad()
+    device = ours[0].device
+    a, c = (torch.stack([t.to(device) for t in ts]).reshape(-1) for ts in (ours, theirs))
+    scale = torch.stack([t.to(device) for t in scales]).reshape(-1) + c.abs()
+    bad = _over_tolerance(names, a, c, scale, rtol, atol, "datum check",
+                          compare_non_finite=not loss_scaled).bad()
     if bad and not trusted:
         warnings.warn(
-            f"gradlog's datum check: the per-datum gradients of {bad[:6]} for datum {b} "
-            f"differ from that datum's own gradient (autograd.grad of losses[{b}]). The "
+            f"gradlog's datum check: the per-datum gradients of {bad[:6]}, weighted by random "
+            "v_b and summed, differ from autograd's gradient of sum_b v_b losses[b]. The "
             "graph holds autograd Functions gradlog does not know, whose second backward "
             "may differ from the first, so this may be a false alarm; if one datum's loss "
             "depends on other datums, or a layer runs sequence-first with sequence length "
@@ -387,16 +396,18 @@ def check_datum(datum: tuple[int, dict[str, tuple[Any, Any]]], records: Mapping[
         return
     if bad:
         raise BackendError(
-            f"the per-datum gradients of {bad[:6]} for datum {b} of the batch differ from "
-            f"that datum's own gradient (autograd.grad of losses[{b}]). Likely causes: "
-            "(1) one datum's loss depends on the other datums of the batch (in-batch "
-            "negatives of a contrastive loss, a loss normalised over the batch): the "
-            "hooks backend then gives each datum's share of the batch gradient, not "
-            "d losses[b] / d theta; (2) a layer ran on a layout where gradlog mistook "
-            "the batch dimension (a sequence-first tensor whose sequence length equals "
-            "the batch size, a layer called once per datum by hand). p.grad is complete; "
-            "nothing of this step was recorded. Use backend='loop', or for (2) a batch "
-            "size different from the sequence length."
+            f"the per-datum gradients of {bad[:6]} differ from the datums' own gradients "
+            "(weighted by random v_b and summed, against autograd.grad of sum_b v_b "
+            "losses[b]), though their plain sum may match p.grad. Likely causes: (1) one "
+            "datum's loss depends on the other datums of the batch (in-batch negatives of a "
+            "contrastive loss, a loss normalised over the batch): the hooks backend then "
+            "gives each datum's share of the batch gradient, not d losses[b] / d theta; (2) "
+            "a layer ran on a layout where gradlog mistook the batch dimension (a "
+            "sequence-first tensor whose sequence length equals the batch size, a layer "
+            "called once per datum by hand); (3) a rule that assigns gradient to the wrong "
+            "datum (please report it). p.grad is complete; nothing of this step was "
+            "recorded. Use backend='loop', or for (2) a batch size different from the "
+            "sequence length."
         )
 
 
