@@ -149,14 +149,37 @@ def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
             rec.backward(losses)
 
 
-def test_ia3_is_refused_naming_the_adapter_and_the_fix(tmp_path: Path) -> None:
-    """IA3 scales activations by a vector built outside any layer: refused, and the message
-    says so (it spoke only of position embeddings and T5)."""
+def test_ia3_records_like_the_loop_oracle() -> None:
+    """IA3 scales activations by a vector built outside any layer (refused until its
+    layer got a rule, gradlog/rules/adapters.py): attention and feed-forward forms."""
     model = peft.get_peft_model(_llama(), peft.IA3Config(
         task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
         feedforward_modules=["down_proj"])).train()
-    batch = _batch()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    described = assert_like_loop(model, _forward(model), rtol=1e-4, atol=1e-6)
+    assert {m["rule"] for m in described["modules"]} == {"peft_ia3"}
+
+
+class _ByHand(nn.Module):
+    """An IA3-like scaling no rule knows: a ``ParameterDict`` vector used in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.vec = nn.ParameterDict({"a": nn.Parameter(torch.ones(3))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (1 * self.vec["a"])  # type: ignore[no-any-return]
+
+
+def test_an_unknown_adapter_scaling_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    model = _ByHand().to(D64)
+    model.lin.requires_grad_(False)
+    x = torch.randn(4, 5, dtype=D64)
     refused = pytest.raises(gradlog.errors.BackendError,
-                            match=r"operation on parameters alone \(adapters such as PEFT's IA3")
+                            match=r"operation on parameters alone \(adapters build")
     with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec, refused:
-        rec.backward(_losses(model, batch))
+        rec.backward(model(x).pow(2).sum(1))

@@ -9,6 +9,7 @@ folder explains how to write a rule.
 from __future__ import annotations
 
 from gradlog.rules import (
+    adapters,
     attention,
     conv,
     embedding,
@@ -48,4 +49,4 @@ __all__ = [
 ]
 
 # The family modules register their rules on import.
-del attention, conv, embedding, embedding_bag, group_norm, layer_norm, linear, rnn
+del adapters, attention, conv, embedding, embedding_bag, group_norm, layer_norm, linear, rnn

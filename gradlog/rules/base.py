@@ -229,8 +229,10 @@ def register_rule(
     """Decorator registering ``compute`` as the rule for module types ``keys``.
 
     A key is a module class, or a class name (``"Conv1D"``) matched against
-    ``type(module).__name__`` for classes of libraries gradlog does not import. Registering
-    a key again replaces its rule (so third parties can override a built-in one).
+    ``type(module).__name__`` for classes of libraries gradlog does not import, or a
+    qualified one (``"peft.tuners.ia3.layer.Linear"``: module and qualname) where the short
+    name is ambiguous. Registering a key again replaces its rule (so third parties can
+    override a built-in one).
 
     Args:
         *keys: Module classes or class names.
@@ -266,7 +268,8 @@ def register_rule(
 
 
 def find_rule(module: nn.Module) -> Rule | None:
-    """The rule for ``module``: its exact type, then its class name, then a base class whose
+    """The rule for ``module``: its exact type, then its qualified class name
+    (``"peft.tuners.ia3.layer.Linear"``), then its class name, then a base class whose
     ``forward`` it does not override (a subclass with its own forward gets no rule, so the
     backend falls back to ``torch.func`` rather than trust a formula for another function).
     An instance whose ``forward`` was replaced (``layer.forward = ...``) gets none either."""
@@ -275,6 +278,9 @@ def find_rule(module: nn.Module) -> Rule | None:
     cls = type(module)
     if cls in RULES:
         return RULES[cls]
+    qualified = f"{cls.__module__}.{cls.__qualname__}"
+    if qualified in RULES:  # a library's class whose short name is taken ("Linear")
+        return RULES[qualified]
     if cls.__name__ in RULES:
         return RULES[cls.__name__]
     for base in _bases(cls):

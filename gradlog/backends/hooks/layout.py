@@ -192,11 +192,13 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
 
 
 _OP_ON_PARAMETERS = (
-    " This output is an operation on parameters alone (adapters such as PEFT's IA3, LoKr, "
-    "BOFT and AdaLoRA build their weights or scalings so, outside any layer): each datum "
-    "uses all of it, through an op other than an addition, so its per-datum gradients "
-    "cannot be split from the batch's; record these adapters with backend='loop', or leave "
-    "their parameters out (params=)."
+    " This output is an operation on parameters alone (adapters build their weights or "
+    "scalings so, outside any layer): each datum uses all of it, through an op other than "
+    "an addition, so its per-datum gradients cannot be split from the batch's. PEFT's IA3, "
+    "LoHa, LoKr, BOFT, AdaLoRA, FourierFT, HRA, VB-LoRA, RandLoRA and C3A Linear layers have "
+    "rules (gradlog/rules/adapters.py); for others register a rule covering these "
+    "parameters for the layer whose forward uses them, record with backend='loop', or "
+    "leave their parameters out (params=)."
 )
 
 def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
