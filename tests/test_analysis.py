@@ -602,6 +602,8 @@ def test_probe_argument_errors(tmp_store: Path) -> None:
         train_one(probes=(_probe_loss, (x, y)), probe_ids=[1] * 8)
     with pytest.raises(InputError, match="depend on the model"):
         train_one(probes=(lambda m, b: torch.ones(3), None))
+    with pytest.raises(InputError, match=r"^the probes' loss_fn .*shape \(B,\)"):  # reduced
+        train_one(probes=(lambda m, b: F.cross_entropy(m(x), y), None))
     with pytest.raises(NonFiniteLossError, match=r"probe\(s\) \[2\]"):
         train_one(
             probes=(lambda m, b: m(x).sum(1) * torch.tensor([1.0, 1.0, np.inf, *[1.0] * 5]), None)

@@ -1,6 +1,6 @@
 """Gradients as labelled (xarray) and out-of-core (dask) arrays.
 
-Both are optional dependencies: ``pip install 'gradlog[xarray]'`` / ``'gradlog[dask]'``.
+Both are optional dependencies: ``pip install -e '.[xarray]'`` / ``'.[dask]'``.
 """
 
 from __future__ import annotations

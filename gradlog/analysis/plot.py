@@ -1,7 +1,7 @@
 """Pictures of a run: the range of gradient norms at each step with the outlying data named,
 norm against loss, and a steps x data heatmap.
 
-matplotlib is an optional dependency: ``pip install 'gradlog[plot]'``. Only the index is read
+matplotlib is an optional dependency: ``pip install -e '.[plot]'``. Only the index is read
 (exact norms and losses), never a gradient, so plotting any run is quick.
 """
 

@@ -7,8 +7,8 @@ next is page-faulted in again (and zeroed by the kernel). A plain training step 
 a pattern with no faults; the per-datum buffers a recorded step holds (the backend reuses its
 own, see :class:`gradlog.backends.hooks.pool.BufferPool`) shift the heap so that autograd's
 own temporaries fault every step:
-measured on the small GPT of PEERS.md, ~2,000 faults and ~3.7 ms of a 46 ms step, on the
-medium ~27,000 faults and ~50 ms of its backward.
+measured on the small GPT of tests/benchmarks/bench_compute.py, ~2,000 faults and ~3.7 ms
+of a 46 ms step, on the medium ~27,000 faults and ~50 ms of its backward.
 
 :func:`keep_heap_resident` sets two of glibc's ``mallopt`` parameters once per process:
 ``M_MMAP_THRESHOLD`` to 32 MiB (the ceiling glibc's adaptive threshold reaches by itself) and

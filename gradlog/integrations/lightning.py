@@ -1,4 +1,4 @@
-"""gradlog inside a Lightning ``Trainer``: ``pip install 'gradlog[lightning]'``.
+"""gradlog inside a Lightning ``Trainer``: ``pip install -e '.[lightning]'``.
 
 Add a :class:`GradlogCallback` to the Trainer's callbacks, and in ``training_step`` return
 :func:`recorded_loss` of the per-datum losses instead of their mean::
@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - exercised without the extra
     raise MissingExtraError(
         "gradlog.integrations.lightning needs Lightning, which is not installed: "
-        "pip install 'gradlog[lightning]'"
+        "pip install lightning (or, in gradlog's folder, pip install -e '.[lightning]')"
     ) from None
 
 __all__ = ["GradlogCallback", "recorded_loss"]

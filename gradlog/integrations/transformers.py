@@ -1,4 +1,4 @@
-"""gradlog inside a Hugging Face ``transformers.Trainer``: ``pip install 'gradlog[hf]'``.
+"""gradlog inside a Hugging Face ``transformers.Trainer``: ``pip install -e '.[hf]'``.
 
 Three pieces, because a ``Trainer`` computes one loss for the whole batch (a model's
 ``.loss`` is the mean over the batch's tokens) while gradlog needs one loss per datum:
@@ -44,7 +44,7 @@ try:
 except ImportError:  # pragma: no cover - exercised without the extra
     raise MissingExtraError(
         "gradlog.integrations.transformers needs transformers, which is not installed: "
-        "pip install 'gradlog[hf]'"
+        "pip install transformers accelerate (or, in gradlog's folder, pip install -e '.[hf]')"
     ) from None
 
 __all__ = [

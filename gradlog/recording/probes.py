@@ -71,8 +71,12 @@ class ProbeRecorder:
         cuda = sorted({p.device.index or 0 for p in tensors if p.device.type == "cuda"})
         # A forked RNG: dropout in the probe forward must not shift training's random stream.
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-            losses = per_datum_losses(self.loss_fn(self.model, self.batch), None,
-                                      self.token_reduction)
+            try:
+                losses = per_datum_losses(self.loss_fn(self.model, self.batch), None,
+                                          self.token_reduction)
+            except InputError as e:  # the message speaks of "losses": say whose
+                raise type(e)(f"the probes' loss_fn (GradRecorder(probes=(loss_fn, batch))): "
+                              f"{e}") from None
             n = losses.shape[0] if losses.dim() == 1 else 0
             if n == 0 or not losses.requires_grad:
                 raise InputError(

@@ -10,11 +10,11 @@ offset/length pairs, ``bytes`` + ``crc32c``) at the end: the ``sharding_indexed`
 Zarr v3 specification.
 
 zarr-python 3.1 spends ~0.3-0.5 ms of asyncio overhead per inner chunk, far more than the
-disk needs (PEERS.md); this module writes the same bytes with one ``writev`` per shard and
-reads them with ``pread``. zarr-python reads what it writes bit for bit (tests). Every
-inner chunk and every index is checksummed, so damage raises :class:`StoreCorruptError`
-naming the array and chunk; a missing inner chunk of a row that the index says was written is
-damage too, never zeros.
+disk needs (tests/benchmarks/RESULTS.md, "Store"); this module writes the same bytes with
+one ``writev`` per shard and reads them with ``pread``. zarr-python reads what it writes bit
+for bit (tests). Every inner chunk and every index is checksummed, so damage raises
+:class:`StoreCorruptError` naming the array and chunk; a missing inner chunk of a row that
+the index says was written is damage too, never zeros.
 
 Imports no torch; numcodecs is imported only for compressed arrays.
 """

@@ -210,14 +210,14 @@ def store_path(
     except ImportError:
         raise GradlogError(
             f"{text} is a URL; stores on object storage need fsspec: "
-            "pip install 'gradlog[s3]'."
+            "pip install fsspec s3fs (or, in gradlog's folder, pip install -e '.[s3]')."
         ) from None
     try:
         fs, path = url_to_fs(text, **dict(storage_options or {}))
     except (ImportError, ValueError) as e:
         known = ", ".join(sorted(fsspec.available_protocols())[:12])
         raise GradlogError(
-            f"cannot open {text}: {e}. For s3:// install 's3fs' (pip install 'gradlog[s3]'); "
+            f"cannot open {text}: {e}. For s3:// install 's3fs' (pip install s3fs); "
             f"fsspec knows the protocols {known}, ..."
         ) from None
     if not path.strip("/"):
