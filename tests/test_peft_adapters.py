@@ -26,7 +26,8 @@ from gradlog.testing.oracle import backend_grads
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings(  # peft's, not gradlog's
-    "ignore::FutureWarning", "ignore:Failed to load the CUDA extension:UserWarning")
+    "ignore::FutureWarning", "ignore:Failed to load the CUDA extension:UserWarning",
+    "ignore:Setting boft_n_butterfly_factor:UserWarning", "ignore:fan_in_fan_out:UserWarning")
 
 D64 = torch.float64
 V, H = 50, 32
