@@ -42,11 +42,19 @@ class LiteralTable(Table):
         super().add_row(*(escape(c) if isinstance(c, str) else c for c in cells), **kwargs)
 
 
-def table(title: str, columns: Sequence[str], *, left: Container[str] = ()) -> Table:
-    """A table with these columns: those in ``left`` left-justified, numbers right."""
+def table(
+    title: str, columns: Sequence[str], *, left: Container[str] = (), names: Container[str] = ()
+) -> Table:
+    """A table with these columns: those in ``left`` left-justified, numbers right.
+
+    No cell is cut short with an ellipsis: on a narrow terminal the columns in ``names``
+    (parameter names, which two records may share all but the end of, and which are copied
+    into ``-p``) keep their width, and the other columns fold their cells onto more lines.
+    """
     view = LiteralTable(title=title)
     for column in columns:
-        view.add_column(column, justify="left" if column in left else "right")
+        view.add_column(column, justify="left" if column in left else "right",
+                        no_wrap=column in names, overflow="fold")
     return view
 
 

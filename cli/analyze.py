@@ -85,8 +85,8 @@ def influence(
                    **({"out": str(out)} if out is not None else {"rows": rows})})
         return
     if out is not None:
-        what = "self-influence" if probe is None else f"probe {probe} ({score_kind})"
-        console.print(f"wrote {len(rows)} ranked datums ({what}) to {out}")
+        what = "by self-influence" if probe is None else f"for probe {probe} ({score_kind})"
+        console.print(f"wrote {len(rows)} datums ranked {what} to {out}")
         return
     if probe is None:
         title = f"self-influence sum_t lr_t{' w' if weighted else ''} ||g_t||^2"
@@ -169,7 +169,7 @@ def _write_table(tbl: Any, out: Path) -> None:
         import numpy as np
         import pyarrow as pa
 
-        arrays = {
+        arrays: dict[str, Any] = {
             # strings as a unicode array: an object array would need allow_pickle to load
             name: np.array(col.to_pylist(), dtype=str) if pa.types.is_string(col.type)
             else col.to_numpy()
@@ -215,6 +215,13 @@ def export(
     from gradlog.analysis.export import FORMATS
 
     suffix = out.suffix.lstrip(".").lower()
+    # the library's own message names its format= argument: say it with the CLI's flags
+    if format is not None and format not in FORMATS:
+        raise InputError(f"--format {format} is not one of {', '.join(FORMATS)}: pass "
+                         "--format parquet or --format npz.")
+    if format is None and suffix not in FORMATS:
+        raise InputError(f"--out {out} names no export format: name the file .parquet or .npz, "
+                         "or pass --format parquet|npz.")
     if format in FORMATS and suffix in FORMATS and format != suffix:
         # the library would write what --format says under a name that says otherwise
         raise InputError(

@@ -99,7 +99,7 @@ def _print_info(summary: dict[str, Any]) -> None:
 
     params = table("recorded parameters",
                    ("name", "shape", "dtype", "form", "bytes/record", "of full"),
-                   left=("name", "shape", "dtype", "form"))
+                   left=("name", "shape", "dtype", "form"), names=("name",))
     total = full_total = 0
     for p in summary["params"]:
         full = p["numel"] * fmt.record_bytes({"dtype": p["dtype"], "shape": [1]})
@@ -126,8 +126,8 @@ def ls(
                    "steps": steps.to_pylist(), "probe_ids": probe_ids})
         return
     params = table(f"{len(run.param_names)} recorded parameters",
-                   ("name", "shape", "numel", "dtype", "form"), left=("name", "shape", "dtype",
-                                                                      "form"))
+                   ("name", "shape", "numel", "dtype", "form"),
+                   left=("name", "shape", "dtype", "form"), names=("name",))
     for p in run.params.to_pylist():
         params.add_row(p["name"], shape_text(p["shape"]), f"{p['numel']:,}", p["dtype"],
                        p["form"])
@@ -171,7 +171,7 @@ def show(
     where = ", ".join(x for x in (f"step {step}" if step else "", f"datum {datum}" if datum
                                   else "") if x) or "every record"
     view = table(f"gradients at {where}", ("param", "shape", "norm", "mean", "std", "min", "max"),
-                 left=("param", "shape"))
+                 left=("param", "shape"), names=("param",))
     for r in results:
         view.add_row(r["param"], "x".join(map(str, r["shape"])), num(r["norm"]), num(r["mean"]),
                      num(r["std"]), num(r["min"]), num(r["max"]))
@@ -206,7 +206,7 @@ def norms(
         return
     top = found.sort_by([("norm", "descending")]).slice(0, limit).to_pylist()
     view = table(f"largest of {found.num_rows} per-record gradient norms",
-                 ("step", "datum", "param", "norm"), left=("param",))
+                 ("step", "datum", "param", "norm"), left=("param",), names=("param",))
     for r in top:
         view.add_row(str(r["step"]), str(r["datum_id"]), r["param"], num(r["norm"], 6))
     console.print(view)
@@ -242,8 +242,17 @@ def verify(run_path: RunArg, as_json: JsonOpt = False, storage: StorageOpt = Non
     from gradlog.store.verify import verify as verify_store
 
     where = location(run_path, storage)
-    if not as_json and not store_path(where).exists():  # not a damaged store (--json: a report)
+    root = store_path(where)
+    # not a damaged store, but no store at all: one line, as `gradlog info` says it, not a
+    # FAIL for every check (--json: a report all the same)
+    if not as_json and not root.exists():
         raise NotAStoreError(f"{where} does not exist. Name a store's directory (NAME.gradlog).")
+    if not as_json and not (root / "zarr.json").is_file():
+        raise NotAStoreError(
+            f"{where} is not a gradlog store: it has no zarr.json. Name a store's directory "
+            "(NAME.gradlog: the directory that GradRecorder(model, path) or gradlog train "
+            "--out PATH created)."
+        )
     report = verify_store(where)
     if as_json:
         echo_json({

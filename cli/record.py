@@ -7,15 +7,15 @@ import shlex
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
 from typer.core import TyperCommand
 
 from gradlog.cli._args import StorageOpt, location
-from gradlog.cli._render import LiteralTable, console, fail, human_bytes
-from gradlog.errors import GradlogError, InputError
+from gradlog.cli._render import LiteralTable, console, err_console, fail, human_bytes
+from gradlog.errors import GradlogError, InputError, StoreExistsError
 
 if TYPE_CHECKING:
     from gradlog.demo.train import TrainSummary
@@ -88,7 +88,7 @@ def train(
     seq_len: Annotated[int, typer.Option(min=2, help="Characters per sequence.")] = 32,
     windows: Annotated[int, typer.Option(
         min=0, help="Training set: the corpus' first N windows of --seq-len characters, each "
-        "seen once per epoch (0: every window).")] = 64,
+        "seen once per epoch (0: every window not held out as a probe).")] = 64,
     probes: Annotated[int, typer.Option(
         min=0, help="Held-out windows recorded as probes 0..N-1 at every recorded step "
         "(gradlog influence RUN --probe 0).")] = 4,
@@ -123,20 +123,28 @@ def train(
     """
     from gradlog.demo.train import describe_plan, train_demo
     from gradlog.store.fs import is_object, store_path
+    from gradlog.store.opening import is_store
 
     form_request = _form_request(form)
     if out is not None:
         path = location(out, storage)
         replace = overwrite
+        if not overwrite and is_store(store_path(path)):
+            # said here: the library's message names its own keywords (overwrite=, resume=)
+            raise StoreExistsError(
+                f"{out} already holds a gradlog run. Pass --overwrite to replace it, or "
+                "choose another --out (gradlog train records a new run; it does not continue "
+                "one)."
+            )
     else:
         if storage:
             raise InputError("--storage-option configures a URL store: give it with --out "
                              "s3://bucket/run.gradlog (the default path is local).")
         path = Path("runs") / f"{name}.gradlog"
         replace = True  # the demo's own path: replaced, never a second copy beside it
-        if (path / "zarr.json").is_file():
-            console.print(f"{path} holds an earlier run: replacing it (--name NAME or --out "
-                          "PATH keeps both).", highlight=False, soft_wrap=True)
+    # announced once the recorder has checked every option and replaces it (on_start): a bad
+    # option fails first and keeps the earlier run
+    earlier = out is None and (path / "zarr.json").is_file()
     if probes and is_object(store_path(path)):
         console.print("note: probes are not yet kept on object storage: recording none "
                       "(--probes 0).", highlight=False)
@@ -148,20 +156,29 @@ def train(
 
     def on_start(rec: Any) -> None:
         recorder["rec"] = rec
+        if earlier:
+            progress.say(f"{escape(str(path))} holds an earlier run: replacing it (--name NAME "
+                         "or --out PATH keeps both).")
         plan = describe_plan(rec, steps, batch_size, probes)
-        progress.say(
-            f"recording {len(rec.params)} parameters with backend [bold]{backend}[/] into "
-            f"{escape(str(path))}: {human_bytes(plan['bytes_per_step'])} per step (the batch "
-            f"and {probes} probes), {human_bytes(plan['projected_bytes'])} for the run before "
-            "compression"
-        )
+        if plan["bytes_per_step"] is None:  # forms other than full: planned at the first step
+            what = "the records' forms are planned at the first step"
+            if probes:
+                what += (f"; the {_count(probes, 'probe')} are kept in full: "
+                         f"{human_bytes(plan['probe_bytes_per_step'])} per step")
+        else:
+            what = _bytes_per_step(plan, batch_size, probes)
+        progress.say(f"recording {len(rec.params)} parameters with backend [bold]{backend}[/] "
+                     f"into {escape(str(path))}: {what}")
 
     def on_step(step: int, loss: float) -> None:
+        recorder["done"] = step + 1
         progress.advance(step, loss)
         plan = getattr(recorder.get("rec"), "plan", None)
         if plan is not None and form != "full" and not recorder.get("shown"):
             recorder["shown"] = True  # planned at the first recorded backward
-            progress.say(f"forms and bytes per step:\n{escape(str(plan))}")
+            planned = describe_plan(recorder["rec"], steps, batch_size, probes)
+            progress.say(f"forms and bytes per step:\n{escape(str(plan))}\n"
+                         f"{_bytes_per_step(planned, batch_size, probes)}")
 
     with progress:
         try:
@@ -174,7 +191,46 @@ def train(
         except (GradlogError, ValueError) as e:  # said inside the progress display: it ends
             progress.stop()  # before the line (ValueError: the demo's own checks)
             fail(e)
+        except KeyboardInterrupt:  # Ctrl-C: the recorder committed the completed steps
+            progress.stop()
+            _interrupted(path, recorder.get("done", 0), started="rec" in recorder)
     _print_summary(summary, out if out is not None else str(path), storage)
+
+
+def _count(n: int, noun: str) -> str:
+    """``4 probes``, ``1 record``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _bytes_per_step(plan: Mapping[str, Any], batch_size: int, probes: int) -> str:
+    """``"795.0 KiB per step (16 records: 636.0 KiB; 4 probes, kept in full: 159.0 KiB),
+    3.1 MiB for the run before compression"``: what the bytes are, as the forms make the
+    records' and not the probes'."""
+    parts = f"{_count(batch_size, 'record')}: {human_bytes(plan['records_bytes_per_step'])}"
+    if probes:
+        parts += (f"; {_count(probes, 'probe')}, kept in full: "
+                  f"{human_bytes(plan['probe_bytes_per_step'])}")
+    return (f"{human_bytes(plan['bytes_per_step'])} per step ({parts}), "
+            f"{human_bytes(plan['projected_bytes'])} for the run before compression")
+
+
+def _interrupted(path: Any, done: int, *, started: bool) -> NoReturn:
+    """Say what an interrupted run kept, on stderr, and exit 130 (as a shell does on Ctrl-C)."""
+    where = escape(str(path))
+    if not started:  # before the store was created (or replaced)
+        kept = f"nothing was written to {where}"
+    else:
+        try:
+            from gradlog.run import Run
+
+            committed = Run(path).steps.column("step").to_pylist()
+        except GradlogError:
+            committed = []
+        kept = (f"steps {committed[0]}..{committed[-1]} are kept in {where} (gradlog verify "
+                f"{where} checks them)" if committed else f"no step was committed to {where}")
+    err_console.print(f"[yellow]interrupted[/] at step {done}: {kept}.", highlight=False,
+                      soft_wrap=True)
+    raise typer.Exit(code=130)
 
 
 class _Progress:
@@ -235,8 +291,9 @@ def _print_summary(summary: TrainSummary, where: str, storage: list[str] | None)
     """The trained run's summary table, what its probe found, and the commands to try next."""
     view = LiteralTable(title=f"gradlog run {summary.path}", show_header=False)
     view.add_row("steps recorded", str(summary.steps))
+    each = f"{summary.records / max(summary.datums, 1):.3g}"
     view.add_row("records (step, datum)", f"{summary.records} ({summary.datums} datums, at "
-                 f"{summary.records / max(summary.datums, 1):.3g} steps each on average)")
+                 f"{each} step{'' if each == '1' else 's'} each on average)")
     view.add_row("probes", f"{len(summary.probes)} (recorded at every step)")
     view.add_row("parameters", f"{summary.params} ({summary.param_elements:,} elements)")
     view.add_row("bytes on disk",
@@ -265,14 +322,20 @@ def _print_summary(summary: TrainSummary, where: str, storage: list[str] | None)
         console.print(f"training on window {summary.proponent} "
                       f"{summary.windows[summary.proponent]!r} lowered its loss most",
                       highlight=False, soft_wrap=True)
+    if summary.probes and not summary.gradients:
+        console.print("no influence on the probes: every parameter was recorded with form "
+                      "'norm', which keeps only each record's norm, and a probe's influence "
+                      "needs the training records' gradients (--form full keeps them).",
+                      highlight=False, soft_wrap=True)
     console.print("Try next:", highlight=False)
     lines = [
         (f"gradlog influence {run} --probe 0", "the training windows that helped and hurt it")
-        if summary.probes else (f"gradlog influence {run} --self",
-                                "the windows the model kept being pushed by"),
+        if summary.probes and summary.gradients else (
+            f"gradlog influence {run} --self", "the windows the model kept being pushed by"),
         (f"gradlog plot {run} --out fig.png",
          "gradient norms per step, against the loss, with outliers named"),
-        (f"gradlog info {run}", "what the store holds; gradlog show RUN for gradient statistics"),
+        (f"gradlog info {run}", "what the store holds; gradlog show RUN for gradient statistics"
+         if summary.gradients else "what the store holds; gradlog norms RUN lists the norms"),
     ]
     width = max(len(cmd) for cmd, _ in lines)
     for cmd, what in lines:

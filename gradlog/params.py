@@ -75,7 +75,7 @@ def _refuse_sparse_grads(model: nn.Module, selected: Mapping[str, nn.Parameter])
             raise UnsupportedLayerError(
                 f"{type(module).__name__} {name!r} has sparse=True, so autograd gives its "
                 f"weight {recorded[id(weight)]!r} a sparse gradient, which gradlog does not "
-                "records. Build it with sparse=False (the optimizer then gets a dense gradient; "
+                "record. Build it with sparse=False (the optimizer then gets a dense gradient; "
                 "form='rows' still stores only the rows each datum touched), or leave its "
                 "weight out with params=."
             )

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import gradlog
+from gradlog.cli._render import human_bytes
 from gradlog.cli.main import app
 from gradlog.store.format import FORMAT_VERSION
 
@@ -38,6 +39,13 @@ def test_train_prints_a_summary(tmp_path: Path) -> None:
         assert text in result.output
     run = gradlog.open(out)
     assert run.steps.num_rows == 3 and run.datums.num_rows == 12
+    text = " ".join(result.output.replace("│", " ").split())  # the summary table's cells
+    assert "12 (12 datums, at 1 step each on average)" in text  # each datum once: "1 step"
+    # the header says what its bytes are: the batch's records and the probes, full gradients
+    four = 4 * 4 * sum(run.params.column("numel").to_pylist())  # 4 full float32 gradients
+    assert f"{human_bytes(2 * four)} per step (4 records: {human_bytes(four)}; 4 probes, kept " \
+        f"in full: {human_bytes(four)}), {human_bytes(3 * 2 * four)} for the run before " \
+        "compression" in text
 
 
 def test_train_store_reads_back(trained: Path) -> None:
@@ -116,7 +124,10 @@ def test_info_on_a_path_that_is_not_a_store(tmp_path: Path) -> None:
 def test_train_refuses_to_overwrite(trained: Path) -> None:
     result = runner.invoke(app, ["train", *SMALL, "--out", str(trained)])
     assert result.exit_code == 1
-    assert "--overwrite" in result.output
+    text = " ".join(result.output.split())
+    assert "already holds a gradlog run. Pass --overwrite to replace it" in text
+    # what the CLI offers: not the library's keywords, nor a --resume it does not have
+    assert "resume" not in text and "overwrite=True" not in text
     assert gradlog.open(trained).steps.num_rows == 3  # the existing run is intact
 
 
@@ -163,6 +174,106 @@ def test_train_overwrite_never_deletes_a_directory_that_is_not_a_store(
     assert result.exit_code == 1 and "not a gradlog store" in result.output
     assert "Traceback" not in result.output
     assert keep.read_text() == "mine"
+
+
+@pytest.mark.parametrize("bad", [
+    ["--backend", "foo"], ["--dtype", "foo"], ["--batch-size", "100"], ["-p", "nothing.*"],
+])
+def test_train_refused_options_never_announce_a_replacement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: list[str]
+) -> None:
+    # the earlier run is kept when an option is refused, so no notice says it is replaced
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(app, ["train", *SMALL, "--name", "keep"]).exit_code == 0
+    result = runner.invoke(app, ["train", *SMALL, "--name", "keep", *bad])
+    assert result.exit_code == 1 and "error:" in result.output
+    assert "replacing" not in result.output, result.output
+    assert gradlog.open(tmp_path / "runs" / "keep.gradlog").steps.num_rows == 3
+
+
+def test_train_windows_0_trains_on_every_window_but_the_probes(tmp_path: Path) -> None:
+    from gradlog.demo import CharCorpus, load_corpus
+
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(app, ["train", "--windows", "0", "--steps", "1", "--batch-size", "2",
+                                 "--seq-len", "256", "--probes", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    available = CharCorpus(load_corpus()).dataset(256)
+    meta = gradlog.open(out).config["metadata"]
+    assert meta["windows"] == available - 2  # the probes are the last two windows
+    assert meta["probe_windows"] == [available - 2, available - 1]
+
+
+def test_train_form_norm_summarises_without_influence(tmp_path: Path) -> None:
+    """Form 'norm' keeps no training gradient: the run is good, its summary skips influence
+    on the probes and says why, and the header's bytes are the probes' (kept in full)."""
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(app, ["train", *SMALL, "--form", "norm", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "no influence on the probes: every parameter was recorded with form 'norm'" in text
+    assert f"gradlog influence {out} --self" in text and "--probe 0" not in text
+    run = gradlog.open(out)
+    four = 4 * 4 * sum(run.params.column("numel").to_pylist())  # 4 full float32 gradients
+    assert "the records' forms are planned at the first step; the 4 probes are kept in full: " \
+        f"{human_bytes(four)} per step" in text
+    assert f"{human_bytes(four)} per step (4 records: 0 B; 4 probes, kept in full: " \
+        f"{human_bytes(four)}), {human_bytes(3 * four)} for the run before compression" in text
+    assert run.steps.num_rows == 3 and set(run.params.column("form").to_pylist()) == {"norm"}
+
+
+def test_train_interrupted_says_what_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the training loop: one line on stderr naming the steps kept, exit code 130."""
+    from gradlog.recorder import GradRecorder
+
+    step = GradRecorder.step
+
+    def interrupted(self: GradRecorder, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("step") == 2:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradRecorder, "step", interrupted)
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(app, ["train", "--steps", "4", "--batch-size", "4", "--seq-len", "16",
+                                 "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    said = " ".join(result.stderr.split())
+    assert f"interrupted at step 2: steps 0..1 are kept in {out} (gradlog verify {out}" in said
+    assert "Traceback" not in result.output
+    assert gradlog.open(out).steps.column("step").to_pylist() == [0, 1]
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+
+def test_verify_a_directory_that_is_not_a_store(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path, tmp_path / "file"):
+        result = runner.invoke(app, ["verify", str(path)])
+        assert result.exit_code == 1  # as gradlog info on it
+        lines = result.output.strip().splitlines()
+        text = " ".join(result.output.split())
+        assert f"error: {path} is not a gradlog store" in text and "FAIL" not in text
+        assert len(" ".join(lines).split("error:")) == 2  # one error, no check listed
+    assert "not a gradlog store" in runner.invoke(app, ["info", str(tmp_path)]).output
+
+
+def test_parameter_names_are_never_cut_short(
+    trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 80 columns, blocks.1.mlp.fc.weight and blocks.1.mlp.proj.weight are not both
+    shown as blocks.1.m…: the other columns fold instead."""
+    from gradlog.cli._render import console
+
+    monkeypatch.setattr(console, "_width", 80)
+    for command in (["show"], ["info"], ["ls"], ["norms", "-p", "blocks.1.mlp.proj.weight"]):
+        result = runner.invoke(app, [command[0], str(trained), *command[1:]])
+        assert result.exit_code == 0, result.output
+        assert "…" not in result.output, (command, result.output)
+        assert "blocks.1.mlp.proj.weight" in result.output, (command, result.output)
+        if command[0] != "norms":
+            assert "blocks.1.mlp.fc.weight" in result.output, (command, result.output)
 
 
 @pytest.mark.parametrize("every", [1, 2, 3])

@@ -212,13 +212,69 @@ def test_influence_many_probes(store: Path, tmp_path: Path) -> None:
         "influence", str(store), "--probes", "10:20")
     assert "names probe(s) [5] more than once" in _error(
         "influence", str(store), "--probes", "5,8,5")
-    assert "--out writes the matrix" in _error("influence", str(store), "--probe", "5", "--out",
-                                              str(out))
     assert "name the file .parquet" in _error("influence", str(store), "--probes", "all",
                                              "--out", str(tmp_path / "m.txt"))
     bare = _record(tmp_path / "bare.gradlog", lr=False)  # no optimizer: no optimizer state
     assert "kind='optimizer' needs" in _error("influence", str(bare), "--probe", "5", "--kind",
                                              "optimizer", "--lr", "0.1")
+
+
+def _summary_rows(text: str) -> dict[int, list[str]]:
+    """The --probes summary table's rows: probe -> [proponent, score, opponent, score]."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 5 and cells[0].isdigit():
+            rows[int(cells[0])] = cells[1:]
+    return rows
+
+
+def test_influence_summary_opponents_have_negative_scores(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--probes' summary names a probe's opponent only when some datum's score is negative,
+    and its proponent only when one is positive, as --probe's two tables do."""
+    run = gradlog.open(store)
+    rows = _summary_rows(_ok("influence", str(store), "--probes", "all"))
+    for p in (5, 8):  # this store's probes have both
+        one = run.influence(p, top=1).to_pylist()
+        want = {r["kind"]: (str(r["datum_id"]), r["score"]) for r in one}
+        assert rows[p][0] == want["proponent"][0] and float(rows[p][1]) > 0
+        assert rows[p][2] == want["opponent"][0] and float(rows[p][3]) < 0
+    # a probe every datum helped, and one every datum hurt
+    from dataclasses import replace
+
+    from gradlog.run import Run
+
+    matrix = run.influence_matrix([5, 8])
+    scores = np.stack([np.abs(matrix.scores[:, 0]) + 1, -np.abs(matrix.scores[:, 1]) - 1], 1)
+    monkeypatch.setattr(Run, "influence_matrix", lambda *_, **__: replace(matrix, scores=scores))
+    rows = _summary_rows(_ok("influence", str(store), "--probes", "all"))
+    assert rows[5][2:] == ["none", "-"] and float(rows[5][1]) >= 1.0
+    assert rows[8][:2] == ["none", "-"] and float(rows[8][3]) <= -1.0
+
+
+def test_influence_out_writes_the_ranking(store: Path, tmp_path: Path) -> None:
+    """--out with --probe or --self writes the ranking shown, in each format of --probes."""
+    run = gradlog.open(store)
+    want = run.influence(5, top=3)
+    for name in ("p.csv", "p.parquet", "p.npz"):
+        out = tmp_path / name
+        assert f"wrote 6 datums ranked for probe 5 (tracin) to {out}" in _text(
+            "influence", str(store), "--probe", "5", "--top", "3", "--out", str(out))
+        if name.endswith(".npz"):
+            with np.load(out) as z:
+                got = {k: z[k].tolist() for k in want.column_names}
+                assert str(z["score_kind"]) == "tracin"
+        else:
+            got = (pcsv.read_csv(out) if name.endswith(".csv") else pq.read_table(out)).to_pydict()
+        assert got == want.to_pydict()
+    selfish = json.loads(_ok("influence", str(store), "--self", "--top", "4", "--out",
+                             str(tmp_path / "s.csv"), "--json"))
+    assert selfish["out"] == str(tmp_path / "s.csv") and "rows" not in selfish
+    assert pcsv.read_csv(tmp_path / "s.csv").to_pydict() == run.self_influence(top=4).to_pydict()
+    assert "name the file .parquet, .csv or .npz" in _error(
+        "influence", str(store), "--self", "--out", str(tmp_path / "s.txt"))
 
 
 def _out_npz(store: Path, tmp_path: Path) -> Path:
@@ -248,7 +304,12 @@ def test_export(store: Path, tmp_path: Path) -> None:
     assert "wrote 48 records x 1 parameters" in text
     table = pq.read_table(tmp_path / "e.data")
     assert table.column_names[-1] == "grads/2.bias" and table.num_rows == 48
-    assert "is not one of ['parquet', 'npz']" in _error("export", str(store), "--out", "e.h5")
+    # the CLI's flags, not the library's format= argument
+    text = _error("export", str(store), "--out", "e.h5")
+    assert "--out e.h5 names no export format" in text and "--format parquet|npz" in text
+    assert "format=" not in text
+    text = _error("export", str(store), "--out", "e.npz", "--format", "h5")
+    assert "--format h5 is not one of parquet, npz" in text and "format=" not in text
     assert "datum 77 has no record" in _error(
         "export", str(store), "--out", str(tmp_path / "x.npz"), "-d", "77"
     )
@@ -324,7 +385,7 @@ def test_plot_without_matplotlib(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     text = _error("plot", str(store), "--out", str(tmp_path / "f.png"))
-    assert "pip install 'gradlog[plot]'" in text
+    assert "pip install matplotlib" in text and "'.[plot]'" in text  # gradlog's extra
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from gradlog.demo.data import CharCorpus, load_corpus
 from gradlog.demo.model import CharGPT, GPTConfig
 from gradlog.errors import InputError
 from gradlog.recorder import GradRecorder
+from gradlog.store.dtypes import storage_dtype
 
 __all__ = ["TrainSummary", "default_params", "describe_plan", "train_demo"]
 
@@ -62,6 +63,9 @@ class TrainSummary:
     """Each training datum's text, by datum id (its window index in the corpus)."""
     probes: dict[int, str] = field(default_factory=dict)
     """Each probe's text, by probe id."""
+    gradients: bool = True
+    """Whether some recorded parameter keeps gradients: False when every one was recorded
+    with form ``norm`` (only norms: no influence on a probe, so no ``proponent``)."""
 
     @property
     def overhead(self) -> float | None:
@@ -117,7 +121,7 @@ def train_demo(
         batch_size: Sequences per step (each one datum; its id is its window in the corpus).
         seq_len: Characters per sequence.
         windows: Train on the first ``windows`` windows of the corpus (each seen once per
-            epoch); None: on every window.
+            epoch); None: on every window not held out as a probe.
         probes: Held-out windows (the ones after the training windows) whose gradients are
             recorded at every recorded step, as probes 0..probes-1 (``run.influence``);
             0: none (object stores do not keep probes yet).
@@ -147,7 +151,8 @@ def train_demo(
     """
     corpus = CharCorpus(load_corpus())
     available = corpus.dataset(seq_len)
-    train_windows = available if windows is None else windows
+    # every window: all but the probes, which are the last ones (held out after the training set)
+    train_windows = available - max(probes, 0) if windows is None else windows
     if probes < 0 or train_windows < 1 or train_windows + probes > available:
         raise InputError(
             f"{train_windows} training windows and {probes} probes of {seq_len} characters "
@@ -241,9 +246,11 @@ def _train(
 
     run = Run(out)
     table = run.steps
+    # form 'norm' keeps only norms: a probe's influence needs the training data's gradients
+    gradients = any(f != "norm" for f in run.params.column("form").to_pylist())
     with warnings.catch_warnings():  # a projection form's "estimate" note: the summary's
         warnings.simplefilter("ignore")  # one-line hint needs none (gradlog influence says it)
-        top = run.influence(0, top=1).to_pylist() if pairs else []
+        top = run.influence(0, top=1).to_pylist() if pairs and gradients else []
     proponent = next((r["datum_id"] for r in top if r["kind"] == "proponent"), None)
     return TrainSummary(
         path=str(run.path),
@@ -263,14 +270,28 @@ def _train(
         windows={i: corpus.decode(corpus.window(i, seq_len)[0]) for i in range(windows)},
         probes={k: corpus.decode(x) for k, (x, _) in enumerate(pairs)},
         proponent=proponent,
+        gradients=gradients,
     )
 
 
 def describe_plan(
     rec: GradRecorder, steps: int, batch_size: int, probes: int = 0
 ) -> dict[str, Any]:
-    """Bytes per step (the batch's records and the probes') and the projected size of the run
-    (before compression)."""
-    per_step = rec.bytes_per_record * (batch_size + probes)
+    """Bytes per recorded step and the projected size of the run (before compression).
+
+    Returns:
+        ``records_bytes_per_step``: the batch's records, by their forms (None while those are
+        not planned: until the first recorded step, unless every form is ``full``);
+        ``probe_bytes_per_step``: the probes', always kept in full; ``bytes_per_step`` and
+        ``projected_bytes``: their sum, and for the run (None while the records' are).
+    """
+    full_record = sum(p.numel() for p in rec.params.values()) * storage_dtype(
+        rec.config.dtype).itemsize
+    planned = rec.forms is not None or all(request == "full" for _, request in rec.config.form)
+    records = rec.bytes_per_record * batch_size if planned else None
+    probe_bytes = full_record * probes
+    per_step = None if records is None else records + probe_bytes
     recorded = (steps + rec.config.every - 1) // rec.config.every
-    return {"bytes_per_step": per_step, "projected_bytes": per_step * recorded}
+    return {"records_bytes_per_step": records, "probe_bytes_per_step": probe_bytes,
+            "bytes_per_step": per_step,
+            "projected_bytes": None if per_step is None else per_step * recorded}

@@ -116,9 +116,8 @@ def create(path: StorePath, root_attrs: Mapping[str, Any], overwrite: bool) -> N
     if _entries(path):  # a gradlog store (refuse_foreign let nothing else through)
         if not overwrite:
             raise StoreExistsError(
-                f"{path} already holds a gradlog run. Pass overwrite=True (CLI: "
-                "--overwrite) to replace it, resume=True to continue it, or choose "
-                "another path."
+                f"{path} already holds a gradlog run. Pass overwrite=True to replace it, "
+                "resume=True to continue it, or choose another path."
             )
         if path.is_symlink():
             raise StoreExistsError(

@@ -366,6 +366,8 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
     """
     v, sampled = datum
     names, ours, theirs, scales = list(sampled), [], [], []
+    if not names:
+        return  # (every recorded parameter has size 0)
     for name in names:
         index, theirs_k = sampled[name]
         rows = entries(records[name], index).to(torch.float64)  # (B, k)
