@@ -49,12 +49,13 @@ def table(
 
     No cell is cut short with an ellipsis: on a narrow terminal the columns in ``names``
     (parameter names, which two records may share all but the end of, and which are copied
-    into ``-p``) keep their width, and the other columns fold their cells onto more lines.
+    into ``-p``) keep their width, and the other columns fold their cells onto more lines
+    (never narrower than their header).
     """
     view = LiteralTable(title=title)
     for column in columns:
         view.add_column(column, justify="left" if column in left else "right",
-                        no_wrap=column in names, overflow="fold")
+                        no_wrap=column in names, overflow="fold", min_width=len(column))
     return view
 
 

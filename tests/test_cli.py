@@ -451,7 +451,7 @@ def test_storage_options_are_parsed_as_fsspec_parses_its_variables(tmp_path: Pat
 def s3_server(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A bucket on a moto S3 server on loopback that only options can reach: fsspec's
     configuration and the AWS environment are left empty."""
-    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'gradlog[s3]'")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install -e '.[s3]'")
     moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
     import socket
 

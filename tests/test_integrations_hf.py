@@ -31,7 +31,7 @@ from gradlog.errors import InputError
 from gradlog.store.verify import verify
 from gradlog.testing.oracle import naive_per_datum_grads
 
-transformers = pytest.importorskip("transformers", reason="needs gradlog[hf] (transformers)")
+transformers = pytest.importorskip("transformers", reason="needs the hf extra (transformers)")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
 from gradlog.integrations.transformers import (  # noqa: E402

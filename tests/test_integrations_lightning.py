@@ -29,7 +29,7 @@ from gradlog.errors import InputError, NonFiniteLossError
 from gradlog.store.verify import verify
 from gradlog.testing.oracle import naive_per_datum_grads
 
-L = pytest.importorskip("lightning.pytorch", reason="needs gradlog[lightning] (lightning)")
+L = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra (lightning)")
 
 from gradlog.integrations.lightning import GradlogCallback, recorded_loss  # noqa: E402
 

@@ -345,7 +345,7 @@ def memory_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on loopback with bucket ``gradlog-lease``; fsspec points at it."""
-    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'gradlog[s3]'")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install -e '.[s3]'")
     moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
     import socket
 

@@ -104,7 +104,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def s3_bucket() -> Iterator[str]:
     """A bucket on a moto S3 server on loopback; fsspec's s3 defaults point at it."""
-    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'gradlog[s3]'")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install -e '.[s3]'")
     moto_server = pytest.importorskip(
         "moto.server", reason="S3 tests need a local S3 server: pip install 'moto[server]'"
     )

@@ -1,9 +1,8 @@
 """The ``hooks`` backend: exact per-datum gradients from the user's one ordinary backward.
 
-This package module holds :class:`HooksBackend`, which orchestrates the parts: what to hook
-(:mod:`.calls`), the autograd graph walks (:mod:`.graph`), where the batch is (:mod:`.layout`),
-adding up per-datum results (:mod:`.accumulate`), the buffer pool (:mod:`.pool`), autocast
-(:mod:`.precision`) and the checks (:mod:`.checks`).
+:class:`HooksBackend` orchestrates the parts: what to hook (:mod:`.calls`), graph walks
+(:mod:`.graph`), where the batch is (:mod:`.layout`), adding up per-datum results
+(:mod:`.accumulate`), buffers (:mod:`.pool`), autocast (:mod:`.precision`), checks (:mod:`.checks`).
 
 During the user's forward, a forward hook on each module that owns recorded parameters keeps
 that call's inputs and puts a tensor hook on its outputs. During ``batch_loss.backward()``
@@ -388,9 +387,9 @@ class HooksBackend(Backend):
                 datum = self._datum_probe(losses, rng, keep_graph=False)  # (frees the graph)
             if datum is not None:
                 self.settle()  # the spot check's verdict first, and none left pending
-                checks.check_datum(datum, out, self.params,
-                                   (*self.low_precision.values(), *self._autocast),
-                                   trusted=not foreign, loss_scaled=self.seed_scale != 1)
+                narrow = (*self.low_precision.values(), *self._autocast)
+                checks.check_datum(datum, out, self.params, narrow, trusted=not foreign,
+                                   loss_scaled=self.seed_scale != 1)
             return out
         finally:
             for call in self._touched:
