@@ -92,6 +92,21 @@ def _grads(run: gradlog.Run, name: str) -> np.ndarray:
         return np.asarray(run.grads(name, dtype=np.float64))
 
 
+def test_records_decoding_to_another_shape_than_the_spec_are_refused(tmp_store: Path) -> None:
+    """A spec whose shape disagrees with its factors (an edited or foreign store) decoded
+    (4, 64) as (64, 4) in silence; now refused, naming the parameter."""
+    _record(tmp_store, {"*mlp.fc.weight": "factors", "*": "norm"}, steps=1)
+    root = tmp_store / "zarr.json"
+    meta = json.loads(root.read_text())
+    name = next(n for n in meta["attributes"]["params"] if n.endswith("mlp.fc.weight"))
+    spec = meta["attributes"]["params"][name]
+    assert spec["form"] == "factors" and spec["shape"][0] != spec["shape"][1]
+    spec["shape"] = spec["shape"][::-1]
+    root.write_text(json.dumps(meta))
+    with pytest.raises(errors.StoreFormatError, match=rf"{name}.*decode to"):
+        gradlog.open(tmp_store).grads(name)
+
+
 @pytest.mark.parametrize("form", FORMS, ids=IDS)
 def test_every_form_round_trips_against_the_full_run(
     form: Any, oracle: gradlog.Run, tmp_store: Path

@@ -402,6 +402,24 @@ def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
     assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 1
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_stored_weights_are_the_batch_losses_own(tmp_path: Any, reduction: str) -> None:
+    """w_b is 1/B for a mean batch loss and 1 for a sum, so that sum_b w_b g_b == p.grad with
+    the stored g_b (a wrong stored weight passed every runtime check: only reads use it)."""
+    model = mlp()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", batch_reduction=reduction,
+                              dtype="float64") as rec:
+        model.zero_grad()
+        rec.backward(_losses(model, B=5))
+        grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+    run = gradlog.open(tmp_path / "r.gradlog")
+    weights = run.datums.column("weight").to_numpy()
+    np.testing.assert_array_equal(weights, np.full(5, 0.2 if reduction == "mean" else 1.0))
+    for name, grad in grads.items():
+        summed = np.einsum("b,b...->...", weights, run.grads(name, dtype=np.float64))
+        np.testing.assert_allclose(summed, grad.numpy(), rtol=1e-6, atol=1e-9)
+
+
 def test_every_n_steps_and_lr_from_optimizer(tmp_path: Any) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.25)

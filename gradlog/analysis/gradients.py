@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradlog.analysis.scan import memory_bytes
-from gradlog.errors import ReadTooLargeError, SelectionError
+from gradlog.errors import ReadTooLargeError, SelectionError, StoreFormatError
 from gradlog.store.reader import Selector, StoreReader, one_int
 
 __all__ = [
@@ -144,7 +144,15 @@ def decoded(run: StoreReader, param: str, rows: np.ndarray, dtype: Any) -> np.nd
     arrays = form_tensors(run, param, rows)
     if form.name == "projection":
         return np.asarray(arrays["proj"].numpy(), dtype=dtype)
-    return np.asarray(form.decode(arrays).numpy(), dtype=dtype)
+    out = form.decode(arrays)
+    shape = (len(rows), *(int(d) for d in run.attrs["params"][param]["shape"]))
+    if tuple(out.shape) != shape:  # a form spec at odds with its arrays: never reshaped
+        raise StoreFormatError(
+            f"{run.path}: the {form.name} records of {param!r} decode to {tuple(out.shape)}, "
+            f"not {shape}: the store's form spec disagrees with its arrays (run gradlog "
+            "verify on it)."
+        )
+    return np.asarray(out.numpy(), dtype=dtype)
 
 
 def form_notice(run: StoreReader, param: str, *, stacklevel: int = 3) -> Any:
