@@ -170,6 +170,8 @@ def test_influence_equals_brute_force(run: gradlog.Run, probe: int, weighted: bo
         *(("proponent", k + 1, d) for k, (_, d) in enumerate(pos)),
         *(("opponent", k + 1, d) for k, (_, d) in enumerate(neg)),
     ]
+    np.testing.assert_allclose([r["score"] for r in top], [s for s, _ in [*pos, *neg]],
+                               rtol=1e-9)  # opponents keep their negative sign
     n_steps = {d: len(set(e.step[e.datum == d])) for d in want}
     assert {r["datum_id"]: r["n_steps"] for r in table.to_pylist()} == n_steps
 
@@ -192,6 +194,64 @@ def test_influence_of_a_user_gradient_and_of_a_parameter_subset(run: gradlog.Run
         [e.lr[i] * float(e.g["2.bias"][i] @ e.q["2.bias"][j[int(e.step[i])]]) for i in range(e.n)]
     )
     _assert_scores(_scores(run.influence(7, top=None, params=["2.bias"])), e.by_datum(sub))
+
+
+@pytest.mark.parametrize("kind", ["tracin", "cosine"])
+@pytest.mark.parametrize("params", [None, ["2.bias"], ["0.weight", "2.bias"]])
+def test_matrix_influence_and_self_influence_over_parameter_subsets(
+        run: gradlog.Run, kind: str, params: Any) -> None:
+    """Every query restricted to ``params`` (norms of cosine and self-influence included),
+    and the matrix's columns in the order the probe ids were asked (PROBE_IDS is not sorted)
+    and for ``None`` (all probes), against brute force per record."""
+    e = Everything(run)
+    names = e.params if params is None else params
+    rtol = 1e-5 if run.params.column("dtype")[0].as_py() == "float32" else 1e-9
+
+    def brute(probe: int) -> dict[int, float]:
+        per = np.zeros(e.n)
+        for i in range(e.n):
+            j = np.flatnonzero((e.p_step == e.step[i]) & (e.p_id == probe))[0]
+            g = np.concatenate([e.g[p][i] for p in names])
+            q = np.concatenate([e.q[p][j] for p in names])
+            cos = np.linalg.norm(g) * np.linalg.norm(q) if kind == "cosine" else 1.0
+            per[i] = e.lr[i] * float(g @ q) / cos
+        return e.by_datum(per)
+
+    want = {p: brute(p) for p in PROBE_IDS}
+    for ids in (PROBE_IDS, [7, 100], None):
+        m = run.influence_matrix(ids, kind=kind, params=params)
+        if ids is not None:
+            assert m.probe_ids.tolist() == ids
+        assert sorted(m.probe_ids.tolist()) == sorted(ids or PROBE_IDS)
+        for j, probe in enumerate(m.probe_ids.tolist()):
+            _assert_scores(dict(zip(m.datum_ids.tolist(), m.scores[:, j].tolist())),
+                           want[probe], rtol=rtol)
+    for probe in PROBE_IDS:
+        _assert_scores(_scores(run.influence(probe, top=None, kind=kind, params=params)),
+                       want[probe], rtol=rtol)
+    sq = sum((e.g[p] ** 2).sum(1) for p in names)
+    _assert_scores(_scores(run.self_influence(params=params)), e.by_datum(e.lr * sq), rtol=rtol)
+
+
+def test_a_datum_twice_in_a_step_counts_one_step(tmp_store: Path) -> None:
+    """n_steps counts distinct steps, and the score sums both records."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = _data(4, 4, 3, seed=1)
+    with gradlog.GradRecorder(model, tmp_store, backend="loop", dtype="float64") as rec:
+        for step in range(2):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"),
+                         datum_ids=[0, 0, 1, 2], step=step, lr=0.1)
+    run = gradlog.open(tmp_store)
+    table = run.self_influence()
+    got = {r["datum_id"]: r for r in table.to_pylist()}
+    assert [got[d]["n_steps"] for d in (0, 1, 2)] == [2, 2, 2]
+    sq = sum((run.grads(p, dtype=np.float64).reshape(8, -1) ** 2).sum(1)
+             for p in run.param_names)
+    ids = run.datums.column("datum_id").to_numpy()
+    _assert_scores(_scores(table), {d: 0.1 * float(sq[ids == d].sum()) for d in (0, 1, 2)})
+    movers = {r["datum_id"]: r for r in run.movers(top=None).to_pylist()}
+    assert [movers[d]["n_steps"] for d in (0, 1, 2)] == [2, 2, 2]
 
 
 def test_influence_errors(run: gradlog.Run) -> None:

@@ -64,10 +64,11 @@ def _impulse(opt: str, hyper: dict[str, Any], n: int, last: int) -> float:
 
 def _train(
     path: Path, make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-    warmup: int = 0, **options: Any
+    warmup: int = 0, schedule: Callable[[int], float] | None = None, **options: Any
 ) -> tuple[dict[int, float], list[dict[str, Any]]]:
-    """Record a run, after ``warmup`` optimizer steps taken before recording starts;
-    returns the oracle's scores per (probe, datum) and the steps seen."""
+    """Record a run, after ``warmup`` optimizer steps taken before recording starts, the
+    rate following ``schedule`` (a ``LambdaLR`` factor) if given; returns the oracle's
+    scores per (probe, datum) and the steps seen."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     gen = torch.Generator().manual_seed(1)
@@ -83,6 +84,7 @@ def _train(
         opt.step()
         opt.zero_grad()
     seen: list[dict[str, Any]] = [{"warmup": warmup}] if warmup else []
+    sched = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     with gradlog.GradRecorder(model, path, optimizer=opt, probes=(_loss, (px, py)),
                               dtype="float64", backend="loop", overwrite=True,
                               **options) as rec:
@@ -93,8 +95,10 @@ def _train(
             rec.backward(F.cross_entropy(model(x[idx]), y[idx], reduction="none"), datum_ids=idx)
             opt.step()
             opt.zero_grad()
-            state = copy.deepcopy(opt.state_dict())
+            state = copy.deepcopy(opt.state_dict())  # (its lr: the rate this step used)
             seen.append({"data": data, "probes": probes, "state": state, "kind": kind})
+            if sched is not None:
+                sched.step()
     return (_oracle(model, seen) if kind != "other" else {}), [s for s in seen if "data" in s]
 
 
@@ -136,13 +140,16 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", [*OPTIMIZERS, "sgd-dampened-warm", "adam-warm"])
+@pytest.mark.parametrize("name", [*OPTIMIZERS, "sgd-dampened-warm", "adam-warm",
+                                  "adam-sched", "sgd-momentum-sched"])
 def test_optimizer_scores_equal_brute_force(tmp_path: Path, name: str) -> None:
     """``-warm``: the optimizer stepped before the recorder was created (SGD's first
-    momentum step, undamped, is then not the recorder's first)."""
+    momentum step, undamped, is then not the recorder's first). ``-sched``: the rate decays
+    every step (each step's own rate, not the first kept one's)."""
     path = tmp_path / "run.gradlog"
-    want, _ = _train(path, OPTIMIZERS[name.removesuffix("-warm")],
-                     warmup=2 if name.endswith("-warm") else 0)
+    base = name.removesuffix("-warm").removesuffix("-sched")
+    want, _ = _train(path, OPTIMIZERS[base], warmup=2 if name.endswith("-warm") else 0,
+                     schedule=(lambda t: 1 / (1 + t)) if name.endswith("-sched") else None)
     run = gradlog.open(path)
     for p in range(N_PROBES):
         table = run.influence(p, top=None, kind="optimizer", weighted=True)
@@ -152,6 +159,13 @@ def test_optimizer_scores_equal_brute_force(tmp_path: Path, name: str) -> None:
         b = np.array([want[(p, d)] for d in ids])
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), name
         assert table.schema.metadata[b"score_kind"] == b"optimizer"
+    # lr= overrides every step's rate: Adam's preconditioner does not depend on it
+    if name == "adam":
+        for scores in (lambda **kw: run.influence(0, top=None, kind="optimizer", weighted=True,
+                                                  **kw).column("score").to_numpy(),
+                       lambda **kw: run.influence_matrix(kind="optimizer", weighted=True,
+                                                         **kw).scores):
+            np.testing.assert_allclose(scores(lr=0.1), 2 * scores(), rtol=1e-12)  # lr 0.05
     # the default follows the recorded optimizer; the matrix agrees with one probe at a time
     default = run.influence(0, top=None, weighted=True)  # plain SGD: TracIn, the same score
     assert default.schema.metadata[b"score_kind"] == (
