@@ -207,14 +207,15 @@ def test_matrix_influence_and_self_influence_over_parameter_subsets(
     names = e.params if params is None else params
     rtol = 1e-5 if run.params.column("dtype")[0].as_py() == "float32" else 1e-9
 
-    def brute(probe: int) -> dict[int, float]:
+    def brute(probe: int, lr: float | None = None) -> dict[int, float]:
         per = np.zeros(e.n)
+        rates = e.lr if lr is None else np.full(e.n, lr)
         for i in range(e.n):
             j = np.flatnonzero((e.p_step == e.step[i]) & (e.p_id == probe))[0]
             g = np.concatenate([e.g[p][i] for p in names])
             q = np.concatenate([e.q[p][j] for p in names])
             cos = np.linalg.norm(g) * np.linalg.norm(q) if kind == "cosine" else 1.0
-            per[i] = e.lr[i] * float(g @ q) / cos
+            per[i] = rates[i] * float(g @ q) / cos
         return e.by_datum(per)
 
     want = {p: brute(p) for p in PROBE_IDS}
@@ -231,6 +232,9 @@ def test_matrix_influence_and_self_influence_over_parameter_subsets(
                        want[probe], rtol=rtol)
     sq = sum((e.g[p] ** 2).sum(1) for p in names)
     _assert_scores(_scores(run.self_influence(params=params)), e.by_datum(e.lr * sq), rtol=rtol)
+    # lr= in place of every record's rate
+    _assert_scores(_scores(run.influence(7, top=None, kind=kind, params=params, lr=0.5)),
+                   brute(7, lr=0.5), rtol=rtol)
 
 
 def test_a_datum_twice_in_a_step_counts_one_step(tmp_store: Path) -> None:
