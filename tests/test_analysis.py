@@ -258,6 +258,30 @@ def test_a_datum_twice_in_a_step_counts_one_step(tmp_store: Path) -> None:
     assert [movers[d]["n_steps"] for d in (0, 1, 2)] == [2, 2, 2]
 
 
+def test_equal_scores_rank_by_ascending_datum_id(tmp_store: Path) -> None:
+    """Datums 11 and 3 hold the same example in every batch: equal scores everywhere, ranked
+    3 before 11 (README); a zero probe scores every datum 0, "neutral", in id order."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = _data(4, 4, 3, seed=1)
+    x[3], y[3] = x[0], y[0]
+    with gradlog.GradRecorder(model, tmp_store, backend="loop", dtype="float64") as rec:
+        for step in range(2):
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"),
+                         datum_ids=[11, 5, 7, 3], step=step, lr=0.1)
+    run = gradlog.open(tmp_store)
+    order = run.self_influence().column("datum_id").to_pylist()
+    assert order.index(3) + 1 == order.index(11)
+    probe = {p: torch.randn(tuple(s)) for p, s in
+             zip(run.param_names, run.params.column("shape").to_pylist())}
+    for top in (None, 4):
+        order = run.influence(probe, top=top).column("datum_id").to_pylist()
+        assert order.index(3) + 1 == order.index(11)
+    zero = run.influence({p: v * 0 for p, v in probe.items()}, top=None)
+    assert zero.column("datum_id").to_pylist() == [3, 5, 7, 11]
+    assert set(zero.column("kind").to_pylist()) == {"neutral"}
+
+
 def test_influence_errors(run: gradlog.Run) -> None:
     with pytest.raises(SelectionError, match=r"probe 8 is not recorded.*Nearest probe ids: 7"):
         run.influence(8)
