@@ -170,6 +170,10 @@ def test_shards_swapped_between_steps_are_detected(tmp_store: Path, dtype: str) 
     assert "do not have the norm the index gives them" in problems[0]
     result = _cli(tmp_store)
     assert result.exit_code == 1 and "norm the index gives" in result.output
+    # reads refuse them too (scans stream and leave them to verify)
+    with pytest.raises(errors.StoreCorruptError, match=r"rows \[0, 1, 2, 3\] do not have the"):
+        gradlog.open(tmp_store).grads("0.weight", step=0)
+    assert gradlog.open(tmp_store).grads("0.weight", step=1).shape == (4, 4, 3)  # intact
 
 
 def test_a_missing_array_is_a_clear_error(tmp_store: Path) -> None:

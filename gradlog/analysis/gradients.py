@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradlog.analysis.scan import memory_bytes
-from gradlog.errors import ReadTooLargeError, SelectionError, StoreFormatError
+from gradlog.errors import (
+    NonFiniteGradientWarning,
+    ReadTooLargeError,
+    SelectionError,
+    StoreCorruptError,
+    StoreFormatError,
+)
+from gradlog.store.dtypes import norms_disagree
 from gradlog.store.reader import Selector, StoreReader, one_int
 
 __all__ = [
@@ -73,10 +80,36 @@ def grads(
     gradient and raises :class:`~gradlog.errors.SelectionError` pointing to ``run.norms``.
     """
     run.spec(param)
-    rows = run.rows(step, datum)
+    records = run.records(step, datum)
+    rows = np.asarray(records.column("row"), dtype=np.int64)
     if step is None and datum is None:
         guard_unselected(run, param, rows, dtype, max_memory, "grads")
-    return _out(decoded(run, param, rows, dtype), as_torch)
+    values = decoded(run, param, rows, dtype)
+    if run.form_name(param) == "full":
+        _check_norms(run, param, values, run.record_norms(records, param), rows)
+    return _out(values, as_torch)
+
+
+def _check_norms(run: StoreReader, param: str, values: np.ndarray, norms: np.ndarray,
+                 rows: np.ndarray) -> None:
+    """Records read against their exact norms in the index: a shard of other rows (files
+    swapped, copied in from another store) passes its checksums, not this (one pass over
+    what was read; scans, which stream, leave it to ``gradlog verify``)."""
+    bad, overflowed = norms_disagree(values, norms, run.array(param).dtype)
+    if overflowed.any():  # said when recorded too
+        warnings.warn(
+            f"the records of {param!r} at rows {rows[overflowed][:5].tolist()} hold inf: they "
+            "overflowed the float16 storage dtype when recorded (their norms in the index are "
+            "exact).", NonFiniteGradientWarning, stacklevel=4)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise StoreCorruptError(
+            f"{run.path}: the records of {param!r} at rows {rows[bad][:5].tolist()} do not "
+            f"have the norms the index gives them (row {int(rows[i])}: "
+            f"{float(np.linalg.norm(values[i].astype(np.float64))):.6g} read, "
+            f"{norms[i]:.6g} in the index): a shard holds other records than its rows' (files "
+            "swapped or copied in from another store?). Run gradlog verify on it."
+        )
 
 
 def guard_unselected(

@@ -88,8 +88,8 @@ def norms_disagree(values: np.ndarray, norms: np.ndarray,
     records are flagged so); ``overflowed``: finite records stored as inf (``float16`` past
     65504), not counted as disagreeing.
     """
-    flat = values.reshape(len(values), -1).astype(np.float64)
-    got = np.sqrt(np.einsum("ij,ij->i", flat, flat))
+    flat = values.reshape(len(values), -1)
+    got = np.sqrt(np.einsum("ij,ij->i", flat, flat, dtype=np.float64))  # (no float64 copy)
     finite = np.isfinite(norms)
     overflowed = finite & ~np.isfinite(got)
     bits = dtype.keepbits + 1 if dtype.keepbits is not None else _SIGNIFICANT_BITS.get(
