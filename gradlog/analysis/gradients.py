@@ -95,6 +95,8 @@ def _check_norms(run: StoreReader, param: str, values: np.ndarray, norms: np.nda
     """Records read against their exact norms in the index: a shard of other rows (files
     swapped, copied in from another store) passes its checksums, not this (one pass over
     what was read; scans, which stream, leave it to ``gradlog verify``)."""
+    if not rows.size:
+        return  # (no array before the first records)
     bad, overflowed = norms_disagree(values, norms, run.array(param).dtype)
     if overflowed.any():  # said when recorded too
         warnings.warn(

@@ -88,8 +88,12 @@ def norms_disagree(values: np.ndarray, norms: np.ndarray,
     records are flagged so); ``overflowed``: finite records stored as inf (``float16`` past
     65504), not counted as disagreeing.
     """
-    flat = values.reshape(len(values), -1)
-    got = np.sqrt(np.einsum("ij,ij->i", flat, flat, dtype=np.float64))  # (no float64 copy)
+    flat = values.reshape(len(values), int(np.prod(values.shape[1:])))  # (n may be 0)
+    if flat.shape[1] >= 1024 and flat.dtype in (np.float32, np.float64):  # BLAS dots: 4x the
+        sq = np.fromiter((np.dot(r, r) for r in flat), np.float64, len(flat))  # einsum's pace
+    else:  # (float32 sums of squares: ~1e-6 relative, far inside the tolerance below)
+        sq = np.einsum("ij,ij->i", flat, flat, dtype=np.float64)  # no float64 copy
+    got = np.sqrt(sq)
     finite = np.isfinite(norms)
     overflowed = finite & ~np.isfinite(got)
     bits = dtype.keepbits + 1 if dtype.keepbits is not None else _SIGNIFICANT_BITS.get(
