@@ -429,6 +429,57 @@ def test_records_are_staged_through_pinned_memory(tmp_path: Path) -> None:
     assert pageable <= max(4096, payload // 1000), f"{kinds}, payload {payload} bytes"
 
 
+@pytest.mark.gpu
+def test_chunked_head_under_autocast_adds_each_chunks_16_bit_product() -> None:
+    """On CUDA under bf16 autocast the chunked head's weight and bias gradients are the sums of
+    each chunk's own 16-bit products (autograd's, chunk by chunk, summed in float64), added in
+    place; and a GPU chunk holds at least ``GPU_MIN_ROWS`` rows by default."""
+    from gradlog.memory import GPU_MIN_ROWS, chunked_linear_loss
+
+    g = torch.Generator().manual_seed(0)
+    N, d, V, rows = 96, 64, 1000, 32
+    head = nn.Linear(d, V).to(CUDA)
+    x = torch.randn(N, d, generator=g).to(CUDA).requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g).to(CUDA)
+    up = torch.randn(N, generator=g).to(CUDA)
+
+    def ce(xc: torch.Tensor, lin: nn.Module, yc: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(lin(xc).float(), yc, reduction="none")
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = chunked_linear_loss(x, head, y, ce, chunk_size=rows, reduction="none")
+    (out * up).sum().backward()
+    want = [torch.zeros(N, d, dtype=torch.float64, device=CUDA),
+            torch.zeros(V, d, dtype=torch.float64, device=CUDA),
+            torch.zeros(V, dtype=torch.float64, device=CUDA)]
+    for s in range(0, N, rows):
+        xc = x.detach()[s : s + rows].clone().requires_grad_()
+        w, b = (t.detach().clone().requires_grad_() for t in (head.weight, head.bias))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses = F.cross_entropy(F.linear(xc, w, b).float(), y[s : s + rows],
+                                     reduction="none")
+        gx, gw, gb = torch.autograd.grad(losses, [xc, w, b], up[s : s + rows])
+        want[0][s : s + rows] = gx.double()
+        want[1] += gw.double()
+        want[2] += gb.double()
+    got = [x.grad, head.weight.grad, head.bias.grad]
+    for have, ref, name in zip(got, want, ["x", "weight", "bias"]):
+        assert have is not None and have.dtype == torch.float32, name
+        torch.testing.assert_close(have.double(), ref, rtol=1e-5, atol=1e-6, msg=name)
+    seen: list[int] = []
+
+    def spy(xc: torch.Tensor, lin: nn.Module, yc: torch.Tensor) -> torch.Tensor:
+        seen.append(xc.shape[0])
+        return ce(xc, lin, yc)
+
+    wide = nn.Linear(d, 16384).to(CUDA)  # the 16 MiB budget alone: 256 rows a chunk
+    big = torch.randn(2 * GPU_MIN_ROWS + 5, d, device=CUDA)
+    with torch.no_grad():
+        chunked_linear_loss(big, wide, torch.zeros(big.shape[0], dtype=torch.long,
+                                                   device=CUDA), spy, reduction="none")
+    assert seen == [GPU_MIN_ROWS, GPU_MIN_ROWS, 5]
+
+
 # --- the suite's CPU mode -----------------------------------------------------------------
 
 

@@ -511,6 +511,91 @@ def test_bf16_autocast_matches_unchunked_autocast(reduction: str, schedule: bool
     assert (out - ref).abs().max() < (ref32 - ref).abs().max()
 
 
+def _per_chunk_autocast_oracle(
+    x: torch.Tensor, linear: nn.Linear, y: torch.Tensor, upstream: torch.Tensor, rows: int
+) -> list[torch.Tensor]:
+    """Gradients of x, weight and bias as autograd gives them chunk by chunk under bf16
+    autocast (each chunk's 16-bit products, widened), summed in float64."""
+    xs = x.detach().reshape(-1, D)
+    ys, us = y.reshape(-1), upstream.reshape(-1)
+    out = [torch.zeros(xs.shape, dtype=torch.float64), torch.zeros(V, D, dtype=torch.float64),
+           torch.zeros(V, dtype=torch.float64)]
+    for start in range(0, xs.shape[0], rows):
+        xc = xs[start : start + rows].clone().requires_grad_()
+        w = linear.weight.detach().clone().requires_grad_()
+        b = linear.bias.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = F.cross_entropy(F.linear(xc, w, b).float(), ys[start : start + rows],
+                                     reduction="none")
+        gx, gw, gb = torch.autograd.grad(losses, [xc, w, b], us[start : start + rows])
+        out[0][start : start + rows] = gx.double()
+        out[1] += gw.double()
+        out[2] += gb.double()
+    return [out[0].reshape(x.shape), out[1], out[2]]
+
+
+@pytest.mark.parametrize("schedule", [None, False])
+def test_bf16_autocast_head_gradients_are_the_chunks_own_16_bit_products(
+    schedule: bool | None,
+) -> None:
+    """Under autocast the weight and bias gradients are added in place chunk by chunk: each
+    chunk adds the same 16-bit product autograd would give it (float64 oracle of the per-chunk
+    autograd gradients; only the float32 accumulation differs)."""
+    x, linear = _setup()
+    y = _int_labels()
+    upstream = torch.randn(B, T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_linear_loss(x, linear, y, ce, chunk_size=7, reduction="none")
+    got = _grads(out, upstream, x, linear)
+    want = _per_chunk_autocast_oracle(x, linear, y, upstream, rows=7)
+    for g, w, name in zip(got, want, ["x", "weight", "bias"]):
+        assert g.dtype == torch.float32, name
+        # float32 accumulation of a few float32-exact terms; a differently ordered 16-bit
+        # product would differ by a bf16 unit (2^-8) instead
+        torch.testing.assert_close(g.double(), w, rtol=1e-6, atol=1e-7, msg=name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mean = chunked_linear_loss(x, linear, y, ce, chunk_size=7, grad_in_forward=schedule)
+    got = _grads(mean, torch.ones(()), x, linear)
+    valid = (y != -100).double()  # (B, T): the mean is over rows with a label
+    want = _per_chunk_autocast_oracle(x, linear, y, valid / valid.sum(), rows=7)
+    for g, w, name in zip(got, want, ["x", "weight", "bias"]):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _WeightSized(TorchDispatchMode):
+    """Counts new float32 tensors of one shape (outputs not sharing an input's memory)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.made = shape, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                    and tuple(t.shape) == self.shape
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.made += 1
+        return out
+
+
+def test_bf16_autocast_head_makes_no_float32_weight_gradient_per_chunk() -> None:
+    """autograd's way widened each chunk's 16-bit weight gradient into a new float32 tensor and
+    added it: two weight-sized float32 tensors per chunk (most of a GPU chunk's time at V 128K,
+    d 4096). Now one accumulator for the whole backward, and the final float32 gradient."""
+    x, linear = _setup()
+    y = _int_labels()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_linear_loss(x, linear, y, ce, chunk_size=5, reduction="none")
+    with _WeightSized((V, D)) as spy:
+        out.sum().backward()
+    chunks = B * T // 5
+    assert spy.made <= 3, f"{spy.made} float32 (V, d) tensors for {chunks} chunks"
+
+
 def test_backward_reruns_in_the_forward_autocast_state() -> None:
     x, linear = _setup()
     y = _int_labels()

@@ -44,10 +44,11 @@ from gradlog.errors import DoubleBackwardError
 from gradlog.memory.chunk import ChunkInfo, current_chunk
 from gradlog.memory.head import RowLossFn, chunked_linear_loss
 from gradlog.memory.peak import TensorPeak
-from gradlog.memory.rows import DEFAULT_MEMORY_BUDGET_BYTES
+from gradlog.memory.rows import DEFAULT_MEMORY_BUDGET_BYTES, GPU_MIN_ROWS
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
+    "GPU_MIN_ROWS",
     "ChunkInfo",
     "DoubleBackwardError",
     "RowLossFn",

@@ -10,8 +10,14 @@ into the bias accumulator, and returns only the gradient of ``x``: no per-chunk 
 gradient is ever allocated. Any other use of ``w`` in ``fn`` (a penalty on the weight) still
 reaches it through autograd, and the caller adds that as before.
 
-Used where it is exact: the weight in float32 or float64 (the accumulator's own dtype) and no
-autocast on the weight's device; otherwise ``F.linear`` runs unchanged.
+Used where it is exact: the accumulator in the weight's own dtype. Without autocast the
+product is added with ``addmm_``. Under autocast (a float32 weight, a 16-bit autocast dtype)
+the call runs as autocast runs it, on 16-bit casts of ``x``, the weight (cast once per
+accumulator, as autocast's cache would) and the bias, and its backward adds the same 16-bit
+product ``g^T x`` that autograd would hand back, widened by the add: per chunk that is one
+16-bit temporary where autograd allocated a float32 weight gradient, widened it and added it
+(at hidden 4096 and V 128K, ~10 GB of memory traffic a chunk became ~6 GB). Other cases run
+``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -58,6 +64,38 @@ class _LinearInto(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+class _NarrowLinearInto(torch.autograd.Function):
+    """Under autocast: ``F.linear`` of 16-bit casts; the backward adds the 16-bit weight and bias
+    gradients autograd would give into the (wider) accumulators, without a widened copy."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,  # (..., d), autocast's dtype
+        weight: torch.Tensor,  # (V, d), autocast's dtype, not a leaf of the graph
+        bias: torch.Tensor | None,  # (V,), autocast's dtype
+        acc_w: torch.Tensor,  # (V, d), float32
+        acc_b: torch.Tensor | None,  # (V,)
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.acc = (acc_w, acc_b)  # type: ignore[attr-defined]
+        return F.linear(x, weight, bias)  # (..., V)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: torch.Tensor  # (..., V)
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        x, weight = ctx.saved_tensors  # (..., d), (V, d)
+        acc_w, acc_b = ctx.acc
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # (rows, V)
+        acc_w.add_(torch.mm(g.t(), x.reshape(-1, x.shape[-1])))  # (V, d): 16-bit, widened
+        if acc_b is not None:
+            acc_b.add_(g.sum(0))  # (V,)
+        grad_x = g.mm(weight).view(grad_out.shape[:-1] + weight.shape[1:]) if (
+            ctx.needs_input_grad[0]) else None  # (..., d)
+        return grad_x, None, None, None, None
+
+
 class _Redirect(TorchFunctionMode):
     """Routes ``F.linear`` calls on the head's weight ``w`` to :class:`_LinearInto`."""
 
@@ -70,21 +108,51 @@ class _Redirect(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.w, self.b, self.acc_w, self.acc_b = w, b, acc_w, acc_b
+        self.cast: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and not _autocast_on(self.w.device.type):
+        if func is F.linear:
             x, weight, bias = _linear_args(args, kwargs)
             if weight is self.w and (bias is None or bias is self.b):
                 acc_b = self.acc_b if bias is not None else None
-                return _LinearInto.apply(x, weight, bias, self.acc_w, acc_b)
+                narrow = _autocast_dtype(self.w.device.type)
+                if narrow is None:
+                    return _LinearInto.apply(x, weight, bias, self.acc_w, acc_b)
+                if _narrows(x, weight, bias, self.acc_w, narrow):
+                    w16, b16 = self._narrowed(narrow)
+                    return _NarrowLinearInto.apply(x.to(narrow), w16, b16, self.acc_w, acc_b)
         return func(*args, **kwargs)
 
+    def _narrowed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias cast to ``dtype`` once for all chunks (autocast's cache would
+        cast them once per forward, and again in each chunk's recomputation)."""
+        if self.cast is None or self.cast[0].dtype != dtype:
+            with torch.no_grad():
+                self.cast = (self.w.to(dtype), None if self.b is None else self.b.to(dtype))
+        return self.cast
 
-def _autocast_on(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype on ``device_type``, None when autocast is off there."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+def _narrows(x: Any, weight: torch.Tensor, bias: torch.Tensor | None, acc_w: torch.Tensor,
+             dtype: torch.dtype) -> bool:
+    """Whether autocast would run ``F.linear(x, weight, bias)`` on 16-bit casts of all three
+    (it casts float32 and 16-bit inputs, never float64) and the accumulator is float32."""
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    return (dtype in _NARROW and acc_w.dtype == torch.float32
+            and all(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, *_NARROW)
+                    for t in tensors))
 
 
 def _linear_args(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:

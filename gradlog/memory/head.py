@@ -18,7 +18,14 @@ from gradlog._torch_private import backward_keeps_graph
 from gradlog.errors import DoubleBackwardError, InputError
 from gradlog.memory.accumulate import accumulating_head
 from gradlog.memory.chunk import ChunkInfo, running_chunk
-from gradlog.memory.rows import bounds, chunk_sizes, flatten_labels, take_rows, valid_rows
+from gradlog.memory.rows import (
+    GPU_MIN_ROWS,
+    bounds,
+    chunk_sizes,
+    flatten_labels,
+    take_rows,
+    valid_rows,
+)
 
 __all__ = ["RowLossFn", "chunked_linear_loss"]
 
@@ -117,6 +124,8 @@ def chunked_linear_loss(
             hold, ``rows = budget // (V * 4)``. By default 16 MiB, but at least ``d // 32``
             rows (logits 1/32 of the weight's size; fewer rows leave a GPU waiting on
             memory): 131 rows at V = 32K and d 1024, 32 at 128K and d 1024, 128 at d 4096;
+            on a GPU at least 1024 rows (:data:`~gradlog.memory.GPU_MIN_ROWS`: each chunk
+            reads and updates weight-sized tensors, which smaller chunks repeat too often);
             see :data:`~gradlog.memory.DEFAULT_MEMORY_BUDGET_BYTES`. ``fn``'s own peak is a
             small multiple of it (logits, their upcast, softmax, its gradient).
         preserve_rng_state: Save the random-number state (CPU, and the device of ``x``) before
@@ -171,7 +180,8 @@ def chunked_linear_loss(
             "feed this head."
         )
     rows_labels = flatten_labels(labels, lead, n_rows, "labels")
-    sizes = chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0], d)
+    sizes = chunk_sizes(chunk_size, memory_budget_bytes, n_rows, weight.shape[0], d,
+                        min_rows=GPU_MIN_ROWS if x.device.type == "cuda" else 0)
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_wanted = torch.is_grad_enabled() and any(needs)
     plan = _Plan(

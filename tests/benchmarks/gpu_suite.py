@@ -689,7 +689,7 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
                 with gradlog.GradRecorder(model, root / "run.gradlog", check_every=0,
                                           durable=False, batch_grad="sum",
                                           **options(full)) as rec:
-                    rows, wall = {}, {}
+                    rows, wall, busy = {}, {}, {}
                     for name, m, o, r in (("plain", plain_model, plain_opt, None),
                                           ("recorded", model, opt, rec)):
                         block = block_of(m, o, batch, r, args.amp, args.profile_steps)
@@ -699,12 +699,25 @@ def section_profile(say: Report, args: argparse.Namespace, device: torch.device)
                             block()
                             Clock(device).sync()
                         rows[name] = _self_times(prof, cuda, args.profile_steps)
+                        busy[name] = _kernel_ms(prof, args.profile_steps) if cuda else 0.0
+                    # where a recorded step waits for the device (the host idles then); run
+                    # on the CPU too, so that CI's --cpu run keeps this call alive
+                    step = block_of(model, opt, batch, rec, args.amp, 1)
+                    waits: list[str] = []
+                    if cuda:
+                        waits = _sync_sites(step)
+                    else:
+                        step()
                 _profile_table(say, rows["plain"], rows["recorded"])
                 say(f"| wall time per step, unprofiled (a step whose device time is well "
                     f"below it waits on the host) | {wall['recorded']:.1f} | | "
                     f"{wall['plain']:.1f} | |")
-                if cuda:  # where a recorded step waits for the device (the host idles then)
-                    waits = _sync_sites(block_of(model, opt, batch, rec, args.amp, 1))
+                if cuda:  # kernels alone: the rest of the wall time the device sat idle
+                    say(f"| kernels alone, profiled (the device busy) | {busy['recorded']:.1f} "
+                        f"| | {busy['plain']:.1f} | |")
+                    say(f"| the device idle: wall - kernels | "
+                        f"{wall['recorded'] - busy['recorded']:.1f} | | "
+                        f"{wall['plain'] - busy['plain']:.1f} | |")
                     say()
                     say(f"Synchronising calls of one recorded step: {len(waits)}: "
                         + "; ".join(f"`{w}`" for w in waits))
@@ -759,6 +772,19 @@ def _self_times(prof: Any, cuda: bool, steps: int) -> dict[str, tuple[float, flo
             us = e.self_cpu_time_total
         out[e.key] = (us / 1e3 / steps, e.count / steps)
     return out
+
+
+def _kernel_ms(prof: Any, steps: int) -> float:
+    """Device ms per step spent in kernels and copies (the profiler's device events only;
+    the operations that launched them are CPU events and not counted twice)."""
+    from torch.autograd import DeviceType
+
+    total = 0.0
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) == DeviceType.CUDA:
+            us = getattr(e, "self_device_time_total", None)
+            total += getattr(e, "self_cuda_time_total", 0) if us is None else us
+    return total / 1e3 / steps
 
 
 def _profile_table(say: Report, plain: dict[str, tuple[float, float]],
