@@ -431,9 +431,10 @@ def test_records_are_staged_through_pinned_memory(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 def test_chunked_head_under_autocast_adds_each_chunks_16_bit_product() -> None:
-    """On CUDA under bf16 autocast the chunked head's weight and bias gradients are the sums of
-    each chunk's own 16-bit products (autograd's, chunk by chunk, summed in float64), added in
-    place; and a GPU chunk holds at least ``GPU_MIN_ROWS`` rows by default."""
+    """On CUDA under bf16 autocast the chunked head's weight gradient is the sum of each
+    chunk's own 16-bit product (autograd's, chunk by chunk, summed in float64), added in place,
+    its bias gradient the float32 sum of the chunks' logit gradients; and a GPU chunk holds at
+    least ``GPU_MIN_ROWS`` rows by default."""
     from gradlog.memory import GPU_MIN_ROWS, chunked_linear_loss
 
     g = torch.Generator().manual_seed(0)
@@ -456,12 +457,12 @@ def test_chunked_head_under_autocast_adds_each_chunks_16_bit_product() -> None:
         xc = x.detach()[s : s + rows].clone().requires_grad_()
         w, b = (t.detach().clone().requires_grad_() for t in (head.weight, head.bias))
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            losses = F.cross_entropy(F.linear(xc, w, b).float(), y[s : s + rows],
-                                     reduction="none")
-        gx, gw, gb = torch.autograd.grad(losses, [xc, w, b], up[s : s + rows])
+            logits = F.linear(xc, w, b)  # (rows, V) bf16
+            losses = F.cross_entropy(logits.float(), y[s : s + rows], reduction="none")
+        gx, gw, gl = torch.autograd.grad(losses, [xc, w, logits], up[s : s + rows])
         want[0][s : s + rows] = gx.double()
         want[1] += gw.double()
-        want[2] += gb.double()
+        want[2] += gl.double().sum(0)  # the bias rows, summed in float32 by the head
     got = [x.grad, head.weight.grad, head.bias.grad]
     for have, ref, name in zip(got, want, ["x", "weight", "bias"]):
         assert have is not None and have.dtype == torch.float32, name

@@ -514,8 +514,9 @@ def test_bf16_autocast_matches_unchunked_autocast(reduction: str, schedule: bool
 def _per_chunk_autocast_oracle(
     x: torch.Tensor, linear: nn.Linear, y: torch.Tensor, upstream: torch.Tensor, rows: int
 ) -> list[torch.Tensor]:
-    """Gradients of x, weight and bias as autograd gives them chunk by chunk under bf16
-    autocast (each chunk's 16-bit products, widened), summed in float64."""
+    """Gradients of x and weight as autograd gives them chunk by chunk under bf16 autocast
+    (each chunk's 16-bit products, widened), summed in float64; the bias's as the float64 sum
+    of the chunks' 16-bit logit gradients."""
     xs = x.detach().reshape(-1, D)
     ys, us = y.reshape(-1), upstream.reshape(-1)
     out = [torch.zeros(xs.shape, dtype=torch.float64), torch.zeros(V, D, dtype=torch.float64),
@@ -525,12 +526,12 @@ def _per_chunk_autocast_oracle(
         w = linear.weight.detach().clone().requires_grad_()
         b = linear.bias.detach().clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = F.cross_entropy(F.linear(xc, w, b).float(), ys[start : start + rows],
-                                     reduction="none")
-        gx, gw, gb = torch.autograd.grad(losses, [xc, w, b], us[start : start + rows])
+            logits = F.linear(xc, w, b)  # (rows, V) bf16
+            losses = F.cross_entropy(logits.float(), ys[start : start + rows], reduction="none")
+        gx, gw, gl = torch.autograd.grad(losses, [xc, w, logits], us[start : start + rows])
         out[0][start : start + rows] = gx.double()
         out[1] += gw.double()
-        out[2] += gb.double()
+        out[2] += gl.double().sum(0)
     return [out[0].reshape(x.shape), out[1], out[2]]
 
 
@@ -539,8 +540,8 @@ def test_bf16_autocast_head_gradients_are_the_chunks_own_16_bit_products(
     schedule: bool | None,
 ) -> None:
     """Under autocast the weight and bias gradients are added in place chunk by chunk: each
-    chunk adds the same 16-bit product autograd would give it (float64 oracle of the per-chunk
-    autograd gradients; only the float32 accumulation differs)."""
+    chunk adds the same 16-bit weight product autograd would give it and its bias rows summed
+    in float32 (float64 oracle of the per-chunk gradients; only float32 accumulation differs)."""
     x, linear = _setup()
     y = _int_labels()
     upstream = torch.randn(B, T)

@@ -16,8 +16,8 @@ the call runs as autocast runs it, on 16-bit casts of ``x``, the weight (cast on
 accumulator, as autocast's cache would) and the bias, and its backward adds the same 16-bit
 product ``g^T x`` that autograd would hand back, widened by the add: per chunk that is one
 16-bit temporary where autograd allocated a float32 weight gradient, widened it and added it
-(at hidden 4096 and V 128K, ~10 GB of memory traffic a chunk became ~6 GB). Other cases run
-``F.linear`` unchanged.
+(at hidden 4096 and V 128K, ~10 GB of memory traffic a chunk became ~6 GB); the bias rows are
+summed straight into float32. Other cases run ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ class _LinearInto(torch.autograd.Function):
 
 
 class _NarrowLinearInto(torch.autograd.Function):
-    """Under autocast: ``F.linear`` of 16-bit casts; the backward adds the 16-bit weight and bias
-    gradients autograd would give into the (wider) accumulators, without a widened copy."""
+    """Under autocast: ``F.linear`` of 16-bit casts; the backward adds the 16-bit weight
+    gradient autograd would give into the float32 accumulator, without a widened copy, and the
+    bias gradient summed in float32 (autograd's is that sum rounded to 16 bits, on CUDA in an
+    order of its own)."""
 
     @staticmethod
     def forward(
@@ -89,8 +91,8 @@ class _NarrowLinearInto(torch.autograd.Function):
         acc_w, acc_b = ctx.acc
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # (rows, V)
         acc_w.add_(torch.mm(g.t(), x.reshape(-1, x.shape[-1])))  # (V, d): 16-bit, widened
-        if acc_b is not None:
-            acc_b.add_(g.sum(0))  # (V,)
+        if acc_b is not None:  # summed in the accumulator's dtype, not rounded to 16 bits
+            acc_b.add_(g.sum(0, dtype=acc_b.dtype))  # (V,)
         grad_x = g.mm(weight).view(grad_out.shape[:-1] + weight.shape[1:]) if (
             ctx.needs_input_grad[0]) else None  # (..., d)
         return grad_x, None, None, None, None
