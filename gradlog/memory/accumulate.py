@@ -35,7 +35,11 @@ __all__ = ["accumulating_head"]
 
 
 class _LinearInto(torch.autograd.Function):
-    """``F.linear(x, w, b)`` whose backward accumulates the weight/bias gradients in place."""
+    """``F.linear(x, w, b)`` whose backward adds the weight and bias gradients into their
+    accumulators in place. Under autocast ``w`` and ``b`` are 16-bit casts of the head's: the
+    weight's product ``g^T x`` is then autograd's 16-bit one, widened by the add, and the
+    bias rows are summed in the accumulator's dtype (autograd rounds that sum to 16 bits, on
+    CUDA in an order of its own)."""
 
     @staticmethod
     def forward(
@@ -43,7 +47,7 @@ class _LinearInto(torch.autograd.Function):
         x: torch.Tensor,  # (..., d)
         weight: torch.Tensor,  # (V, d)
         bias: torch.Tensor | None,  # (V,)
-        acc_w: torch.Tensor,  # (V, d), weight.dtype
+        acc_w: torch.Tensor,  # (V, d), weight.dtype or (16-bit weight) float32
         acc_b: torch.Tensor | None,  # (V,)
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
@@ -57,44 +61,14 @@ class _LinearInto(torch.autograd.Function):
         x, weight = ctx.saved_tensors  # (..., d), (V, d)
         acc_w, acc_b = ctx.acc
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, V)
-        acc_w.addmm_(g.t(), x.reshape(-1, x.shape[-1]))  # (V, d) += (V, rows) @ (rows, d)
+        rows = x.reshape(-1, x.shape[-1])  # (rows, d)
+        if acc_w.dtype == weight.dtype:
+            acc_w.addmm_(g.t(), rows)  # (V, d) += (V, rows) @ (rows, d)
+        else:  # a 16-bit product, widened by the add: no float32 temporary
+            acc_w.add_(torch.mm(g.t(), rows))  # (V, d)
         if acc_b is not None:
-            acc_b.add_(g.sum(0))  # (V,)
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None  # (..., d)
-        return grad_x, None, None, None, None
-
-
-class _NarrowLinearInto(torch.autograd.Function):
-    """Under autocast: ``F.linear`` of 16-bit casts; the backward adds the 16-bit weight
-    gradient autograd would give into the float32 accumulator, without a widened copy, and the
-    bias gradient summed in float32 (autograd's is that sum rounded to 16 bits, on CUDA in an
-    order of its own)."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        x: torch.Tensor,  # (..., d), autocast's dtype
-        weight: torch.Tensor,  # (V, d), autocast's dtype, not a leaf of the graph
-        bias: torch.Tensor | None,  # (V,), autocast's dtype
-        acc_w: torch.Tensor,  # (V, d), float32
-        acc_b: torch.Tensor | None,  # (V,)
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.acc = (acc_w, acc_b)  # type: ignore[attr-defined]
-        return F.linear(x, weight, bias)  # (..., V)
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_out: torch.Tensor  # (..., V)
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        x, weight = ctx.saved_tensors  # (..., d), (V, d)
-        acc_w, acc_b = ctx.acc
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(weight.dtype)  # (rows, V)
-        acc_w.add_(torch.mm(g.t(), x.reshape(-1, x.shape[-1])))  # (V, d): 16-bit, widened
-        if acc_b is not None:  # summed in the accumulator's dtype, not rounded to 16 bits
             acc_b.add_(g.sum(0, dtype=acc_b.dtype))  # (V,)
-        grad_x = g.mm(weight).view(grad_out.shape[:-1] + weight.shape[1:]) if (
-            ctx.needs_input_grad[0]) else None  # (..., d)
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None  # (..., d)
         return grad_x, None, None, None, None
 
 
@@ -125,7 +99,7 @@ class _Redirect(TorchFunctionMode):
                     return _LinearInto.apply(x, weight, bias, self.acc_w, acc_b)
                 if _narrows(x, weight, bias, self.acc_w, narrow):
                     w16, b16 = self._narrowed(narrow)
-                    return _NarrowLinearInto.apply(x.to(narrow), w16, b16, self.acc_w, acc_b)
+                    return _LinearInto.apply(x.to(narrow), w16, b16, self.acc_w, acc_b)
         return func(*args, **kwargs)
 
     def _narrowed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
