@@ -917,6 +917,49 @@ def test_per_datum_gradients_recorded_through_chunked_head(tmp_path: Path) -> No
     )
 
 
+def test_recording_through_chunked_head_under_bf16_autocast(tmp_path: Path) -> None:
+    """Under autocast the head's weight gradient takes the in-place path: recording through it
+    (hooks backend, every check on every step) leaves ``p.grad`` as without recording, and the
+    per-datum head gradients are a float32 unchunked run's within bf16 rounding."""
+    import gradlog
+
+    config = LlamaConfig(
+        vocab_size=40, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16
+    )
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
+    targets = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
+    targets[0, :4] = -100
+    mask = targets != -100
+
+    def losses_of(model: nn.Module, chunked: bool) -> torch.Tensor:
+        hidden = model.hidden(tokens)  # (B, T, D)
+        if chunked:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return chunked_linear_loss(
+                    hidden, model.lm_head, targets, ce, chunk_size=5, reduction="none"
+                )  # (B, T)
+        return F.cross_entropy(model.lm_head(hidden).transpose(1, 2), targets,
+                               reduction="none")  # (B, T)
+
+    plain = tiny_llama(config, seed=1)
+    per_datum = (losses_of(plain, True) * mask).sum(1) / mask.sum(1)  # (B,): token means
+    per_datum.mean().backward()  # the batch loss GradRecorder.backward runs
+    runs, grads = {}, {}
+    for chunked in (True, False):
+        model = tiny_llama(config, seed=1)
+        path = tmp_path / f"autocast{chunked}.gradlog"
+        with gradlog.GradRecorder(model, path, params="lm_head.*", check_every=1) as rec:
+            rec.backward(losses_of(model, chunked), mask=mask)
+        runs[chunked] = gradlog.open(path).grads("lm_head.weight", step=0)  # (B, V, D)
+        grads[chunked] = model.lm_head.weight.grad
+    torch.testing.assert_close(grads[True], plain.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    rec16, rec32 = (torch.from_numpy(runs[c]).double() for c in (True, False))
+    err = (rec16 - rec32).flatten(1).norm(dim=1) / rec32.flatten(1).norm(dim=1)  # (B,)
+    assert float(err.max()) < 2e-2, err  # bf16 rounding of the head's operands
+    assert float(err.min()) > 0  # really bf16: not the float32 run again
+
+
 # --- peak memory, measured (slow) ------------------------------------------------------------
 
 
