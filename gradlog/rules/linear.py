@@ -41,6 +41,12 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` cut from the graph: a captured tensor is detached; a copy the rule made (widened
+    under autocast, rules run without grad) already is (a ``detach`` is a dispatcher call)."""
+    return t.detach() if t.requires_grad else t
+
+
 _NARROW = (torch.bfloat16, torch.float16)
 
 
@@ -96,7 +102,7 @@ def _affine(cap: Capture, wanted: frozenset[str], d_in: int, d_out: int, dtype: 
         a = _as(a, dtype)
         left, right = (a, g) if transposed else (g, a)
         if "weight" in cap.factored:  # never formed: the form encodes from the factors
-            out["weight"] = Factors(left.detach(), right.detach(), scale=cap.scale,
+            out["weight"] = Factors(_detached(left), _detached(right), scale=cap.scale,
                                     narrow=narrow)
         else:  # (B, d_out, d_in) or transposed
             out["weight"] = _outer_sum(left, right, cap, narrow)

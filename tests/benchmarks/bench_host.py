@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="a form to profile after timing")
+    parser.add_argument("--amp", action="store_true",
+                        help="forwards under bfloat16 autocast (the GPU suite's steps)")
     parser.add_argument("--stages", action="store_true",
                         help="time the first form's steps by stage (internal functions)")
     args = parser.parse_args()
@@ -66,12 +68,15 @@ def main() -> None:
         args.layers = 16 if args.model == "llama" else 12
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    global _AMP
+    _AMP = args.amp
     B, T, V = args.batch, 16, 64
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, T))
     width = "dim 32, hidden 64" if args.model == "llama" else "d 16"
     print(f"torch {torch.__version__}, {args.threads} thread(s); {args.model} of {args.layers} "
-          f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps")
+          f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps"
+          f"{'; bf16 autocast' if args.amp else ''}")
     print()
     print("| form | plain ms | recorded ms | added host ms | recorded / plain "
           "| aten ops, plain | aten ops, recorded |")
@@ -95,7 +100,16 @@ def _model(args: argparse.Namespace, T: int) -> torch.nn.Module:
                         tie_weights=True, dtype=torch.float32)
 
 
+_AMP = False
+
+
 def _token_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy (B, T), the forward under bfloat16 autocast with ``--amp``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_AMP):
+        return _token_losses_of(model, x, y)
+
+
+def _token_losses_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy (B, T): a Llama's head through ``chunked_linear_loss``."""
     if hasattr(model, "hidden") and hasattr(model, "lm_head"):  # gradlog.testing.llama
         from gradlog.memory import chunked_linear_loss

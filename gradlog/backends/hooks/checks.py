@@ -29,7 +29,7 @@ from gradlog.backends.base import check_tolerance
 from gradlog.backends.hooks.calls import Call, Entry
 from gradlog.backends.hooks.graph import foreign_functions
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
-from gradlog.grads import entries
+from gradlog.grads import Factors, entries
 
 __all__ = [
     "HOOK_KINDS",
@@ -69,10 +69,14 @@ class SpotCheck:
         self.generator = generator
         self.total: dict[str, torch.Tensor] = {}
         self.index: dict[str, torch.Tensor] = {}
+        self.cells: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # 2-D: (rows, cols)
         self.full = False  # this backward compares every entry
         self.pending: Verdict | None = None  # the last check's, until settled
-        self._numels: tuple[int, ...] = ()  # the parameters' sizes, and as a tensor:
-        self._sizes = torch.empty(0, 1, dtype=torch.float64)
+        self._shapes: tuple[torch.Size, ...] = ()  # the parameters' shapes; as tensors,
+        self._sizes = torch.empty(0, 1, dtype=torch.float64)  # their sizes
+        self._widths = torch.ones(0, 1, dtype=torch.long)  # and rows' widths (2-D)
+        self._nonempty: list[tuple[int, str]] = []  # (position, name) of those with entries
+        self._matrices: list[tuple[int, str]] = []  # and of the 2-D ones among them
 
     def draw(self, batch_size: int, full: bool = False) -> None:
         """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new:
@@ -80,23 +84,42 @@ class SpotCheck:
         :mod:`.operations`)."""
         self.total = {}
         self.index = {}
+        self.cells = {}
         self.full = full and batch_size > 0
         if self.full:
             self.index = {n: torch.arange(p.numel(), device=p.device)
                           for n, p in self.params.items() if p.numel()}
         elif batch_size and self.params:
-            numels = tuple(p.numel() for p in self.params.values())
-            if numels != self._numels:
-                self._numels = numels
-                self._sizes = torch.tensor(numels, dtype=torch.float64).unsqueeze(1)  # (n, 1)
-            draw = torch.rand((len(numels), _SPOT_ENTRIES), generator=self.generator,
+            shapes = tuple(p.shape for p in self.params.values())
+            if shapes != self._shapes:
+                self._shapes = shapes
+                self._sizes = torch.tensor([s.numel() for s in shapes],
+                                           dtype=torch.float64).unsqueeze(1)  # (n, 1)
+                self._widths = torch.tensor([s[1] if len(s) == 2 and s[1] else 1
+                                             for s in shapes]).unsqueeze(1)  # (n, 1)
+                named = list(enumerate(zip(self.params, shapes)))
+                self._nonempty = [(i, n) for i, (n, s) in named if s.numel()]
+                self._matrices = [(i, n) for i, (n, s) in named if s.numel() and len(s) == 2]
+            draw = torch.rand((len(shapes), _SPOT_ENTRIES), generator=self.generator,
                               dtype=torch.float64)
             index = draw.mul_(self._sizes).long()  # (n_params, k) flat entries
+            # and their rows and columns in 2-D parameters: factor records' entries need
+            # them (two ops a step here, not two a record in _compare)
+            drawn = torch.stack((index, index // self._widths, index % self._widths))
             devices = {p.device for p in self.params.values()}
-            on = {d: index.to(d, non_blocking=True).unbind(0) for d in devices}  # rows (k,)
-            for i, (name, p) in enumerate(self.params.items()):
-                if p.numel():
-                    self.index[name] = on[p.device][i]
+            on = {d: [t.unbind(0) for t in drawn.to(d, non_blocking=True).unbind(0)]
+                  for d in devices}  # flat, rows, cols: each (k,) per parameter
+            if len(on) == 1:
+                flat, rows, cols = next(iter(on.values()))
+                self.index = {n: flat[i] for i, n in self._nonempty}
+                self.cells = {n: (rows[i], cols[i]) for i, n in self._matrices}
+                return
+            for i, n in self._nonempty:
+                flat, rows, cols = on[self.params[n].device]
+                self.index[n] = flat[i]
+            for i, n in self._matrices:
+                _, rows, cols = on[self.params[n].device]
+                self.cells[n] = (rows[i], cols[i])
 
     def observe(self, name: str, grad: torch.Tensor) -> None:
         """A few entries of this backward's gradient of the parameter (summed over its
@@ -134,12 +157,31 @@ class SpotCheck:
         if self.full:
             return self._check_all(records, low_precision, weight)
         names, rows, totals = [], [], []
+        scaled: dict[Any, tuple[list[str], list[torch.Tensor], list[torch.Tensor]]] = {}
         for name, total in self.total.items():
             acc = records.get(name)
-            if acc is not None:  # (no contribution at all: check_coverage reported it)
-                names.append(name)
-                rows.append(entries(acc, self.index[name]))  # (B, k)
-                totals.append(total)  # (k,)
+            if acc is None:  # (no contribution at all: check_coverage reported it)
+                continue
+            cells = self.cells.get(name)
+            if (isinstance(acc, Factors) and acc.mask is None and cells is not None
+                    and acc.shape == self.params[name].shape):
+                # entries as grads.entries takes them, the scale applied per group below
+                # (the same float products; one op for the group, not one a record)
+                picked = acc.g.index_select(2, cells[0]) * acc.a.index_select(2, cells[1])
+                group = scaled.setdefault((acc.scale, picked.dtype, picked.device),
+                                          ([], [], []))
+                group[0].append(name)
+                group[1].append(picked.sum(1))  # (B, k)
+                group[2].append(total)
+                continue
+            names.append(name)
+            rows.append(entries(acc, self.index[name]))  # (B, k)
+            totals.append(total)  # (k,)
+        for (scale, _, _), (group_names, group_rows, group_totals) in scaled.items():
+            picked = torch.cat(group_rows, 1) if len(group_rows) > 1 else group_rows[0]
+            names += group_names
+            rows.append(picked * scale if scale != 1.0 else picked)  # (B, k per name)
+            totals += group_totals
         if not names:
             return None
         if len({(r.dtype, r.device) for r in rows + totals}) > 1:  # cat needs one kind
