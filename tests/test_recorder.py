@@ -402,6 +402,60 @@ def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
     assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 1
 
 
+def _autocast_gpt_losses(model: nn.Module, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 64, (4, 16), generator=g)  # (B, T)
+    y = torch.randint(0, 64, (4, 16), generator=g)  # (B, T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return per_token_ce(model(x), y)  # (B, T)
+
+
+def test_the_spot_check_under_autocast_refuses_records_off_by_half(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast the spot check's floor (the share of the largest entry it allows
+    everywhere, for gradients that are rounding noise) was 8 bf16 epsilons of it, above most
+    attention weights' entries: Linear factor records 1.5x too large passed step after step
+    with ``check_every=0`` (caught on ~7% of steps). Now 2 epsilons (``check_floor``): caught
+    on ~80% of steps (a helper's campaign over the zoo; the entries checked are random)."""
+    from gradlog.grads import Factors
+    from gradlog.rules import linear as linear_rules
+
+    model = tiny_gpt(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=64,
+                     tie_weights=True, dtype=torch.float32)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", form="norm", batch_grad="sum",
+                              check_every=0) as rec:
+        rec.backward(_autocast_gpt_losses(model, seed=0))  # intact: the datum check's step
+        original = linear_rules._affine
+
+        def larger(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            w = out.get("weight")
+            if isinstance(w, Factors):  # autocast: Linear records are factors
+                out["weight"] = Factors(w.g, w.a, w.mask, 1.5 * w.scale, w.narrow)
+            return out
+
+        monkeypatch.setattr(linear_rules, "_affine", larger)
+        with pytest.raises(BackendError, match="do not add up"):  # 4 entries a parameter
+            for seed in range(1, 9):  # a step: refused on the 4th (the old floor: never)
+                rec.backward(_autocast_gpt_losses(model, seed))
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows < 9
+
+
+def test_the_spot_check_under_autocast_passes_correct_records(tmp_path: Any) -> None:
+    """The same steps with correct records pass the spot check every step, with Adam moving
+    the weights between them (the floor's margin: see check_floor)."""
+    model = tiny_gpt(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=64,
+                     tie_weights=True, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", form="norm", batch_grad="sum",
+                              check_every=0) as rec:
+        for seed in range(6):
+            rec.backward(_autocast_gpt_losses(model, seed))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 6
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_stored_weights_are_the_batch_losses_own(tmp_path: Any, reduction: str) -> None:
     """w_b is 1/B for a mean batch loss and 1 for a sum, so that sum_b w_b g_b == p.grad with

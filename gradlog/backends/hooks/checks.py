@@ -25,7 +25,7 @@ from gradlog._torch_private import (
     tensor_hook_count,
     tensor_version,
 )
-from gradlog.backends.base import check_tolerance
+from gradlog.backends.base import check_floor, check_tolerance
 from gradlog.backends.hooks.calls import Call, Entry
 from gradlog.backends.hooks.graph import foreign_functions
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
@@ -187,15 +187,15 @@ class SpotCheck:
         if len({(r.dtype, r.device) for r in rows + totals}) > 1:  # cat needs one kind
             rows = [r.to(torch.float64) for r in rows]
             totals = [t.to(torch.float64) for t in totals]
-        rtol, atol = check_tolerance(
-            (self.params[n].dtype for n in names),
-            [low_precision[n] for n in names if n in low_precision],
-        )
+        dtypes = [self.params[n].dtype for n in names]
+        narrow = [low_precision[n] for n in names if n in low_precision]
+        rtol, atol = check_tolerance(dtypes, narrow)
         ours = torch.cat(rows, 1).to(torch.float64)  # (B, n*k)
         total = torch.cat(totals).to(torch.float64)  # (n*k,)
         scale = ours.abs().sum(0) * weight + total.abs()  # (n*k,)
         return _over_tolerance(names, ours.sum(0) * weight, total, scale, rtol, atol,
-                               "spot check of a few entries")
+                               "spot check of a few entries",
+                               floor_rtol=check_floor(dtypes, narrow))
 
     def _check_all(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
                    weight: float) -> Verdict | None:
@@ -203,10 +203,9 @@ class SpotCheck:
         names = [n for n in self.total if records.get(n) is not None]
         if not names:
             return None
-        rtol, atol = check_tolerance(
-            (self.params[n].dtype for n in names),
-            [low_precision[n] for n in names if n in low_precision],
-        )
+        dtypes = [self.params[n].dtype for n in names]
+        narrow = [low_precision[n] for n in names if n in low_precision]
+        rtol, atol = check_tolerance(dtypes, narrow)
         worst, largest = [], []  # per name: max(gap - rtol scale), max(scale)
         for name in names:
             index, total = self.index[name], self.total[name].to(torch.float64)
@@ -223,7 +222,8 @@ class SpotCheck:
                 m.append(torch.where(finite, scale, 0).amax())
             worst.append(torch.stack(w).amax())
             largest.append(torch.stack(m).amax())
-        over = torch.stack(worst) - rtol * torch.stack(largest).amax() - atol  # (n,)
+        floor = check_floor(dtypes, narrow) * torch.stack(largest).amax()
+        over = torch.stack(worst) - floor - atol  # (n,)
         return Verdict(names, over, "every entry, on a forward whose op-level uses went "
                        "unwatched", _WATCH_HINT)
 
@@ -273,17 +273,19 @@ def _not_adding_up(bad: list[str], how: str) -> str:
 
 def _over_tolerance(names: list[str], ours: torch.Tensor, theirs: torch.Tensor,
                     scale: torch.Tensor, rtol: float, atol: float, how: str, *,
-                    compare_non_finite: bool = True) -> Verdict:
+                    compare_non_finite: bool = True, floor_rtol: float | None = None) -> Verdict:
     """Whether the names' entries (``ours``, ``theirs`` and ``scale`` hold k per name, in
     order) differ by more than the tolerance. Floor: a parameter whose true gradient is 0 (a
-    key bias under softmax) holds only rounding noise, so the tolerance also scales with the
-    largest gradient seen. Non-finite entries: see :func:`_non_finite_verdict` (not
-    ``compare_non_finite``: never compared)."""
+    key bias under softmax) holds only rounding noise, so the tolerance also allows
+    ``floor_rtol`` (default ``rtol``; the spot check's: :func:`check_floor`, not autocast's
+    inflated ``rtol``, which let records off by 1.5x pass) of the largest gradient seen.
+    Non-finite entries: see :func:`_non_finite_verdict` (not ``compare_non_finite``: never
+    compared)."""
     finite = ours.isfinite() & theirs.isfinite()
-    floor = torch.where(finite, scale, 0).amax()
+    floor = torch.where(finite, scale, 0).amax() * (rtol if floor_rtol is None else floor_rtol)
     elsewhere = (_non_finite_verdict(theirs) if compare_non_finite
                  else torch.full_like(theirs, -torch.inf))
-    over = torch.where(finite, (ours - theirs).abs() - rtol * (scale + floor) - atol,
+    over = torch.where(finite, (ours - theirs).abs() - rtol * scale - floor - atol,
                        elsewhere)  # (n*k,) > 0: does not add up
     return Verdict(names, over.reshape(len(names), -1).amax(1), how)  # (n,)
 
