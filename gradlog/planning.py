@@ -28,7 +28,16 @@ from gradlog.forms import (
     naming_errors,
     plan_forms,
 )
-from gradlog.grads import SMALL_ELEMENTS, Material, batch_size, material_shape, stacked_sqnorms
+from gradlog.grads import (
+    SMALL_ELEMENTS,
+    Factors,
+    Material,
+    batch_size,
+    factor_group,
+    grouped_sqnorms,
+    material_shape,
+    stacked_sqnorms,
+)
 from gradlog.store.fs import ObjectPath, store_path
 
 __all__ = [
@@ -177,6 +186,7 @@ def encode(
     arrays: dict[str, dict[str, torch.Tensor]] = {}
     squares: dict[str, torch.Tensor] = {}
     together: dict[tuple[Any, ...], list[str]] = {}  # small dense records: norms stacked
+    grouped: dict[tuple[Any, ...], list[str]] = {}  # factors of one shape: norms in one pass
     with torch.no_grad():
         for name, material in materials.items():
             form = forms[name]
@@ -190,6 +200,10 @@ def encode(
                     enc = form.encode(material)
                     key = (material.device, material.dtype, tuple(material.shape))
                     together.setdefault(key, []).append(name)
+                elif (isinstance(material, Factors) and _norms_plain(form)
+                      and (group := factor_group(material)) is not None):
+                    enc = form.encode(material)
+                    grouped.setdefault(group, []).append(name)
                 else:
                     enc, squares[name] = form.encode_with_norms(material)
             except InputError as e:
@@ -212,6 +226,9 @@ def encode(
         for names in together.values():
             stacked = stacked_sqnorms([cast(torch.Tensor, materials[n]) for n in names])  # (k, B)
             squares.update(zip(names, stacked.unbind(0)))
+        for names in grouped.values():
+            squares.update(zip(names, grouped_sqnorms([cast(Factors, materials[n])
+                                                       for n in names])))  # (B,) each
     return arrays, _norms({name: squares[name] for name in materials})
 
 
@@ -223,6 +240,14 @@ def _norms_together(form: Form, material: torch.Tensor) -> bool:
     return (form.norms_apart and material.is_floating_point()
             and material.dtype != torch.float64
             and material.numel() <= SMALL_ELEMENTS)
+
+
+def _norms_plain(form: Form) -> bool:
+    """Whether the form takes a record's norms apart from its encoding, as the base class
+    does (``norm``, ...): then factors' norms may be taken with others' of their shape
+    (:func:`~gradlog.grads.grouped_sqnorms`). ``projection`` and ``full`` form them with
+    their encoding when that is cheaper; ``topk`` on its way."""
+    return type(form)._encode_with_norms is Form._encode_with_norms
 
 
 def _norms(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

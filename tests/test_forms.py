@@ -186,6 +186,35 @@ def test_factors_of_16_bit_values_give_the_float32_products(
     torch.testing.assert_close(sqnorms(f), want_sq, rtol=1e-6, atol=1e-300)
 
 
+@pytest.mark.parametrize(("B", "N", "p", "q"), [(4, 16, 24, 20), (3, 300, 6, 5), (1, 2, 3, 4)])
+@pytest.mark.parametrize("narrow", [None, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_grouped_factor_norms_are_each_records_own(
+        B: int, N: int, p: int, q: int, narrow: torch.dtype | None, scale: float) -> None:
+    """Factors of one shape take their exact norms in one stacked pass (the encoder groups a
+    step's Linear records): each record's norms are those it gets alone (the materialised
+    path forms float32 gradients, whose rounding may follow the stacked batch's blocking),
+    and the float64 oracle's (its gradients formed in float64, squared and summed)."""
+    fs = []
+    for k in range(4):
+        g, a = rand(B, N, p, seed=2 * k).float(), rand(B, N, q, seed=2 * k + 1).float()
+        if narrow is not None:
+            g, a = g.to(narrow).float(), a.to(narrow).float()
+        fs.append(Factors(g, a, scale=scale, narrow=narrow))
+    assert len({grads.factor_group(f) for f in fs}) == 1
+    got = grads.grouped_sqnorms(fs)
+    for f, norms in zip(fs, got):
+        assert norms.shape == (B,) and norms.dtype == torch.float64
+        torch.testing.assert_close(norms, sqnorms(f), rtol=5e-7, atol=0)
+        want = loop_dense(Factors(f.g.double(), f.a.double(), scale=scale))
+        torch.testing.assert_close(norms, want.reshape(B, -1).square().sum(1), rtol=1e-6,
+                                   atol=1e-300)
+    masked = Factors(fs[0].g, fs[0].a, torch.ones(B, N, dtype=torch.bool))
+    assert grads.factor_group(masked) is None  # masked rows are zeroed first: alone
+    assert grads.factor_group(fs[0]) != grads.factor_group(
+        Factors(fs[0].g, fs[0].a, scale=2 * scale, narrow=narrow))
+
+
 def test_the_16_bit_matmul_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path of ``outer_sums`` (``bmm`` into float32 from 16-bit operands), called on
     the meta device so that CI without a GPU runs its signature and shapes."""

@@ -4,10 +4,12 @@ products and norms computed from factors and rows without forming the gradients
 (:mod:`gradlog.grads.inner`)."""
 
 from gradlog.grads.inner import (
+    factor_group,
     factored_inner,
     factored_sqnorms,
     ghost_blocks,
     ghost_cost,
+    grouped_sqnorms,
     prefer_factored,
     rows_inner,
     sqnorms,
@@ -49,12 +51,14 @@ __all__ = [
     "dense",
     "dense_sqnorms",
     "entries",
+    "factor_group",
     "factored_inner",
     "factored_sqnorms",
     "factors_worthwhile",
     "float64_sqnorms",
     "ghost_blocks",
     "ghost_cost",
+    "grouped_sqnorms",
     "material_shape",
     "norm_scratch",
     "outer_sums",

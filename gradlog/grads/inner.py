@@ -30,12 +30,14 @@ from gradlog.grads.material import MAX_ELEMENTS, Factors, Material, Rows, outer_
 from gradlog.grads.norms import dense_sqnorms
 
 __all__ = [
+    "factor_group",
     "factored_group_dots",
     "factored_inner",
     "factored_inner_dense",
     "factored_sqnorms",
     "ghost_blocks",
     "ghost_cost",
+    "grouped_sqnorms",
     "measured_method",
     "prefer_factored",
     "rows_inner",
@@ -456,6 +458,36 @@ def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.
     if isinstance(material, Rows):
         return material.sqnorms(dtype)  # (B,)
     return dense_sqnorms(material.reshape(material.shape[0], -1), dtype)  # (B,)
+
+
+def factor_group(material: Factors) -> tuple[Any, ...] | None:
+    """The key under which :func:`grouped_sqnorms` takes several factors' norms in one pass
+    (their shapes, dtypes, device, 16-bit promise and scale), or None: masked factors go
+    alone (their rows are zeroed first)."""
+    if material.mask is not None:
+        return None
+    g, a = material.g, material.a
+    return (g.device, g.dtype, a.dtype, tuple(g.shape), tuple(a.shape), material.narrow,
+            material.scale)
+
+
+def grouped_sqnorms(materials: list[Factors], *,
+                    dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    """:func:`sqnorms` of factors of one :func:`factor_group`, ``(B,)`` each, in one pass over
+    their datums stacked: a ~1B Llama's step has 112 Linear records in 3 shapes, whose norms
+    took ~10 small operations each (the host's work, on a GPU the device waiting for it).
+    The ghost norms are each record's own; materialised ones agree to float32 rounding (the
+    stacked batch's matmul may block differently)."""
+    if len(materials) == 1:
+        return [sqnorms(materials[0], dtype=dtype)]
+    first = materials[0]
+    g = torch.cat([f.g for f in materials])  # (k B, N, p)
+    a = torch.cat([f.a for f in materials])  # (k B, N, q)
+    method = measured_method(first.g, first.a, dtype, first.narrow)  # as each alone would
+    out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=first.narrow)  # (k B,)
+    if first.scale != 1.0:
+        out.mul_(first.scale**2)
+    return list(out.view(len(materials), -1).unbind(0))
 
 
 def _union_inner(
