@@ -12,14 +12,13 @@ exact norms are.
 - rows: two sets of records are laid out over the union of the rows they use (U <= min(V,
   M N + K N)), so ``<x_i, y_j>`` costs ``U D`` per pair (:func:`rows_inner`).
 - :func:`sqnorms`: the exact squared norms of any material (for factors the ghost norm or
-  the materialised gradients, whichever ran faster on the first material of that shape,
-  :func:`measured_method`; each datum's distinct rows for rows,
+  the materialised gradients, whichever counts fewer multiply-adds, :func:`norm_method`;
+  each datum's distinct rows for rows,
   :func:`~gradlog.grads.norms.dense_sqnorms` for dense gradients).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -38,7 +37,7 @@ __all__ = [
     "ghost_blocks",
     "ghost_cost",
     "grouped_sqnorms",
-    "measured_method",
+    "norm_method",
     "prefer_factored",
     "rows_inner",
     "sqnorms",
@@ -403,48 +402,24 @@ def rows_inner(x: Rows, y: Rows, *, dtype: torch.dtype = torch.float64) -> torch
     return out
 
 
-_MEASURED: dict[tuple[Any, ...], str] = {}
-"""The faster way to exact norms of factors, measured once per shape on the CPU: (dtypes, B,
-N, p, q) -> ``"factored"`` or ``"materialised"`` (:func:`measured_method`)."""
-
-_MEASURE_WITHIN = 4
-"""Both ways are timed when their counted costs are within this factor; beyond it the count
-decides (a measurement would only confirm it, at the slower way's price)."""
-
-
-def measured_method(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
-                    narrow: torch.dtype | None = None) -> str:
-    """The ghost norm or materialise-then-reduce for factors ``g`` (B, N, p), ``a`` (B, N, q):
-    on the CPU the faster of the two as timed on the first material of this shape (each run
-    twice, the second timed; they agree to rounding, both being exact), when their counted
-    multiply-adds (:func:`prefer_factored`) are within :data:`_MEASURE_WITHIN` of each
-    other; otherwise, and on other devices (timing there would synchronise), the count."""
+def norm_method(g: torch.Tensor, a: torch.Tensor) -> str:
+    """The ghost norm or materialise-then-reduce for factors ``g`` (B, N, p), ``a`` (B, N, q),
+    by their counted multiply-adds (:func:`ghost_cost` against forming the gradients), on
+    every device. The two round differently (the materialised gradients are float32), so the
+    choice is a function of the shapes alone: a run recorded twice stores the same norms (on
+    the CPU the faster of the two was once timed per process, and identical runs stored norms
+    2.5e-8 apart). Where the counts are close, both took about the same time (0.9-1.2x)."""
     B, N, p = g.shape
     q = a.shape[2]
-    key = (g.device.type, g.dtype, a.dtype, dtype, narrow, B, N, p, q)
-    method = _MEASURED.get(key)
-    if method is not None:
-        return method
     factored, materialised = B * ghost_cost(N, p, q), B * (N * p * q + p * q)
-    method = "factored" if factored <= _SPEED * materialised else "materialised"
-    if g.device.type == "cpu" and max(factored, materialised) <= _MEASURE_WITHIN * min(
-            factored, materialised):
-        seconds = {}
-        for way in ("factored", "materialised"):
-            for _ in range(2):  # the first run allocates and warms the caches
-                t0 = time.perf_counter()
-                factored_sqnorms(g, a, dtype=dtype, method=way, narrow=narrow)
-                seconds[way] = time.perf_counter() - t0
-        method = min(seconds, key=seconds.__getitem__)
-    _MEASURED[key] = method
-    return method
+    return "factored" if factored <= _SPEED * materialised else "materialised"
 
 
 def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Exact squared norms ``(B,)`` of per-datum gradients given as any material.
 
     Factors use the (blocked) ghost norm or materialise a few datums at a time, whichever
-    :func:`measured_method` found faster for their shape; rows sum their distinct rows'
+    :func:`norm_method` counts cheaper for their shape; rows sum their distinct rows'
     squares.
     """
     if isinstance(material, Factors):  # the scale applies to the result: no copy of g
@@ -452,7 +427,7 @@ def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.
         if material.mask is not None:  # zero the dropped rows (they may hold anything)
             c = Factors(g, a, material.mask).canonical()
             g, a = c.g, c.a
-        method = measured_method(g, a, dtype, material.narrow)
+        method = norm_method(g, a)
         out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=material.narrow)
         return out.mul_(material.scale**2) if material.scale != 1.0 else out
     if isinstance(material, Rows):
@@ -483,7 +458,7 @@ def grouped_sqnorms(materials: list[Factors], *,
     first = materials[0]
     g = torch.cat([f.g for f in materials])  # (k B, N, p)
     a = torch.cat([f.a for f in materials])  # (k B, N, q)
-    method = measured_method(first.g, first.a, dtype, first.narrow)  # as each alone would
+    method = norm_method(first.g, first.a)  # as each alone would
     out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=first.narrow)  # (k B,)
     if first.scale != 1.0:
         out.mul_(first.scale**2)
