@@ -789,6 +789,15 @@ def test_a_malformed_format_version_is_refused(tmp_store: Path, version: Any) ->
         gradlog.open(tmp_store)
 
 
+@pytest.mark.parametrize("config", [None, [], "full", 3])
+def test_a_config_that_is_not_an_object_is_refused(tmp_store: Path, config: Any) -> None:
+    """(Hypothesis found ``"config": null`` escaping ``gradlog.open`` as an AttributeError.)"""
+    _train(tmp_store, CALLS[:1])
+    _edit_root_attrs(tmp_store, lambda a: a.update(config=config))
+    with pytest.raises(errors.StoreFormatError, match="'config' must be an object"):
+        gradlog.open(tmp_store)
+
+
 def test_malformed_json_is_refused(tmp_store: Path) -> None:
     _train(tmp_store, CALLS[:1])
     (tmp_store / "zarr.json").write_text('{"zarr_format": 3, "node_type": ')

@@ -131,6 +131,12 @@ def check_root_attrs(attrs: dict[str, Any], where: str) -> None:
     params = attrs.get("params")
     if not isinstance(params, dict):
         raise StoreFormatError(f"{where}: attribute 'params' must be an object of param specs.")
+    config = attrs.get("config", {})
+    if not isinstance(config, dict):
+        raise StoreFormatError(
+            f"{where}: attribute 'config' must be an object (the recorder's configuration), "
+            f"not {type(config).__name__}."
+        )
     for name, spec in params.items():
         if not isinstance(spec, dict):
             raise StoreFormatError(f"{where}: spec of parameter {name!r} is not an object.")
