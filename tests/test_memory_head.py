@@ -881,9 +881,9 @@ def test_tiny_llama_chunked_head_follows_naive_loss_curve() -> None:
 # --- per-datum recording through the chunked head --------------------------------------------
 
 
-def test_per_datum_gradients_recorded_through_chunked_head(tmp_path: Path) -> None:
-    import gradlog
-
+def _recording_case() -> tuple[LlamaConfig, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-layer Llama's config and a batch: tokens, targets with a 4-token prompt ignored
+    in datum 0, and the mask of the counted tokens, each (3, 12)."""
     config = LlamaConfig(
         vocab_size=40, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16
     )
@@ -891,7 +891,13 @@ def test_per_datum_gradients_recorded_through_chunked_head(tmp_path: Path) -> No
     tokens = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
     targets = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
     targets[0, :4] = -100
-    mask = targets != -100
+    return config, tokens, targets, targets != -100
+
+
+def test_per_datum_gradients_recorded_through_chunked_head(tmp_path: Path) -> None:
+    import gradlog
+
+    config, tokens, targets, mask = _recording_case()
     recorded = {}
     for chunked in (False, True):
         model = tiny_llama(config, seed=1)
@@ -923,14 +929,7 @@ def test_recording_through_chunked_head_under_bf16_autocast(tmp_path: Path) -> N
     per-datum head gradients are a float32 unchunked run's within bf16 rounding."""
     import gradlog
 
-    config = LlamaConfig(
-        vocab_size=40, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16
-    )
-    g = torch.Generator().manual_seed(4)
-    tokens = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
-    targets = torch.randint(0, config.vocab_size, (3, 12), generator=g)  # (B, T)
-    targets[0, :4] = -100
-    mask = targets != -100
+    config, tokens, targets, mask = _recording_case()
 
     def losses_of(model: nn.Module, chunked: bool) -> torch.Tensor:
         hidden = model.hidden(tokens)  # (B, T, D)
