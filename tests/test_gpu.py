@@ -484,6 +484,18 @@ def test_chunked_head_under_autocast_adds_each_chunks_16_bit_product() -> None:
 # --- the suite's CPU mode -----------------------------------------------------------------
 
 
+def test_gpu_offline_script_parses_and_says_how_to_use_it() -> None:
+    """``gpu_offline.sh`` (the suite in a lease without a package index) stays valid bash and
+    answers a wrong mode with its usage."""
+    import subprocess
+
+    script = SUITE.parent / "gpu_offline.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    done = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2 and "usage" in done.stdout
+
+
 def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
     """``gpu_suite.py --cpu`` (tiny shapes, three forms, no pytest run) prints every table,
     the profile's and the floor's too (every Linear call of the tiny GPT, 2 layers of 6 and
