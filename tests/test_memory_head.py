@@ -564,11 +564,12 @@ def test_bf16_autocast_head_gradients_are_the_chunks_own_16_bit_products(
 
 
 class _WeightSized(TorchDispatchMode):
-    """Counts new float32 tensors of one shape (outputs not sharing an input's memory)."""
+    """Counts new tensors of one shape by dtype (outputs not sharing an input's memory)."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         super().__init__()
-        self.shape, self.made = shape, 0
+        self.shape = shape
+        self.made: dict[torch.dtype, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -576,17 +577,17 @@ class _WeightSized(TorchDispatchMode):
         inputs = {t.untyped_storage().data_ptr()
                   for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32
-                    and tuple(t.shape) == self.shape
+            if (isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape
                     and t.untyped_storage().data_ptr() not in inputs):
-                self.made += 1
+                self.made[t.dtype] = self.made.get(t.dtype, 0) + 1
         return out
 
 
 def test_bf16_autocast_head_makes_no_float32_weight_gradient_per_chunk() -> None:
     """autograd's way widened each chunk's 16-bit weight gradient into a new float32 tensor and
     added it: two weight-sized float32 tensors per chunk (most of a GPU chunk's time at V 128K,
-    d 4096). Now one accumulator for the whole backward, and the final float32 gradient."""
+    d 4096). Now one accumulator for the whole backward, and the final float32 gradient; and
+    the weight is cast to 16 bits once for the pass, not once a chunk."""
     x, linear = _setup()
     y = _int_labels()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -594,7 +595,9 @@ def test_bf16_autocast_head_makes_no_float32_weight_gradient_per_chunk() -> None
     with _WeightSized((V, D)) as spy:
         out.sum().backward()
     chunks = B * T // 5
-    assert spy.made <= 3, f"{spy.made} float32 (V, d) tensors for {chunks} chunks"
+    assert spy.made.get(torch.float32, 0) <= 3, f"{spy.made} (V, d) tensors, {chunks} chunks"
+    # each chunk's 16-bit product, and the weight cast to 16 bits once for the whole pass
+    assert spy.made.get(torch.bfloat16, 0) <= chunks + 1, f"{spy.made}, {chunks} chunks"
 
 
 def test_backward_reruns_in_the_forward_autocast_state() -> None:

@@ -16,7 +16,7 @@ from torch.autograd.function import FunctionCtx
 
 from gradlog._torch_private import backward_keeps_graph
 from gradlog.errors import DoubleBackwardError, InputError
-from gradlog.memory.accumulate import accumulating_head
+from gradlog.memory.accumulate import Casts, accumulating_head
 from gradlog.memory.chunk import ChunkInfo, running_chunk
 from gradlog.memory.rows import (
     GPU_MIN_ROWS,
@@ -369,6 +369,7 @@ def _chunk_grads(
         torch.zeros_like(bias, dtype=_acc_dtype(bias)) if need_b and bias is not None else None
     )  # (V,)
     rows_out: torch.Tensor | None = None  # (N,)
+    casts: Casts = {}  # under autocast: the weight's 16-bit cast, once for all chunks
     rng_device = _rng_device_module(x.device)
     with contextlib.ExitStack() as stack:
         if replay and plan.preserve_rng_state:
@@ -391,7 +392,7 @@ def _chunk_grads(
                 plan.rng_states.append(_get_rng_state(x.device, rng_device))
             x_chunk = x[start:stop].detach().requires_grad_(need_x)  # (rows, d)
             redirect = (
-                accumulating_head(w, b, grad_w, grad_b)
+                accumulating_head(w, b, grad_w, grad_b, casts)
                 if grad_w is not None
                 else contextlib.nullcontext()
             )
