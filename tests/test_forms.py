@@ -215,6 +215,28 @@ def test_grouped_factor_norms_are_each_records_own(
         Factors(fs[0].g, fs[0].a, scale=2 * scale, narrow=narrow))
 
 
+def test_grouped_factor_norms_stack_a_bounded_share_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's stacked copy (and a ghost norm's float64 widening of it) is bounded by
+    MAX_ELEMENTS: 7B-sized q/k/v/o records of a step would otherwise take tens of GB."""
+    fs = [Factors(rand(2, 5, 3, seed=k).float(), rand(2, 5, 4, seed=50 + k).float())
+          for k in range(7)]
+    whole = grads.grouped_sqnorms(fs)
+    passes: list[int] = []
+    real = grads_inner.factored_sqnorms
+
+    def counted(g: torch.Tensor, a: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        passes.append(g.shape[0])
+        return real(g, a, **kwargs)
+
+    monkeypatch.setattr(grads_inner, "factored_sqnorms", counted)
+    monkeypatch.setattr(grads_inner, "MAX_ELEMENTS", 3 * 2 * 5 * (3 + 4))  # 3 records a pass
+    parts = grads.grouped_sqnorms(fs)
+    assert passes == [6, 6, 2]  # datums per pass
+    for a, b in zip(parts, whole):
+        torch.testing.assert_close(a, b, rtol=5e-7, atol=0)
+
+
 def test_the_16_bit_matmul_call_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path of ``outer_sums`` (``bmm`` into float32 from 16-bit operands), called on
     the meta device so that CI without a GPU runs its signature and shapes."""

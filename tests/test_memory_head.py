@@ -9,6 +9,7 @@ replay, peak tensor size, errors, hypothesis over shapes and a tiny Llama traine
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -561,6 +562,67 @@ def test_bf16_autocast_head_gradients_are_the_chunks_own_16_bit_products(
     want = _per_chunk_autocast_oracle(x, linear, y, valid / valid.sum(), rows=7)
     for g, w, name in zip(got, want, ["x", "weight", "bias"]):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bf16_autocast_head_gradients_with_frozen_features() -> None:
+    """Features that need no gradient (a frozen body, a linear probe): the weight's 16-bit
+    cast carries no graph either, and the head's weight and bias gradients came out zero
+    (under the loop backend, stored as all-zero records with p.grad zero)."""
+    x, linear = _setup()
+    x = x.detach()  # (B, T, D), no grad
+    y = _int_labels()
+    upstream = torch.randn(B, T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_linear_loss(x, linear, y, ce, chunk_size=7, reduction="none")
+    (out * upstream).sum().backward()
+    want = _per_chunk_autocast_oracle(x, linear, y, upstream, rows=7)
+    for got, ref, name in zip([linear.weight.grad, linear.bias.grad], want[1:], ["w", "b"]):
+        assert got is not None and float(ref.norm()) > 0, name
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_bf16_autocast_head_called_without_its_bias() -> None:
+    """``fn`` calling ``F.linear(x, linear.weight)`` on a head that has a bias: the call's own
+    arguments hold (the 16-bit path added the head's bias anyway: x's gradient 78% off)."""
+    x, linear = _setup()
+    y = _int_labels()
+
+    def no_bias(xc: torch.Tensor, lin: nn.Module, yc: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(xc, lin.weight).float(), yc, reduction="none")
+
+    def grads(losses: torch.Tensor) -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(losses.sum(), [x, linear.weight, linear.bias],
+                                        allow_unused=True))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = no_bias(x.reshape(-1, D), linear, y.reshape(-1)).view(B, T)
+        out = chunked_linear_loss(x, linear, y, no_bias, chunk_size=7, reduction="none")
+    want, got = grads(ref), grads(out)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # x: per row, exact
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-3)  # chunk sums in bf16
+    assert want[2] is None and (got[2] is None or float(got[2].abs().max()) == 0.0)
+
+
+def test_a_chunk_backward_keeps_the_autocast_fn_chose() -> None:
+    """An ``fn`` that turns autocast off for its own work inside a bf16 region: the chunk's
+    backward ran under the region's autocast and cast that work's backward to bf16 (x's
+    gradient 3e-3 off a float64 oracle, unchunked 1e-7)."""
+    x, linear = _setup()
+    y = _int_labels()
+
+    def full_precision(xc: torch.Tensor, lin: nn.Module, yc: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return F.cross_entropy(lin(xc.float()), yc, reduction="none")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_linear_loss(x, linear, y, full_precision, chunk_size=7, reduction="none")
+    got = _grads(out, torch.ones(B, T), x, linear)
+    x64, lin64 = x.detach().double().requires_grad_(), copy.deepcopy(linear).double()
+    want = _grads(unchunked(ce, x64, lin64, y, "none"), torch.ones(B, T, dtype=torch.float64),
+                  x64, lin64)
+    for g, w, name in zip(got, want, ["x", "weight", "bias"]):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class _WeightSized(TorchDispatchMode):

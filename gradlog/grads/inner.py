@@ -453,9 +453,15 @@ def grouped_sqnorms(materials: list[Factors], *,
     took ~10 small operations each (the host's work, on a GPU the device waiting for it).
     The ghost norms are each record's own; materialised ones agree to float32 rounding (the
     stacked batch's matmul may block differently)."""
-    if len(materials) == 1:
-        return [sqnorms(materials[0], dtype=dtype)]
     first = materials[0]
+    # at most MAX_ELEMENTS of factors a pass: the stacked copy (and its float64 widening in
+    # a ghost norm) grows with the records, 7B-sized q/k/v/o of a step would be tens of GB
+    k = max(1, MAX_ELEMENTS // max(1, first.g.numel() + first.a.numel()))
+    if len(materials) > k:
+        return [n for i in range(0, len(materials), k)
+                for n in grouped_sqnorms(materials[i : i + k], dtype=dtype)]
+    if len(materials) == 1:
+        return [sqnorms(first, dtype=dtype)]
     g = torch.cat([f.g for f in materials])  # (k B, N, p)
     a = torch.cat([f.a for f in materials])  # (k B, N, q)
     method = norm_method(first.g, first.a)  # as each alone would

@@ -52,7 +52,11 @@ class _LinearInto(torch.autograd.Function):
         bias: torch.Tensor | None,  # (V,)
         acc_w: torch.Tensor,  # (V, d), weight.dtype or (16-bit weight) float32
         acc_b: torch.Tensor | None,  # (V,)
+        owner: torch.Tensor | None = None,  # the head's weight, when ``weight`` is its cast
     ) -> torch.Tensor:
+        # (``owner`` only ties the output to the graph: a cast made without grad and an
+        # input needing none, frozen features, would leave this backward, which fills the
+        # accumulators, unrun and the head's gradients zero)
         ctx.save_for_backward(x, weight)
         ctx.acc = (acc_w, acc_b)  # type: ignore[attr-defined]
         return F.linear(x, weight, bias)  # (..., V)
@@ -60,7 +64,7 @@ class _LinearInto(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_out: torch.Tensor  # (..., V)
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         x, weight = ctx.saved_tensors  # (..., d), (V, d)
         acc_w, acc_b = ctx.acc
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (rows, V)
@@ -72,7 +76,7 @@ class _LinearInto(torch.autograd.Function):
         if acc_b is not None:
             acc_b.add_(g.sum(0, dtype=acc_b.dtype))  # (V,)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None  # (..., d)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _Redirect(TorchFunctionMode):
@@ -103,7 +107,8 @@ class _Redirect(TorchFunctionMode):
                     return _LinearInto.apply(x, weight, bias, self.acc_w, acc_b)
                 if _narrows(x, weight, bias, self.acc_w, narrow):
                     w16, b16 = self._narrowed(narrow)
-                    return _LinearInto.apply(x.to(narrow), w16, b16, self.acc_w, acc_b)
+                    return _LinearInto.apply(x.to(narrow), w16, b16 if bias is not None else None,
+                                             self.acc_w, acc_b, self.w)
         return func(*args, **kwargs)
 
     def _narrowed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

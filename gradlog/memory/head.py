@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -409,12 +409,13 @@ def _chunk_grads(
                     inputs.append(tensor)
             grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
             if inputs and rows.requires_grad:  # fn may not depend on any input at all
-                grads = torch.autograd.grad(
-                    rows,
-                    inputs,
-                    grad_outputs=grad_rows[start:stop].to(rows.dtype),
-                    allow_unused=True,
-                )
+                with _no_autocast(plan):  # as autograd's engine: an fn's own switches hold
+                    grads = torch.autograd.grad(
+                        rows,
+                        inputs,
+                        grad_outputs=grad_rows[start:stop].to(rows.dtype),
+                        allow_unused=True,
+                    )
             it = iter(grads)
             g: torch.Tensor | None = None
             if grad_x is not None:
@@ -435,6 +436,17 @@ def _chunk_grads(
         None if grad_b is None or bias is None else grad_b.to(bias.dtype),
         rows_out,
     )
+
+
+@contextlib.contextmanager
+def _no_autocast(plan: _Plan) -> Iterator[None]:
+    """Autocast off on the plan's devices, for a chunk's backward: the forward's casts are in
+    its graph already; an autocast left on would cast the backward of parts of ``fn`` that
+    turned it off or to another dtype (a backward run by autograd's engine has none)."""
+    with contextlib.ExitStack() as stack:
+        for device_type, *_ in plan.autocast:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 class _FnCall(nn.Module):
