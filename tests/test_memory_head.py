@@ -1024,6 +1024,35 @@ def test_recording_through_chunked_head_under_bf16_autocast(tmp_path: Path) -> N
     assert float(err.min()) > 0  # really bf16: not the float32 run again
 
 
+@pytest.mark.parametrize("backend", ["hooks", "loop"])
+def test_recording_a_head_on_a_frozen_body_under_bf16_autocast(
+        tmp_path: Path, backend: str) -> None:
+    """Only the head trains (a frozen body: features without grad): per-datum head gradients
+    within bf16 of a float32 run, every check on. The 16-bit path once left them zero (hooks
+    refused, loop stored zeros); the loop backend's self-check, which reads autocast off the
+    losses' graph, saw only the head's float32 losses and refused correct records."""
+    import gradlog
+
+    config, tokens, targets, mask = _recording_case()
+    runs = {}
+    for amp in (True, False):
+        model = tiny_llama(config, seed=1)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("lm_head"))
+        path = tmp_path / f"{backend}{amp}.gradlog"
+        with gradlog.GradRecorder(model, path, params="lm_head.*", backend=backend,
+                                  check_every=1) as rec:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                losses = chunked_linear_loss(model.hidden(tokens), model.lm_head, targets, ce,
+                                             chunk_size=5, reduction="none")  # (B, T)
+            rec.backward(losses, mask=mask)
+        runs[amp] = torch.from_numpy(gradlog.open(path).grads("lm_head.weight", step=0))
+    rec16, rec32 = runs[True].double(), runs[False].double()
+    err = (rec16 - rec32).flatten(1).norm(dim=1) / rec32.flatten(1).norm(dim=1)  # (B,)
+    assert float(rec32.flatten(1).norm(dim=1).min()) > 0
+    assert float(err.max()) < 2e-2, err
+
+
 # --- peak memory, measured (slow) ------------------------------------------------------------
 
 

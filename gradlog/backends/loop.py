@@ -14,6 +14,7 @@ import torch
 from gradlog._torch_private import autograd_node_output_dtypes
 from gradlog.backends.base import Backend, PerDatumGrads, graph_nodes, is_reentrant_checkpoint
 from gradlog.errors import BackendError
+from gradlog.memory.autocast import computed_dtypes
 from gradlog.params import check_differentiable
 
 __all__ = ["LoopBackend"]
@@ -91,6 +92,7 @@ def _narrowest_dtype(root: Any, than: set[torch.dtype]) -> torch.dtype | None:
         dtypes = autograd_node_output_dtypes(node)
         if dtypes is None:
             dtypes = [torch.bfloat16] if type(node).__name__ == "ToCopyBackward0" else []
+        dtypes = [*dtypes, *computed_dtypes(node)]  # a chunked head's inner work
         for d in dtypes:
             if d.is_floating_point and torch.finfo(d).bits < bits and (
                     narrowest is None or torch.finfo(d).eps > torch.finfo(narrowest).eps):

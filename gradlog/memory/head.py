@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -17,6 +17,14 @@ from torch.autograd.function import FunctionCtx
 from gradlog._torch_private import backward_keeps_graph
 from gradlog.errors import DoubleBackwardError, InputError
 from gradlog.memory.accumulate import Casts, accumulating_head
+from gradlog.memory.autocast import (
+    AutocastState,
+    autocast_state,
+    involves_float16,
+    no_autocast,
+    note_autocast,
+    replayed,
+)
 from gradlog.memory.chunk import ChunkInfo, running_chunk
 from gradlog.memory.rows import (
     GPU_MIN_ROWS,
@@ -192,13 +200,13 @@ def chunked_linear_loss(
         bounds=bounds(sizes),
         needs=needs,
         preserve_rng_state=preserve_rng_state and grad_wanted,
-        autocast=_autocast_state(x.device),
+        autocast=autocast_state(x.device),
     )
     x_rows = x.reshape(n_rows, d)  # (N, d); a view when x is contiguous
     valid = valid_rows(labels, n_rows, ignore_index)  # (N,) bool, or None: every row counts
     if grad_wanted and reduction != "none":
         if grad_in_forward is None:
-            grad_in_forward = not _involves_float16(x, weight, plan.autocast)
+            grad_in_forward = not involves_float16(x, weight, plan.autocast)
         if grad_in_forward:
             return cast(
                 torch.Tensor,
@@ -222,7 +230,7 @@ class _Plan:
     bounds: list[tuple[int, int]]  # [start, stop) rows of each chunk
     needs: tuple[bool, bool, bool]  # gradient wanted for x, weight, bias
     preserve_rng_state: bool
-    autocast: list[tuple[str, bool, torch.dtype, bool]]  # (device type, enabled, dtype, cache)
+    autocast: AutocastState
     rng_states: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
 
@@ -249,6 +257,7 @@ class _Recompute(torch.autograd.Function):
             out[start:stop] = rows
         ctx.save_for_backward(x, weight, bias)  # type: ignore[arg-type]  # bias may be None
         ctx.plan = plan  # type: ignore[attr-defined]
+        note_autocast(ctx, plan.autocast)
         return cast(torch.Tensor, out)  # bounds hold at least one (maybe empty) chunk
 
     @staticmethod
@@ -300,6 +309,7 @@ class _GradInForward(torch.autograd.Function):
         ctx.grads = [grad_x, grad_w, grad_b]  # type: ignore[attr-defined]
         ctx.row_weights = row_weights  # type: ignore[attr-defined]
         ctx.plan = plan  # type: ignore[attr-defined]
+        note_autocast(ctx, plan.autocast)
         ctx.save_for_backward(x, weight, bias)  # type: ignore[arg-type]  # bias may be None
         return _REDUCTIONS[reduction](rows, valid)  # ()
 
@@ -380,10 +390,7 @@ def _chunk_grads(
                 )
             )
         if replay:  # backward may run outside (or inside another) autocast region
-            for device_type, enabled, dtype, cache in plan.autocast:
-                stack.enter_context(
-                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
-                )
+            stack.enter_context(replayed(plan.autocast))
         stack.enter_context(torch.enable_grad())
         for i, (start, stop) in enumerate(plan.bounds):
             if replay and plan.preserve_rng_state:
@@ -409,7 +416,7 @@ def _chunk_grads(
                     inputs.append(tensor)
             grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
             if inputs and rows.requires_grad:  # fn may not depend on any input at all
-                with _no_autocast(plan):  # as autograd's engine: an fn's own switches hold
+                with no_autocast(plan.autocast):  # as autograd's engine: fn's switches hold
                     grads = torch.autograd.grad(
                         rows,
                         inputs,
@@ -436,17 +443,6 @@ def _chunk_grads(
         None if grad_b is None or bias is None else grad_b.to(bias.dtype),
         rows_out,
     )
-
-
-@contextlib.contextmanager
-def _no_autocast(plan: _Plan) -> Iterator[None]:
-    """Autocast off on the plan's devices, for a chunk's backward: the forward's casts are in
-    its graph already; an autocast left on would cast the backward of parts of ``fn`` that
-    turned it off or to another dtype (a backward run by autograd's engine has none)."""
-    with contextlib.ExitStack() as stack:
-        for device_type, *_ in plan.autocast:
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
 
 
 class _FnCall(nn.Module):
@@ -539,32 +535,8 @@ def _leaves_of(*tensors: torch.Tensor | None) -> set[int]:
     return out
 
 
-def _involves_float16(
-    x: torch.Tensor, weight: torch.Tensor, autocast: list[tuple[str, bool, torch.dtype, bool]]
-) -> bool:
-    return torch.float16 in (x.dtype, weight.dtype) or any(
-        enabled and dtype == torch.float16 for _, enabled, dtype, _ in autocast
-    )
-
-
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def _autocast_state(device: torch.device) -> list[tuple[str, bool, torch.dtype, bool]]:
-    """The caller's autocast settings for ``device`` and for CPU, to re-enter in backward."""
-    state = []
-    for device_type in dict.fromkeys([device.type, "cpu"]):
-        if torch.amp.is_autocast_available(device_type):
-            state.append(
-                (
-                    device_type,
-                    torch.is_autocast_enabled(device_type),
-                    torch.get_autocast_dtype(device_type),
-                    torch.is_autocast_cache_enabled(),
-                )
-            )
-    return state
 
 
 def _rng_device_module(device: torch.device) -> Any | None:
