@@ -186,6 +186,82 @@ def test_factors_of_16_bit_values_give_the_float32_products(
     torch.testing.assert_close(sqnorms(f), want_sq, rtol=1e-6, atol=1e-300)
 
 
+@FORM_SETTINGS
+@given(B=st.integers(1, 4), N=st.integers(1, 12), p=st.integers(1, 9), q=st.integers(1, 9),
+       masked=st.booleans(), scale=st.sampled_from([1.0, 0.5, 3.0]),
+       narrow=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 99))
+def test_factors_held_in_16_bits_read_as_their_widened_values(
+        B: int, N: int, p: int, q: int, masked: bool, scale: float, narrow: torch.dtype,
+        seed: int) -> None:
+    """Factors held in autocast's 16-bit dtype (the Linear rule keeps its operands so: half
+    the memory, no widening copies) give every consumer bitwise what the same factors held
+    widened to float32 give: the values, the gradients, their norms, entries, compaction,
+    slices, batch sums, the factors and projection forms' arrays, one call's merge with
+    another. Oracle: the widened factors (the products are exact in float32)."""
+    from gradlog.backends.hooks.accumulate import Accumulator
+    from gradlog.backends.hooks.pool import BufferPool
+
+    g16 = rand(B, N, p, seed=seed).to(narrow)
+    a16 = rand(B, N, q, seed=seed + 100).to(narrow)
+    mask = (torch.rand(B, N, generator=torch.Generator().manual_seed(seed)) < 0.7
+            if masked else None)
+    held = Factors(g16, a16, mask, scale, narrow)
+    wide = Factors(g16.float(), a16.float(), mask, scale, narrow)
+    assert held.held[0].dtype == narrow and held.g.dtype == held.dtype == torch.float32
+    assert held.g is held.g  # widened once, then kept
+
+    def same(x: Any, y: Any) -> None:
+        if isinstance(x, Factors):
+            assert x.held[0].dtype == narrow or x.held[0].dtype == torch.float32
+            same((x.g, x.a, x.mask, x.scale, x.narrow), (y.g, y.a, y.mask, y.scale, y.narrow))
+        elif isinstance(x, (tuple, list)):
+            assert len(x) == len(y)
+            for u, v in zip(x, y):
+                same(u, v)
+        elif isinstance(x, dict):
+            assert x.keys() == y.keys()
+            same(list(x.values()), list(y.values()))
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
+        else:
+            assert x == y
+
+    same(held, wide)
+    same(held.dense(), wide.dense())
+    want = loop_dense(Factors(g16.double(), a16.double(), mask, scale))  # and float64's
+    torch.testing.assert_close(held.dense().double(), want, rtol=1e-5, atol=1e-6)
+    same(held.canonical(), wide.canonical())
+    same(held.compact(), wide.compact())
+    same(held.bias(0), wide.bias(0))
+    same(held.bias(1), wide.bias(1))
+    same(grads.select(held, 1, 3).dense(), grads.select(wide, 1, 3).dense())
+    flat = torch.randint(0, p * q, (5,), generator=torch.Generator().manual_seed(seed))
+    same(entries(held, flat), entries(wide, flat))
+    same(batch_sum(held, torch.full((B,), 0.25, dtype=D64)),
+         batch_sum(wide, torch.full((B,), 0.25, dtype=D64)))
+    same(sqnorms(held), sqnorms(wide))
+    for method in ("factored", "materialised"):
+        same(factored_sqnorms(*held.masked().held, method=method, narrow=narrow),
+             factored_sqnorms(*wide.masked().held, method=method, narrow=narrow))
+    unmasked = [Factors(g16, a16, None, scale, narrow),
+                Factors(g16.roll(1, 1), a16.roll(2, 1), None, scale, narrow)]  # one group
+    widened = [Factors(f.g.clone(), f.a.clone(), None, scale, narrow) for f in unmasked]
+    same(grads.grouped_sqnorms(unmasked), grads.grouped_sqnorms(widened))
+    form = FactorsForm((p, q), tokens=N)
+    same(form.encode(held), form.encode(wide))
+    projection = ProjectionForm((p, q), structure="two_sided", kind="gaussian", seed=seed,
+                                ranks=(2, 3))
+    same(projection.encode(held), projection.encode(wide))
+
+    def merged(f: Factors) -> Any:
+        weight = nn.Parameter(torch.zeros(p, q))
+        acc = Accumulator({"w": weight}, BufferPool(), B, frozenset({"w"}))
+        acc.material["w"] = [f, Factors(*f.held, None, f.scale, f.narrow)]  # two calls
+        return acc.merge_materials()["w"]
+
+    same(merged(held), merged(wide))
+
+
 @pytest.mark.parametrize(("B", "N", "p", "q"), [(4, 16, 24, 20), (3, 300, 6, 5), (1, 2, 3, 4)])
 @pytest.mark.parametrize("narrow", [None, torch.bfloat16])
 @pytest.mark.parametrize("scale", [1.0, 0.25])

@@ -428,16 +428,17 @@ class ProjectionForm(Form):
         return factored <= dense
 
     @staticmethod
-    def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-        if t.dtype in (torch.float32, torch.float64):  # (promote_types is a dispatcher call)
-            return t.dtype
-        return torch.promote_types(t.dtype, torch.float32)
+    def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        if dtype in (torch.float32, torch.float64):  # (promote_types is a dispatcher call)
+            return dtype
+        return torch.promote_types(dtype, torch.float32)
 
     def _two_sided_factors(self, f: Factors) -> torch.Tensor:
-        dt = self._compute_dtype(f.g)
-        p0, p1 = self.matrices(f.g.device, dt)
-        gp = f.g.to(dt) @ p0  # (B, N, r0)
-        ap = f.a.to(dt) @ p1  # (B, N, r1)
+        g, a = f.held  # (16-bit factors widened by the cast below, not kept widened)
+        dt = self._compute_dtype(f.dtype)
+        p0, p1 = self.matrices(g.device, dt)
+        gp = g.to(dt) @ p0  # (B, N, r0)
+        ap = a.to(dt) @ p1  # (B, N, r1)
         if f.mask is not None:  # drop rows after projecting: N r, not N (p + q), elements
             drop = ~f.mask.unsqueeze(-1)  # (B, N, 1)
             gp = gp.masked_fill(drop, 0.0)  # (B, N, r0)
@@ -446,7 +447,7 @@ class ProjectionForm(Form):
         return out.mul_(f.scale) if f.scale != 1.0 else out
 
     def _two_sided_rows(self, r: Rows) -> torch.Tensor:
-        dt = self._compute_dtype(r.values)
+        dt = self._compute_dtype(r.values.dtype)
         p0, p1 = self.matrices(r.values.device, dt)
         valid = (r.index >= 0).unsqueeze(-1)  # (B, N, 1)
         left = p0[r.index.clamp(min=0)] * valid  # (B, N, r0): P0's rows of the used indices
@@ -456,7 +457,7 @@ class ProjectionForm(Form):
         return out.mul_(r.scale) if r.scale != 1.0 else out
 
     def _two_sided_dense(self, g: torch.Tensor) -> torch.Tensor:
-        dt = self._compute_dtype(g)
+        dt = self._compute_dtype(g.dtype)
         p0, p1 = self.matrices(g.device, dt)
         p, q = _matrix_view(self.shape)
         r0, r1 = self.ranks
@@ -474,7 +475,7 @@ class ProjectionForm(Form):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, numel) times ``P`` (numel, r)."""
-        dt = self._compute_dtype(x)
+        dt = self._compute_dtype(x.dtype)
         x = x.to(dt)
         mats = self.matrices(x.device, dt)
         if mats:

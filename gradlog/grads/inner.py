@@ -340,12 +340,14 @@ def factored_sqnorms(
 def _factored_block(g: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, method: str,
                     work: torch.dtype, narrow: torch.dtype | None) -> torch.Tensor:
     """:func:`factored_sqnorms` of the datums of ``g`` (b, N, p), ``a`` (b, N, q): ``(b,)``."""
-    g, a = g.to(work), a.to(work)
     if method == "factored":
-        return _ghost(g, a, dtype)  # (b,)
+        return _ghost(g.to(work), a.to(work), dtype)  # (b,)
+    narrow = narrow if work == torch.float32 else None
+    if narrow is None:  # (16-bit factors held as such are widened by outer_sums, if at all)
+        g, a = g.to(work), a.to(work)
     b, p, q = g.shape[0], g.shape[2], a.shape[2]
     x = torch.empty((b, p, q), dtype=work, device=g.device)  # (b, p, q)
-    x = outer_sums(g, a, 1.0, x, narrow if work == torch.float32 else None)
+    x = outer_sums(g, a, 1.0, x, narrow)
     return dense_sqnorms(x.reshape(b, -1), dtype)  # (b,)
 
 
@@ -423,10 +425,7 @@ def sqnorms(material: Material, *, dtype: torch.dtype = torch.float64) -> torch.
     squares.
     """
     if isinstance(material, Factors):  # the scale applies to the result: no copy of g
-        g, a = material.g, material.a
-        if material.mask is not None:  # zero the dropped rows (they may hold anything)
-            c = Factors(g, a, material.mask).canonical()
-            g, a = c.g, c.a
+        g, a = material.masked().held  # (dropped rows zeroed: they may hold anything)
         method = norm_method(g, a)
         out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=material.narrow)
         return out.mul_(material.scale**2) if material.scale != 1.0 else out
@@ -441,7 +440,7 @@ def factor_group(material: Factors) -> tuple[Any, ...] | None:
     alone (their rows are zeroed first)."""
     if material.mask is not None:
         return None
-    g, a = material.g, material.a
+    g, a = material.held
     return (g.device, g.dtype, a.dtype, tuple(g.shape), tuple(a.shape), material.narrow,
             material.scale)
 
@@ -456,15 +455,15 @@ def grouped_sqnorms(materials: list[Factors], *,
     first = materials[0]
     # at most MAX_ELEMENTS of factors a pass: the stacked copy (and its float64 widening in
     # a ghost norm) grows with the records, 7B-sized q/k/v/o of a step would be tens of GB
-    k = max(1, MAX_ELEMENTS // max(1, first.g.numel() + first.a.numel()))
+    k = max(1, MAX_ELEMENTS // max(1, sum(t.numel() for t in first.held)))
     if len(materials) > k:
         return [n for i in range(0, len(materials), k)
                 for n in grouped_sqnorms(materials[i : i + k], dtype=dtype)]
     if len(materials) == 1:
         return [sqnorms(first, dtype=dtype)]
-    g = torch.cat([f.g for f in materials])  # (k B, N, p)
-    a = torch.cat([f.a for f in materials])  # (k B, N, q)
-    method = norm_method(first.g, first.a)  # as each alone would
+    g = torch.cat([f.held[0] for f in materials])  # (k B, N, p) as held (16-bit: half the copy)
+    a = torch.cat([f.held[1] for f in materials])  # (k B, N, q)
+    method = norm_method(*first.held)  # as each alone would
     out = factored_sqnorms(g, a, dtype=dtype, method=method, narrow=first.narrow)  # (k B,)
     if first.scale != 1.0:
         out.mul_(first.scale**2)

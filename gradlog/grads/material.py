@@ -62,21 +62,29 @@ def outer_sums(left: torch.Tensor, right: torch.Tensor, scale: float, out: torch
                narrow: torch.dtype | None = None) -> torch.Tensor:
     """``out[b] = scale * left[b]^T right[b]``: (B, N, p), (B, N, q) -> (B, p, q).
 
-    With ``narrow`` (the operands hold values of that 16-bit dtype, widened), a float32
-    ``out`` on CUDA is computed from the operands narrowed back, exactly, on tensor cores
+    With ``narrow`` (the operands hold values of that 16-bit dtype, in it or widened), a
+    float32 ``out`` on CUDA is computed from the 16-bit operands, exactly, on tensor cores
     with float32 accumulation: the products are exact either way, and float32 matrix
     products without TF32 run on the GPU's plain cores (on an H200 they took 45 ms of a
-    GPT-2 small step recording norms). Elsewhere, one float32 ``baddbmm``."""
+    GPT-2 small step recording norms). Elsewhere, one ``baddbmm`` in ``out``'s dtype (16-bit
+    operands widened to it first)."""
     if (narrow is not None and MixedMatmul.available and out.dtype == torch.float32
             and out.device.type in MixedMatmul.devices):
         try:
-            torch.ops.aten.bmm.dtype_out(left.transpose(1, 2).to(narrow), right.to(narrow),
+            torch.ops.aten.bmm.dtype_out(_as(left, narrow).transpose(1, 2), _as(right, narrow),
                                          torch.float32, out=out)
             return out.mul_(scale) if scale != 1.0 else out
         except (RuntimeError, NotImplementedError, TypeError):  # this torch or GPU lacks it
             MixedMatmul.available = False
+    if narrow is not None:
+        left, right = _as(left, out.dtype), _as(right, out.dtype)
     # beta=0 ignores out's (uninitialised) contents; alpha folds the scale into the matmul.
     return out.baddbmm_(left.transpose(1, 2), right, beta=0.0, alpha=scale)  # (B, p, q)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; as is (no dispatcher call) when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def factors_worthwhile(tokens: int, d_in: int, d_out: int) -> bool:
@@ -86,7 +94,6 @@ def factors_worthwhile(tokens: int, d_in: int, d_out: int) -> bool:
     return tokens * (d_in + d_out) < d_in * d_out
 
 
-@dataclass(frozen=True)
 class Factors:
     """Per-datum gradients of a matrix parameter ``(p, q)`` as factors.
 
@@ -101,44 +108,96 @@ class Factors:
     output gradients are not zero).
     :meth:`compact` with no mask finds the rows that contribute nothing by value.
 
+    Under autocast the factors may be held in the 16-bit dtype itself (``narrow``, the
+    operands of the layer's matmul: half the memory, and no widening copy where a consumer
+    multiplies them on a GPU's tensor cores into float32). :attr:`g` and :attr:`a` always
+    read the values in the gradients' dtype (float32 then, widened once on first read and
+    kept); :attr:`held` gives the tensors as held, for the consumers that take 16-bit
+    operands (:func:`outer_sums`, the exact norms, the spot check's entries).
+
     Attributes:
         g: ``(B, N, p)``, the factor of the parameter's first axis.
         a: ``(B, N, q)``, the factor of its second axis.
         mask: ``(B, N)`` bool, True for rows that count; None: all rows count.
         scale: Factor of every datum's gradient (a rule's ``cap.scale``).
         narrow: ``torch.bfloat16`` or ``torch.float16`` when every value of ``g`` and ``a``
-            is one of that dtype, widened (a layer that ran under autocast): products of such
-            values are exact in float32, so :meth:`dense` may multiply them in that dtype on
-            a GPU's tensor cores, accumulating in float32. None: no such promise.
+            is one of that dtype (a layer that ran under autocast), held in it or widened:
+            products of such values are exact in float32, so :meth:`dense` may multiply them
+            in that dtype on a GPU's tensor cores, accumulating in float32. Factors held in
+            ``narrow`` read as float32. None: no such promise.
     """
 
-    g: torch.Tensor
-    a: torch.Tensor
-    mask: torch.Tensor | None = None
-    scale: float = 1.0
-    narrow: torch.dtype | None = None
+    __slots__ = ("_a", "_g", "_wide_a", "_wide_g", "mask", "narrow", "scale")
 
-    def __post_init__(self) -> None:
-        g = _check_batched(self.g, "Factors.g", 3)
-        a = _check_batched(self.a, "Factors.a", 3)
+    _g: torch.Tensor
+    _a: torch.Tensor
+    _wide_g: torch.Tensor | None
+    _wide_a: torch.Tensor | None
+    mask: torch.Tensor | None
+    scale: float
+    narrow: torch.dtype | None
+
+    def __init__(self, g: torch.Tensor, a: torch.Tensor, mask: torch.Tensor | None = None,
+                 scale: float = 1.0, narrow: torch.dtype | None = None) -> None:
+        g = _check_batched(g, "Factors.g", 3)
+        a = _check_batched(a, "Factors.a", 3)
         if g.shape[:2] != a.shape[:2]:
             raise InputError(
                 f"Factors.g {tuple(g.shape)} and Factors.a {tuple(a.shape)} must agree on "
                 "(B, N): one row of each per token of each datum."
             )
-        if self.narrow not in (None, torch.bfloat16, torch.float16):
+        if narrow not in (None, torch.bfloat16, torch.float16):
             raise InputError(
                 f"Factors.narrow must be torch.bfloat16, torch.float16 or None, got "
-                f"{self.narrow!r}."
+                f"{narrow!r}."
             )
-        if self.mask is not None and (
-            self.mask.dtype != torch.bool or self.mask.shape != g.shape[:2]
-        ):
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != g.shape[:2]):
             raise InputError(
-                f"Factors.mask has shape {tuple(self.mask.shape)} and dtype {self.mask.dtype}; "
+                f"Factors.mask has shape {tuple(mask.shape)} and dtype {mask.dtype}; "
                 f"expected bool {tuple(g.shape[:2])} (True: the row counts). Build it from "
                 "lengths with Factors.from_lengths."
             )
+        for name, value in (("_g", g), ("_a", a), ("_wide_g", None), ("_wide_a", None),
+                            ("mask", mask), ("scale", scale), ("narrow", narrow)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Factors are immutable: cannot set {name!r}.")
+
+    def __repr__(self) -> str:
+        g, a = self.held
+        return (f"Factors(g={tuple(g.shape)} {g.dtype}, a={tuple(a.shape)} {a.dtype}, "
+                f"mask={'None' if self.mask is None else 'set'}, scale={self.scale}, "
+                f"narrow={self.narrow})")
+
+    @property
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, a)`` as held: in ``narrow`` itself when autocast's operands were kept."""
+        return self._g, self._a
+
+    @property
+    def g(self) -> torch.Tensor:
+        """``(B, N, p)`` in the gradients' dtype."""
+        if self._g.dtype is not self.narrow:
+            return self._g
+        if self._wide_g is None:
+            object.__setattr__(self, "_wide_g", self._g.float())
+        return self._wide_g  # type: ignore[return-value]
+
+    @property
+    def a(self) -> torch.Tensor:
+        """``(B, N, q)`` in the gradients' dtype."""
+        if self._a.dtype is not self.narrow:
+            return self._a
+        if self._wide_a is None:
+            object.__setattr__(self, "_wide_a", self._a.float())
+        return self._wide_a  # type: ignore[return-value]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The gradients' dtype (float32 for factors held in ``narrow``)."""
+        g = self._g
+        return torch.float32 if g.dtype is self.narrow else g.dtype
 
     @classmethod
     def from_lengths(
@@ -152,29 +211,45 @@ class Factors:
     @property
     def batch_size(self) -> int:
         """B."""
-        return int(self.g.shape[0])
+        return int(self._g.shape[0])
 
     @property
     def tokens(self) -> int:
         """N, rows per datum (padding included)."""
-        return int(self.g.shape[1])
+        return int(self._g.shape[1])
 
     @property
     def shape(self) -> tuple[int, int]:
         """The parameter's shape ``(p, q)``."""
-        return int(self.g.shape[2]), int(self.a.shape[2])
+        return int(self._g.shape[2]), int(self._a.shape[2])
+
+    def masked(self) -> Factors:
+        """The same factors with ignored rows zeroed (so padding holding NaN cannot leak) and
+        mask None; held as they are, ``scale`` and ``narrow`` kept (zeros are values of any
+        dtype)."""
+        if self.mask is None:
+            return self
+        drop = ~self.mask.unsqueeze(-1)  # (B, N, 1)
+        g, a = self.held
+        return Factors(g.masked_fill(drop, 0.0), a.masked_fill(drop, 0.0), None, self.scale,
+                       self.narrow)  # (B, N, p), (B, N, q)
+
+    def picked(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``g[b, n, rows[k]] * a[b, n, cols[k]]`` ``(B, N, k)`` in the gradients' dtype, mask
+        and scale not applied: the terms of entries ``(rows[k], cols[k])`` (the spot check's).
+        Factors held in 16 bits have the k columns picked, then widened."""
+        g, a = self.held
+        dtype = self.dtype
+        return _as(g.index_select(2, rows), dtype) * _as(a.index_select(2, cols), dtype)
 
     def canonical(self) -> Factors:
         """The same gradients with ``scale`` folded into ``g`` and ignored rows zeroed (in
-        both factors, so padding holding NaN cannot leak), mask None, scale 1."""
-        g, a = self.g, self.a
-        if self.mask is not None:
-            drop = ~self.mask.unsqueeze(-1)  # (B, N, 1)
-            g = g.masked_fill(drop, 0.0)  # (B, N, p)
-            a = a.masked_fill(drop, 0.0)  # (B, N, q)
-        if self.scale != 1.0:
-            g = g * self.scale  # (B, N, p)
-        return Factors(g, a)
+        both factors, so padding holding NaN cannot leak), mask None, scale 1. Factors held
+        in ``narrow`` stay so when there is no scale to fold in."""
+        m = self.masked()
+        if self.scale == 1.0:
+            return m
+        return Factors(m.g * self.scale, m.a)  # (B, N, p), (B, N, q)
 
     def compact(self, keep: torch.Tensor | None = None) -> tuple[Factors, torch.Tensor]:
         """Move the kept rows of each datum to the front, in order; padding after them.
@@ -189,25 +264,26 @@ class Factors:
             kept rows per datum ``(B,)`` int64.
         """
         c = self.canonical()
+        cg, ca = c.held  # (rows move, values do not: as held)
         if keep is None:
-            keep = (c.g != 0).any(-1) & (c.a != 0).any(-1)  # (B, N)
+            keep = (cg != 0).any(-1) & (ca != 0).any(-1)  # (B, N)
         if self.mask is not None:
             keep = keep & self.mask
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # (B, N)
-        g = c.g.gather(1, order.unsqueeze(-1).expand_as(c.g))  # (B, N, p)
-        a = c.a.gather(1, order.unsqueeze(-1).expand_as(c.a))  # (B, N, q)
+        g = cg.gather(1, order.unsqueeze(-1).expand_as(cg))  # (B, N, p)
+        a = ca.gather(1, order.unsqueeze(-1).expand_as(ca))  # (B, N, q)
         lengths = keep.sum(1)  # (B,)
         pad = (torch.arange(self.tokens, device=g.device) >= lengths.unsqueeze(1)).unsqueeze(-1)
-        return Factors(g.masked_fill(pad, 0.0), a.masked_fill(pad, 0.0)), lengths
+        return Factors(g.masked_fill(pad, 0.0), a.masked_fill(pad, 0.0), None, 1.0,
+                       c.narrow), lengths
 
     def dense(self) -> torch.Tensor:
         """The per-datum gradients ``(B, p, q)``: one batched matmul, the scale folded into
         it (as the Linear rule computes them)."""
-        # masking zeroes rows, so the values stay those of ``narrow``; the scale comes last
-        c = Factors(self.g, self.a, self.mask).canonical() if self.mask is not None else self
-        B, _, p = c.g.shape
-        out = torch.empty((B, p, c.a.shape[2]), dtype=c.g.dtype, device=c.g.device)
-        return outer_sums(c.g, c.a, self.scale, out, self.narrow)  # (B, p, q)
+        g, a = self.masked().held  # (the scale comes last, in the matmul)
+        B, _, p = g.shape
+        out = torch.empty((B, p, a.shape[2]), dtype=self.dtype, device=g.device)
+        return outer_sums(g, a, self.scale, out, self.narrow)  # (B, p, q)
 
     def bias(self, axis: int = 0) -> torch.Tensor:
         """Gradient of the layer's bias: ``scale * sum_n g[b, n]`` (B, p) for ``axis=0``
@@ -355,8 +431,8 @@ def select(material: Material, start: int, stop: int) -> Material:
     """Datums ``start:stop`` of any material (views, no copy)."""
     if isinstance(material, Factors):
         mask = None if material.mask is None else material.mask[start:stop]
-        return Factors(material.g[start:stop], material.a[start:stop], mask, material.scale,
-                       material.narrow)
+        g, a = material.held
+        return Factors(g[start:stop], a[start:stop], mask, material.scale, material.narrow)
     if isinstance(material, Rows):
         return Rows(
             material.index[start:stop],
@@ -405,10 +481,9 @@ def entries(material: Material, flat_index: torch.Tensor) -> torch.Tensor:
     ``flat_index`` (k,), without forming the gradients: the backend's spot check.
     Factors: ``sum_n g[b, n, i] a[b, n, j]``."""
     if isinstance(material, Factors):
-        c = Factors(material.g, material.a, material.mask).canonical()  # scale applied last
-        q = c.a.shape[2]
+        q = material.shape[1]
         rows, cols = flat_index // q, flat_index % q  # (k,), (k,)
-        picked = c.g.index_select(2, rows) * c.a.index_select(2, cols)  # (B, N, k)
+        picked = material.masked().picked(rows, cols)  # (B, N, k) the scale applied last
         out = picked.sum(1)  # (B, k)
         return out * material.scale if material.scale != 1.0 else out
     if isinstance(material, Rows):

@@ -29,7 +29,7 @@ def weighted_sum(material: Material, weight: float) -> torch.Tensor:
     """``weight * sum_b g_b`` of any material (dense: as before forms, bitwise)."""
     if isinstance(material, torch.Tensor):
         return material.detach().sum(0) * weight
-    device = material.g.device if isinstance(material, Factors) else material.values.device
+    device = material.held[0].device if isinstance(material, Factors) else material.values.device
     weights = torch.full((batch_size(material),), weight, dtype=torch.float64, device=device)
     return batch_sum(material, weights)
 

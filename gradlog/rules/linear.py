@@ -50,14 +50,16 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 _NARROW = (torch.bfloat16, torch.float16)
 
 
-def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture,
+def _outer_sum(left: torch.Tensor, right: torch.Tensor, cap: Capture, dtype: torch.dtype,
                narrow: torch.dtype | None) -> torch.Tensor:
-    """``scale * left_b^T right_b`` for each b: (B, N, p), (B, N, q) -> (B, p, q)."""
+    """``scale * left_b^T right_b`` for each b, in ``dtype``: (B, N, p), (B, N, q) ->
+    (B, p, q). With ``narrow``, the operands may be held in it (autocast's)."""
     B, N, p = left.shape
     q = right.shape[-1]
     scale = cap.scale
-    out = cap.empty((B, p, q), left.dtype, left.device)  # (B, p, q)
+    out = cap.empty((B, p, q), dtype, left.device)  # (B, p, q)
     if N == 1:  # one row per datum: an outer product, cheaper than a k=1 matmul
+        left, right = _as(left, dtype), _as(right, dtype)  # (products of 16-bit: in dtype)
         lhs = left[:, 0, :, None] * scale if scale != 1 else left[:, 0, :, None]  # (B, p, 1)
         return torch.mul(lhs, right[:, 0, None, :], out=out)  # (B, p, q)
     return outer_sums(left, right, scale, out, narrow)  # (B, p, q)
@@ -90,8 +92,9 @@ def _affine(cap: Capture, wanted: frozenset[str], d_in: int, d_out: int, dtype: 
     g = as_rows(cap.grad_output, B, d_out, f"{what} output gradient")  # (B, N, d_out)
     # A 16-bit output gradient of float32 weights: the layer ran under autocast, whose matmul
     # took the input in that dtype too; the weight's gradients are those of that matmul.
+    # Its operands are then kept in that dtype: factors hold half the memory, and the GPU's
+    # tensor cores take them as they are (widened copies were most of a step's added kernels).
     narrow = g.dtype if g.dtype in _NARROW and dtype == torch.float32 else None
-    g = _as(g, dtype)
     out: RuleResult = {}
     if "weight" in wanted:
         a = as_rows(cap.input, B, d_in, f"{what} input")  # (B, N, d_in)
@@ -99,13 +102,14 @@ def _affine(cap: Capture, wanted: frozenset[str], d_in: int, d_out: int, dtype: 
             a = a.to(narrow)  # as autocast rounded it
         elif narrow is not None and a.dtype != narrow:
             narrow = None  # not autocast's pattern: no promise about the values
-        a = _as(a, dtype)
-        left, right = (a, g) if transposed else (g, a)
+        gw = g if narrow is not None else _as(g, dtype)
+        a = a if narrow is not None else _as(a, dtype)
+        left, right = (a, gw) if transposed else (gw, a)
         if "weight" in cap.factored:  # never formed: the form encodes from the factors
             out["weight"] = Factors(_detached(left), _detached(right), scale=cap.scale,
                                     narrow=narrow)
         else:  # (B, d_out, d_in) or transposed
-            out["weight"] = _outer_sum(left, right, cap, narrow)
+            out["weight"] = _outer_sum(left, right, cap, dtype, narrow)
     if "bias" in wanted:
-        out["bias"] = g.sum(1).mul_(cap.scale)  # (B, d_out)
+        out["bias"] = _as(g, dtype).sum(1).mul_(cap.scale)  # (B, d_out)
     return out

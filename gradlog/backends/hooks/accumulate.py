@@ -167,9 +167,11 @@ class Accumulator:
                 factors = cast(list[Factors], parts)
                 kept = {(f.scale, f.narrow) for f in factors}  # one each: kept, masks zeroed
                 scale, narrow = kept.pop() if len(kept) == 1 else (1.0, None)
-                fs = [Factors(f.g, f.a, f.mask, f.scale / scale).canonical() for f in factors]
-                out[name] = Factors(torch.cat([f.g for f in fs], 1),
-                                    torch.cat([f.a for f in fs], 1), None, scale, narrow)
+                fs = [Factors(*f.held, f.mask, f.scale / scale, f.narrow).canonical()
+                      for f in factors]  # (16-bit factors stay so, with one scale and dtype)
+                pairs = [f.held if narrow is not None else (f.g, f.a) for f in fs]
+                out[name] = Factors(torch.cat([g for g, _ in pairs], 1),
+                                    torch.cat([a for _, a in pairs], 1), None, scale, narrow)
             else:
                 rs = [cast(Rows, m) for m in parts]
                 values = [r.values * r.scale if r.scale != 1.0 else r.values for r in rs]

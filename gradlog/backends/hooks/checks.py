@@ -157,7 +157,10 @@ class SpotCheck:
         if self.full:
             return self._check_all(records, low_precision, weight)
         names, rows, totals = [], [], []
-        scaled: dict[Any, tuple[list[str], list[torch.Tensor], list[torch.Tensor]]] = {}
+        # factor records' entries as grads.entries takes them, their columns stacked per
+        # group of one (B, N), scale and dtypes: one product and sum a group, not one a record
+        scaled: dict[Any, tuple[list[str], list[torch.Tensor], list[torch.Tensor],
+                                list[torch.Tensor]]] = {}
         for name, total in self.total.items():
             acc = records.get(name)
             if acc is None:  # (no contribution at all: check_coverage reported it)
@@ -165,22 +168,24 @@ class SpotCheck:
             cells = self.cells.get(name)
             if (isinstance(acc, Factors) and acc.mask is None and cells is not None
                     and acc.shape == self.params[name].shape):
-                # entries as grads.entries takes them, the scale applied per group below
-                # (the same float products; one op for the group, not one a record)
-                picked = acc.g.index_select(2, cells[0]) * acc.a.index_select(2, cells[1])
-                group = scaled.setdefault((acc.scale, picked.dtype, picked.device),
-                                          ([], [], []))
+                g, a = acc.held  # (16-bit factors: the columns picked, then widened)
+                key = (acc.scale, acc.dtype, g.dtype, a.dtype, g.shape[:2], g.device)
+                group = scaled.setdefault(key, ([], [], [], []))
                 group[0].append(name)
-                group[1].append(picked.sum(1))  # (B, k)
-                group[2].append(total)
+                group[1].append(g.index_select(2, cells[0]))  # (B, N, k)
+                group[2].append(a.index_select(2, cells[1]))  # (B, N, k)
+                group[3].append(total)
                 continue
             names.append(name)
             rows.append(entries(acc, self.index[name]))  # (B, k)
             totals.append(total)  # (k,)
-        for (scale, _, _), (group_names, group_rows, group_totals) in scaled.items():
-            picked = torch.cat(group_rows, 1) if len(group_rows) > 1 else group_rows[0]
+        for (scale, dtype, *_), (group_names, gs, as_, group_totals) in scaled.items():
+            gk, ak = (torch.cat(gs, 2), torch.cat(as_, 2)) if len(gs) > 1 else (gs[0], as_[0])
+            gk = gk if gk.dtype == dtype else gk.to(dtype)
+            ak = ak if ak.dtype == dtype else ak.to(dtype)
+            picked = gk.mul_(ak).sum(1)  # (B, k per name) (gk: index_select's own tensor)
             names += group_names
-            rows.append(picked * scale if scale != 1.0 else picked)  # (B, k per name)
+            rows.append(picked * scale if scale != 1.0 else picked)
             totals += group_totals
         if not names:
             return None
