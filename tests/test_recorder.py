@@ -379,6 +379,50 @@ def test_self_check_catches_wrong_gradients(tmp_path: Any, damage: Any, message:
     assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0  # nothing wrong was written
 
 
+class _TwoHeads(nn.Module):
+    """A body and two task heads; ``task`` 0 uses both, 1 and 2 one each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.body, self.h1, self.h2 = nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.h1(h) + self.h2(h) if task == 0 else (self.h1 if task == 1 else self.h2)(h)
+
+
+@pytest.mark.parametrize("backend", ["hooks", "vmap", "loop"])
+def test_a_parameter_a_batch_does_not_use_records_zeros_on_checked_steps(
+        tmp_path: Any, backend: str) -> None:
+    """Alternating task heads: at a batch that leaves a recorded head unused, autograd leaves
+    its p.grad None and its records are zeros. The self-check (every step here) takes that
+    as a zero gradient; it refused the run ("the loss does not depend on it", naming a fix,
+    params=, that drops a head the other batches train) at the first checked step, so with
+    the default check_every=100 a multi-task run died at step 100."""
+    model = _TwoHeads()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "r.gradlog"
+    with gradlog.GradRecorder(model, path, backend=backend, check_every=1) as rec:
+        for task in (0, 1, 2, 1):
+            rec.step(lambda m, b, t=task: F.cross_entropy(m(b[0], t), b[1], reduction="none"),
+                     (x, y))
+            model.zero_grad(set_to_none=True)
+    run = gradlog.open(path)
+    assert run.steps.num_rows == 4
+    for step, unused in ((1, "h2"), (2, "h1"), (3, "h2")):
+        for name in (f"{unused}.weight", f"{unused}.bias"):
+            assert not run.grads(name, step=step).any()
+    used = torch.from_numpy(run.grads("h1.weight", step=1))  # the loop oracle's, per datum
+    model_copy = _TwoHeads()
+    want = torch.stack([torch.autograd.grad(F.cross_entropy(model_copy(x[b : b + 1], 1),
+                                                            y[b : b + 1]), model_copy.h1.weight)[0]
+                        for b in range(8)])
+    torch.testing.assert_close(used, want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, value: float) -> None:
