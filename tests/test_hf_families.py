@@ -205,3 +205,31 @@ def test_random_draws_a_fallback_cannot_replay_are_refused_not_wrong() -> None:
     model, forward = _vision("convnext", "eager", dropout=DROP)
     with pytest.raises(BackendError, match="random"):
         backend_grads(model, forward)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "JambaConfig"), reason="no Jamba in transformers")
+def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop() -> None:
+    """Jamba builds a cache in training and its Mamba mixer (the torch.func fallback) writes
+    its states into it; the re-run per datum continued from them (B 1: the mixer's D 63%
+    off, only the spot check refused; B 2: a shape error reported as a gradlog bug)."""
+    from gradlog.errors import UnsupportedLayerError
+    from gradlog.testing.oracle import backend_grads
+
+    config = transformers.JambaConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        num_experts=1, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+        mamba_dt_rank=4, use_mamba_kernels=False, attention_dropout=0.0)
+    model = _built(config, transformers.JambaForCausalLM, "eager")
+    ids, mask = _ids()
+    labels = ids[:, 1:]
+
+    def forward(**options: Any) -> Callable[[], torch.Tensor]:
+        return lambda: F.cross_entropy(model(input_ids=ids, **options).logits[:, :-1].transpose(
+            1, 2), labels, reduction="none").mean(1)  # (B,)
+
+    with pytest.raises(UnsupportedLayerError, match="use_cache=False"):
+        backend_grads(model, forward())
+    assert_like_loop(model, forward(use_cache=False), reductions=("mean",), rtol=1e-4,
+                     atol=1e-6)

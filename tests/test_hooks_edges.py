@@ -824,3 +824,92 @@ def test_a_chunk_of_rows_is_laid_out_no_longer_than_the_chunk(
     want = torch.tensor(expected, dtype=torch.float64) + 1  # padding (-1) becomes 0
     torch.testing.assert_close(grads[0], want, rtol=0, atol=0)
     torch.testing.assert_close(args[0], want[..., None].repeat(1, 1, 2), rtol=0, atol=0)
+
+
+# -- state a torch.func re-run would read: caches, state kept on the module ------------------
+class StateCache:
+    """A cache object as transformers hands one to each layer (a class named ``...Cache``):
+    a layer writes its state and, once it has one, continues from it."""
+
+    def __init__(self) -> None:
+        self.states: list[torch.Tensor] = []
+
+
+class _Scan(nn.Module):
+    """A running sum over the sequence scaled by a raw parameter (no rule: the torch.func
+    fallback), continuing from a cache's state when it holds one (Jamba's Mamba mixer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decay = nn.Parameter(torch.tensor([0.5, 0.9, 0.7], dtype=D64))
+
+    def forward(self, x: torch.Tensor, cache: StateCache | None = None) -> torch.Tensor:
+        start = cache.states[0] if cache is not None and cache.states else torch.zeros_like(x[:, 0])
+        out, h = [], start  # (B, 3)
+        for t in range(x.shape[1]):
+            h = h * self.decay + x[:, t]
+            out.append(h)
+        if cache is not None:
+            cache.states[:] = [h.detach()]
+        return torch.stack(out, 1)  # (B, T, 3)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_cache_holding_the_batchs_state_is_refused_not_re_read(batch: int) -> None:
+    """The fallback re-runs the module per datum with the arguments its forward took, a
+    cache object passed whole: with a cache the forward wrote into, the re-run continued
+    from the batch's state. At B 1 that gave other gradients silently (only the spot check
+    refused them, blaming a use outside the model), at B 3 a shape error reported as a
+    gradlog bug. Refused, naming the fix, as is a cache holding a batch's state the forward
+    only read (the re-run cannot split it); without the cache, or with one holding no
+    batched state, as the loop oracle."""
+    scan = _Scan()
+    x = torch.randn(batch, 5, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
+    refused = r"cache holding state of the batch.*use_cache=False"
+    with pytest.raises(UnsupportedLayerError, match=refused):
+        per_datum(scan, lambda: squares(scan(x, cache=StateCache())), "hooks")
+    assert_hooks_match_loop(scan, lambda: squares(scan(x, cache=None)))
+
+    class _Reader(_Scan):
+        def forward(self, x: torch.Tensor, cache: StateCache | None = None) -> torch.Tensor:
+            assert cache is not None
+            return x * self.decay + cache.states[0]
+
+    reader, cache = _Reader(), StateCache()
+    cache.states = [torch.randn(batch, 1, 3, dtype=D64)]  # a batch's state, read
+    with pytest.raises(UnsupportedLayerError, match=refused):
+        per_datum(reader, lambda: squares(reader(x, cache=cache)), "hooks")
+    cache.states = [torch.randn(5, 3, dtype=D64)]  # per position, shared by the batch
+    assert_hooks_match_loop(reader, lambda: squares(reader(x, cache=cache)))
+
+
+class _Recurrent(nn.Module):
+    """Keeps its batch's last state on itself and starts from it (RecurrentGemma's RG-LRU),
+    or only stores its output there for a probe to read (``store_only``)."""
+
+    def __init__(self, store_only: bool) -> None:
+        super().__init__()
+        self.decay = nn.Parameter(torch.tensor([0.5, 0.9, 0.7], dtype=D64))
+        self.store_only = store_only
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.decay
+        if not self.store_only and self.state is not None:
+            h = h + self.state.detach().expand_as(h)
+        self.state = h
+        return h
+
+
+def test_state_the_module_keeps_on_itself_explains_its_re_run_failing() -> None:
+    """A re-run per datum of a module reading the batch's state it keeps on itself fails on
+    the shapes (it was reported as a gradlog bug, 'please report'); the refusal names the
+    state. A module that only stores an activation on itself is recorded as the oracle's."""
+    x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
+    recurrent = _Recurrent(store_only=False)
+    recurrent(x)  # the previous batch's state
+    with pytest.raises(UnsupportedLayerError, match=r"keeps state of the batch on itself "
+                                                    r"\(\(the module\)\.state\)"):
+        per_datum(recurrent, lambda: squares(recurrent(x)), "hooks")
+    storing = _Recurrent(store_only=True)
+    assert_hooks_match_loop(storing, lambda: squares(storing(x)))

@@ -22,19 +22,15 @@ after it, so ``p.grad`` is never left half accumulated.
 gradient from the sum of their per-datum gradients instead of autograd's own matmul
 (:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
 
-Chosen layers. Only modules owning recorded parameters are hooked (and only the recorded
-parameters get a gradient hook), so recording ``params="layers.40.*"`` of a deep model costs
-that layer's captured inputs (for Linear and LayerNorm the tensors autograd saves anyway) and
-its per-datum gradients (B x its parameters); the rest of the model is not touched. A model
-the user froze (``requires_grad=False``) needs nothing more: only parameters that require
-grad are selected, and a recorded parameter frozen later is refused by name
-(:func:`gradlog.params.check_differentiable`) before autograd's own, vaguer errors.
+Chosen layers. Only modules owning recorded parameters are hooked, so recording
+``params="layers.40.*"`` of a deep model costs that layer's captured inputs (for Linear and
+LayerNorm what autograd saves anyway) and per-datum gradients. Only parameters that require
+grad are selected; one frozen later is refused by name (``params.check_differentiable``).
 
-Autocast. Under ``torch.autocast`` captured inputs and output gradients may be bfloat16 or
-float16 while parameters are float32: rules widen them (a Linear's input rounded first, as
-autocast's matmul took it) and accumulate in the parameters' dtype. Autograd's ``p.grad`` is
-rounded to the narrow dtype, so :attr:`low_precision` names those parameters and the checks
-of ``sum_b w_b g_b`` against ``p.grad`` allow ``LOW_PRECISION_RTOL`` of its epsilon.
+Autocast. Captured tensors may be 16-bit while parameters are float32: rules accumulate in
+the parameters' dtype (a Linear keeps its operands as autocast's matmul took them,
+``Factors.held``). ``p.grad`` is then rounded: :attr:`low_precision` names those parameters
+and the checks of ``sum_b w_b g_b`` against it allow ``LOW_PRECISION_RTOL`` of its epsilon.
 
 Batch dimension. Every per-datum result must have B rows. Layers that treat leading
 dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leading dimension
@@ -62,15 +58,12 @@ spot check compares ``sum_b w_b g_b`` with autograd's gradient at a few random e
 parameter (partial uses, wrong rules); the recorder's self-check runs every ``check_every``.
 
 Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint``
-recomputes a segment during the backward. With ``use_reentrant=False`` the original call
-is captured and receives the gradients; the recomputed call (told apart by torch's
-recomputation saved-tensor hooks) is not captured again. With ``use_reentrant=True`` the
-original forward ran without grad (nothing captured) and the recomputed call, inside the
-backward, is the one that counts. Per-datum gradients equal those of the model without
-checkpointing. Memory: with ``use_reentrant=False`` the captured inputs of the *recorded*
-modules stay alive from the forward to their layer's backward, as without checkpointing (the
-rest of the segment is freed as usual), so checkpointing saves less for recorded layers
-(measured: bench_memory.py ``--sections layers``, ~5 MiB per layer of a 24-layer GPT).
+recomputes a segment in the backward. With ``use_reentrant=False`` the original call is
+captured and the recomputed one (told apart by torch's recomputation saved-tensor hooks) is
+not; with ``use_reentrant=True`` the original ran without grad and the recomputed call is the
+one that counts. Per-datum gradients equal those without checkpointing; the captured inputs
+of recorded modules live until their layer's backward (~5 MiB per layer of a 24-layer GPT,
+``bench_memory.py --sections layers``).
 """
 
 from __future__ import annotations
@@ -506,6 +499,7 @@ class HooksBackend(Backend):
             return
         try:
             checks.check_versions(call)
+            checks.check_state(call, self._batch)
             if call.refusal is not None:
                 raise UnsupportedLayerError(call.refusal)
             args = call.args if args is None else args
@@ -555,7 +549,7 @@ class HooksBackend(Backend):
                 for name in entry.names.values():
                     self.low_precision[name] = narrow
         except Exception as e:  # re-raised after the backward, with p.grad complete
-            self._error = (entry, e)
+            self._error = (entry, checks.explain_state(entry, e, self._batch))
 
     def _add(self, entry: Entry, result: RuleResult, cap: Capture,
              rows: slice | None = None) -> None:

@@ -30,6 +30,7 @@ from gradlog.backends.hooks.calls import Call, Entry
 from gradlog.backends.hooks.graph import foreign_functions
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.grads import Factors, entries
+from gradlog.rules.state import batched_attributes, batched_in_caches
 
 __all__ = [
     "HOOK_KINDS",
@@ -486,6 +487,41 @@ def check_versions(call: Call) -> None:
                 "gradients would use the changed values. Avoid the in-place op on that "
                 "input (e.g. an inplace activation after it), or use backend='loop'."
             )
+
+
+def check_state(call: Call, batch_size: int) -> None:
+    """Refuse a ``torch.func`` re-run of a call handed a cache that holds batched state
+    (:mod:`gradlog.rules.state`): the re-run would read the batch's state, not a datum's."""
+    if call.args is None or call.kwargs is None or not call.entry.rule.uses_torch_func:
+        return
+    where = batched_in_caches(call.args, call.kwargs, batch_size)
+    if where is not None:
+        raise UnsupportedLayerError(
+            f"it was handed a cache holding state of the batch ({where}): gradlog re-runs "
+            "this module per datum (it has no closed-form rule), and the re-run would read "
+            "the whole batch's state (a state the forward wrote: continue from it) where "
+            "the forward read none or a datum's. Train without the cache (transformers: "
+            "model(..., use_cache=False)), register a rule for the module "
+            "(gradlog.rules.register_rule), or use backend='loop'."
+        )
+
+
+def explain_state(entry: Entry, error: Exception, batch_size: int) -> Exception:
+    """``error`` of a ``torch.func`` re-run, explained when the module keeps batched state on
+    itself (its re-run per datum reads the batch's): an :class:`UnsupportedLayerError`."""
+    if isinstance(error, GradlogError) or not entry.rule.uses_torch_func:
+        return error
+    held = batched_attributes(entry.module, batch_size)
+    if not held:
+        return error
+    explained = UnsupportedLayerError(
+        f"its re-run per datum (it has no closed-form rule) failed ({type(error).__name__}: "
+        f"{error}); the module keeps state of the batch on itself ({', '.join(held[:3])}), "
+        "which a re-run of one datum reads. Train without that state (a recurrent or cache "
+        "state: use_cache=False in transformers), register a rule for the module "
+        "(gradlog.rules.register_rule), or use backend='loop'.")
+    explained.__cause__ = error
+    return explained
 
 
 def raise_kept_error(error: tuple[Entry, BaseException] | None) -> None:
