@@ -113,6 +113,48 @@ class Conv1D(nn.Module):
         return x.view(size_out)
 
 
+Conv1D.__module__ = "transformers.pytorch_utils"  # its stand-in: matched by name and library
+
+
+class _TemporalConv1D(nn.Module):
+    """A user's own layer named ``Conv1D``: a temporal convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 3, 3) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv1d(x, self.weight, self.bias, padding=1)
+
+
+class _OtherConv1D(Conv1D):
+    """A user's layer named ``Conv1D`` with GPT-2's layout and another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight + self.bias)
+
+
+_TemporalConv1D.__name__ = _TemporalConv1D.__qualname__ = "Conv1D"
+_OtherConv1D.__name__ = _OtherConv1D.__qualname__ = "Conv1D"
+_OtherConv1D.__module__ = __name__
+
+
+@pytest.mark.parametrize("kind", ["temporal", "gpt2-layout"])
+def test_a_users_layer_named_conv1d_is_not_taken_for_gpt2s(kind: str) -> None:
+    """GPT-2's rule was found by the bare class name: a temporal convolution named Conv1D
+    crashed inside it ('please report this'), one with GPT-2's layout but another forward
+    got the linear formula (refused by the checks only). Both fall back to torch.func, as
+    the loop oracle; transformers' own class keeps the rule."""
+    layer = built(lambda: _TemporalConv1D() if kind == "temporal" else _OtherConv1D(4, 3), 0)
+    x = randn(3, 3, 8, seed=1) if kind == "temporal" else randn(3, 2, 3, seed=1)
+    assert find_rule(layer) is None
+    assert_like_loop(layer, lambda: datum_loss(layer(x)), rule="torch.func")
+    transformers = pytest.importorskip("transformers")
+    real = transformers.pytorch_utils.Conv1D(4, 3)
+    assert find_rule(real) is not None and find_rule(real).name == "conv1d_gpt2"
+
+
 @RULE_SETTINGS
 @given(
     B=st.integers(1, 4),

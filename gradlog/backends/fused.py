@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import is_functorch_wrapped
+from gradlog.rules.linear import is_gpt2_conv1d
 
 __all__ = ["FusedLinear", "FusedLink", "fusable", "fuse_output"]
 
@@ -99,9 +100,7 @@ def fusable(module: nn.Module) -> bool:
     transformers' GPT-2 ``Conv1D`` (matched by name: transformers is never imported)."""
     if isinstance(module, nn.Linear):
         return type(module).forward is nn.Linear.forward
-    return type(module).__name__ == "Conv1D" and isinstance(
-        getattr(module, "weight", None), nn.Parameter
-    )
+    return is_gpt2_conv1d(module)
 
 
 def fuse_output(

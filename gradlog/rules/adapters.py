@@ -36,6 +36,7 @@ from torch import nn
 
 from gradlog.rules.base import Capture, RuleResult, one_feature_dim, register_rule, widen
 from gradlog.rules.func import func_grads
+from gradlog.rules.linear import is_gpt2_conv1d
 
 __all__ = ["BUILT", "IA3"]
 
@@ -58,8 +59,6 @@ BUILT: dict[str, tuple[str, ...]] = {
 """PEFT layer (qualified class name) -> the attributes holding its adapter parameters
 (``ParameterDict``s by adapter name). VB-LoRA's vector bank is one ``ParameterDict`` that
 every layer holds: each layer's call adds its share, as for a tied weight."""
-
-_ANY_LINEAR = ("Linear", "Conv1D")  # nn.Linear (and its quantisation-free subclasses), GPT-2
 
 
 def _held(names: tuple[str, ...]) -> Any:
@@ -89,7 +88,9 @@ def _ia3_refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if mixed is not None:
         return mixed
     base = module.get_base_layer()  # type: ignore[operator]
-    if type(base).__name__ not in _ANY_LINEAR or len(args) != 1 or kwargs:
+    # nn.Linear (and its quantisation-free subclasses) or GPT-2's Conv1D
+    linear = type(base).__name__ == "Linear" or is_gpt2_conv1d(base)
+    if not linear or len(args) != 1 or kwargs:
         return (f"its base layer is a {type(base).__name__} called with {len(args)} positional "
                 f"and {len(kwargs)} keyword arguments; gradlog's IA3 rule knows nn.Linear and "
                 "GPT-2 Conv1D base layers called on one input only (not yet others): use "
@@ -113,7 +114,7 @@ def ia3_linear(module: Any, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     if used:
         base = module.get_base_layer()
         weight = widen(base.weight.detach(), dtype)
-        if type(base).__name__ == "Conv1D":
+        if is_gpt2_conv1d(base):
             weight = weight.T  # GPT-2's Conv1D holds (in, out)
         bias = None if base.bias is None else widen(base.bias.detach(), dtype)
         with torch.no_grad():

@@ -200,6 +200,9 @@ class Rule:
             the output, so an in-place op on the output (``ReLU(inplace=True)`` after the
             layer), which rebuilds the view's history and drops hooks on it, loses nothing.
             Only for layers whose forward is known to do so; a wrong True double-counts.
+        accepts: For a rule found by class name: whether this module is the library's
+            class (a user's class of the same name then gets no rule: the ``torch.func``
+            fallback). None: every module of that name.
     """
 
     name: str
@@ -210,6 +213,7 @@ class Rule:
     refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None
     feature_dims: Callable[[nn.Module], int] | None = None
     views_own_result: bool = False
+    accepts: Callable[[nn.Module], bool] | None = None
 
 
 RULES: dict[type[nn.Module] | str, Rule] = {}
@@ -225,6 +229,7 @@ def register_rule(
     refuse: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], str | None] | None = None,
     feature_dims: Callable[[nn.Module], int] | None = None,
     views_own_result: bool = False,
+    accepts: Callable[[nn.Module], bool] | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator registering ``compute`` as the rule for module types ``keys``.
 
@@ -243,6 +248,7 @@ def register_rule(
         refuse: See :class:`Rule`.
         feature_dims: See :class:`Rule`.
         views_own_result: See :class:`Rule`.
+        accepts: See :class:`Rule`.
     """
     if not keys:
         raise TypeError("register_rule needs at least one module type or class name")
@@ -257,6 +263,7 @@ def register_rule(
             refuse=refuse,
             feature_dims=feature_dims,
             views_own_result=views_own_result,
+            accepts=accepts,
         )
         for key in keys:
             if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
@@ -278,11 +285,10 @@ def find_rule(module: nn.Module) -> Rule | None:
     cls = type(module)
     if cls in RULES:
         return RULES[cls]
-    qualified = f"{cls.__module__}.{cls.__qualname__}"
-    if qualified in RULES:  # a library's class whose short name is taken ("Linear")
-        return RULES[qualified]
-    if cls.__name__ in RULES:
-        return RULES[cls.__name__]
+    for key in (f"{cls.__module__}.{cls.__qualname__}", cls.__name__):  # (qualified: a
+        rule = RULES.get(key)  # library's class whose short name is taken, "Linear")
+        if rule is not None and (rule.accepts is None or rule.accepts(module)):
+            return rule
     for base in _bases(cls):
         if base in RULES and cls.forward is base.forward:
             return RULES[base]

@@ -18,7 +18,7 @@ from gradlog.errors import BackendError
 from gradlog.grads import Factors, outer_sums
 from gradlog.rules.base import Capture, RuleResult, attributes, one_feature_dim, register_rule
 
-__all__ = ["as_rows", "conv1d_gpt2", "linear"]
+__all__ = ["as_rows", "conv1d_gpt2", "is_gpt2_conv1d", "linear"]
 
 _WEIGHT_BIAS = attributes("weight", "bias")  # not e.g. prune's weight_orig
 
@@ -73,8 +73,19 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
                    "Linear", transposed=False)
 
 
+def is_gpt2_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' GPT-2 ``Conv1D`` (``y = x W + b``, W (d_in, nf)):
+    matched by class name and library, so transformers is never imported, and by layout. A
+    class of another library or the user's named ``Conv1D`` (a temporal convolution) is
+    not: it got this rule by its name, and a wrong formula."""
+    cls = type(module)
+    weight, nf = getattr(module, "weight", None), getattr(module, "nf", None)
+    return (cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+            and isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[1] == nf)
+
+
 @register_rule("Conv1D", name="conv1d_gpt2", feature_dims=one_feature_dim,
-               covers=_WEIGHT_BIAS, views_own_result=True)
+               covers=_WEIGHT_BIAS, views_own_result=True, accepts=is_gpt2_conv1d)
 def conv1d_gpt2(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W (d_in, d_out): weight
     ``A_b^T G_b``. Matched by class name, so transformers is never imported."""
