@@ -14,7 +14,7 @@ import fnmatch
 import hashlib
 import json
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -347,7 +347,9 @@ class RecordingOptions:
         probes: ``(loss_fn, batch)`` of held-out examples whose per-datum gradients are
             recorded at every recorded step (same parameters, same storage), for influence
             exact in time (``run.influence``). ``loss_fn(model, batch)`` returns ``(P,)``
-            per-probe or ``(P, T)`` per-token losses (reduced like the training losses). The
+            per-probe or ``(P, T)`` per-token losses (reduced like the training losses;
+            ``(loss_fn, batch, mask)`` with a ``(P, T)`` mask of the tokens that count, as
+            ``rec.backward``'s ``mask=``). The
             probe gradients are taken by ``torch.autograd.grad`` on a separate forward, once
             per recorded step at its first backward call, after the training backward and at
             the same parameter values; ``p.grad``, the optimizer and the RNG stream that
@@ -389,7 +391,7 @@ class RecordingOptions:
     queue_bytes: int | None = DEFAULT_QUEUE_BYTES
     durable: bool = True
     distributed: bool | None = None
-    probes: tuple[Callable[..., Any], Any] | None = None
+    probes: tuple[Any, ...] | None = None
     probe_ids: Any = None
     tokens: int | None = None
     planned_steps: int | None = None
@@ -410,12 +412,14 @@ class RecordingOptions:
             raise InputError(f"break_lease={self.break_lease!r} must be True or False.")
         probes = self.probes
         if probes is not None and not (
-            isinstance(probes, tuple) and len(probes) == 2 and callable(probes[0])
+            isinstance(probes, tuple) and len(probes) in (2, 3) and callable(probes[0])
         ):
             raise InputError(
                 f"probes must be a pair (loss_fn, batch) with loss_fn(model, batch) returning "
-                f"per-probe losses, got {type(probes).__name__}."
+                f"per-probe losses, or (loss_fn, batch, mask) for per-token losses with a "
+                f"mask of the tokens that count, got {type(probes).__name__}."
             )
+
 
 
 def split_options(

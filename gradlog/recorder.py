@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -88,6 +89,11 @@ class GradRecorder:
         # that p.grad is the trainer's own (an fp16 backward needs the loss scale).
         self._weight_scale = 1.0
         self._seed_scale = 1.0
+        # Forwards with grad before the first rec.backward/rec.step: a loop that kept its
+        # loss.backward() records nothing, which close() then says (the hook goes at the
+        # first call, so a recorded step pays nothing for it)
+        self._unrecorded: Any = None
+        self._forwards_unrecorded = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> GradRecorder:
@@ -111,6 +117,7 @@ class GradRecorder:
         self._pipeline = StepPipeline.open(
             self.model, self.params, self.config, self.options, self.path, self._encoder
         )
+        self._unrecorded = self.model.register_forward_hook(self._count_unrecorded)
         log.info(
             "gradlog: recording %d parameters (%s per datum per step) into %s",
             len(self.params),
@@ -131,6 +138,26 @@ class GradRecorder:
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.close(failed=failed)
+        if self._unrecorded is not None:
+            self._unrecorded.remove()
+            self._unrecorded = None
+            if self._forwards_unrecorded and not failed:
+                warnings.warn(
+                    f"the model ran {self._forwards_unrecorded} forward(s) with gradients "
+                    "inside this GradRecorder, but rec.backward / rec.step was never called: "
+                    "nothing was recorded. Replace loss.backward() with "
+                    "rec.backward(per_datum_losses) (losses of shape (B,) or (B, T), not "
+                    "reduced).", stacklevel=2)
+
+    def _count_unrecorded(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self._forwards_unrecorded += 1
+
+    def _recording_called(self) -> None:
+        """The first rec.backward/rec.step: the loop records, the forward count can go."""
+        if self._unrecorded is not None:
+            self._unrecorded.remove()
+            self._unrecorded = None
 
     def flush(self) -> None:
         """Wait until everything recorded so far is written and every completed step is
@@ -202,6 +229,7 @@ class GradRecorder:
             The per-datum losses ``(B,)``, detached.
         """
         pipeline = self._require_open()
+        self._recording_called()
         backend, lifecycle = pipeline.backend, pipeline.lifecycle
         check_mask(mask)  # before anything of this call is noted
         lifecycle.note_attempt(step)
@@ -257,6 +285,7 @@ class GradRecorder:
         the rest is as :meth:`backward`. Returns the per-datum losses ``(B,)``, detached.
         """
         pipeline = self._require_open()
+        self._recording_called()
         backend, lifecycle = pipeline.backend, pipeline.lifecycle
         check_mask(mask)  # before anything of this call is noted
         lifecycle.note_attempt(step)

@@ -423,6 +423,58 @@ def test_a_parameter_a_batch_does_not_use_records_zeros_on_checked_steps(
     torch.testing.assert_close(used, want, rtol=1e-5, atol=1e-7)
 
 
+def test_a_loop_that_kept_loss_backward_is_told_nothing_was_recorded(tmp_path: Any) -> None:
+    """``loss.backward()`` inside the recorder (rec.backward never called) trained and
+    recorded nothing, without a word; close() now warns. A loop calling rec.backward, or
+    one whose forwards ran without grad, is not warned."""
+    model = mlp()
+    x, y = mlp_batch(4)
+    told = r"ran 3 forward\(s\).*rec\.backward\(per_datum_losses\)"
+    with pytest.warns(UserWarning, match=told), gradlog.GradRecorder(model, tmp_path / "a.gradlog"):
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with gradlog.GradRecorder(model, tmp_path / "b.gradlog") as rec:
+            with torch.no_grad():
+                model(x)  # an evaluation
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+            model(x).sum().backward()  # an extra backward after recording began: not warned
+        with gradlog.GradRecorder(model, tmp_path / "c.gradlog"), torch.no_grad():
+            model(x)
+
+
+def test_probes_take_a_token_mask_like_the_training_losses(tmp_path: Any) -> None:
+    """Per-token probe losses with -100 labels were refused with "Pass mask=...", which
+    probes=(loss_fn, batch) had no way to take; (loss_fn, batch, mask) now does, and each
+    probe's gradient is that of the mean over its own tokens (oracle: autograd per probe)."""
+    model = tiny_gpt(vocab=11, block_size=6, n_layer=1, n_head=1, n_embd=8)
+    x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
+    px, py = torch.randint(0, 11, (2, 6)), torch.randint(0, 11, (2, 6))
+    py[0, 3:] = -100
+
+    def probe_losses(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]).transpose(1, 2), batch[1], reduction="none")
+
+    said = r"Pass probes=\(loss_fn, batch, mask\) with mask="
+    with pytest.raises(InputError, match=said), gradlog.GradRecorder(
+            model, tmp_path / "a.gradlog", probes=(probe_losses, (px, py))) as rec:
+        rec.backward(per_token_ce(model(x), y))
+    with pytest.raises(InputError, match="mask"):
+        gradlog.GradRecorder(model, tmp_path / "b.gradlog",
+                             probes=(probe_losses, (px, py), torch.full((2, 6), 0.5))).open()
+    with gradlog.GradRecorder(model, tmp_path / "c.gradlog",
+                              probes=(probe_losses, (px, py), py != -100)) as rec:
+        rec.backward(per_token_ce(model(x), y))
+    got = gradlog.open(tmp_path / "c.gradlog").probe_grads("head.weight", step=0)
+    for p in range(2):
+        keep = py[p] != -100
+        loss = F.cross_entropy(model(px[p : p + 1])[0][keep], py[p][keep])
+        want = torch.autograd.grad(loss, model.head.weight)[0]
+        torch.testing.assert_close(torch.from_numpy(got[p]).to(want.dtype), want, rtol=1e-5,
+                                   atol=1e-7)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, value: float) -> None:

@@ -5,7 +5,7 @@ training (``p.grad``, the optimizer and the RNG stream are left as they are)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,7 @@ from torch import nn
 
 from gradlog.errors import InputError, NonFiniteLossError
 from gradlog.losses import per_datum_losses
+from gradlog.recording.inputs import check_mask
 from gradlog.recording.staging import to_host
 from gradlog.store.dtypes import storage_dtype
 from gradlog.store.fs import StorePath
@@ -38,7 +39,7 @@ class ProbeRecorder:
 
     def __init__(
         self,
-        probes: tuple[Callable[[nn.Module, Any], torch.Tensor], Any],
+        probes: tuple[Any, ...],
         probe_ids: Any,
         model: nn.Module,
         params: Mapping[str, torch.Tensor],
@@ -48,7 +49,9 @@ class ProbeRecorder:
         durable: bool,
         compression: str = "none",
     ) -> None:
-        self.loss_fn, self.batch = probes
+        self.loss_fn, self.batch = probes[0], probes[1]
+        self.mask = probes[2] if len(probes) == 3 else None  # of (P, T) per-token losses
+        check_mask(self.mask)
         self.probe_ids = probe_ids
         self.model = model
         self.params = params
@@ -72,11 +75,13 @@ class ProbeRecorder:
         # A forked RNG: dropout in the probe forward must not shift training's random stream.
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
             try:
-                losses = per_datum_losses(self.loss_fn(self.model, self.batch), None,
+                losses = per_datum_losses(self.loss_fn(self.model, self.batch), self.mask,
                                           self.token_reduction)
-            except InputError as e:  # the message speaks of "losses": say whose
+            except InputError as e:  # the message speaks of "losses" and "mask=": say whose
+                said = str(e).replace("Pass mask=", "Pass probes=(loss_fn, batch, mask) with "
+                                      "mask=")
                 raise type(e)(f"the probes' loss_fn (GradRecorder(probes=(loss_fn, batch))): "
-                              f"{e}") from None
+                              f"{said}") from None
             n = losses.shape[0] if losses.dim() == 1 else 0
             if n == 0 or not losses.requires_grad:
                 raise InputError(
