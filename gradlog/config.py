@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import numpy as np
+
 from gradlog.backends import BACKENDS
 from gradlog.backends.hooks import BATCH_GRADS
 from gradlog.errors import ConfigError, InputError
@@ -408,8 +410,14 @@ class RecordingOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise InputError(f"{name}={value!r} must be a positive int or None.")
-        if not isinstance(self.break_lease, bool):
-            raise InputError(f"break_lease={self.break_lease!r} must be True or False.")
+        for name in ("overwrite", "resume", "durable", "break_lease"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):  # ("yes" is truthy)
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False.")
+        if self.distributed is not None and not isinstance(self.distributed, (bool, np.bool_)):
+            raise InputError(f"distributed={self.distributed!r} must be True, False or None.")
+        if self.probe_ids is not None and self.probes is None:
+            raise InputError("probe_ids were given without probes=(loss_fn, batch): pass both, "
+                             "or neither.")
         probes = self.probes
         if probes is not None and not (
             isinstance(probes, tuple) and len(probes) in (2, 3) and callable(probes[0])
@@ -419,7 +427,6 @@ class RecordingOptions:
                 f"per-probe losses, or (loss_fn, batch, mask) for per-token losses with a "
                 f"mask of the tokens that count, got {type(probes).__name__}."
             )
-
 
 
 def split_options(

@@ -303,6 +303,20 @@ def test_bad_options(tmp_path: Any, option: dict[str, Any], message: str) -> Non
         gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", **option)
 
 
+@pytest.mark.parametrize(("option", "message"), [
+    ({"durable": "yes"}, r"durable='yes' must be True or False"),
+    ({"resume": 1}, r"resume=1 must be True or False"),
+    ({"overwrite": "false"}, r"overwrite='false' must be True or False"),
+    ({"distributed": "auto"}, r"distributed='auto' must be True, False or None"),
+    ({"probe_ids": [0, 1]}, r"probe_ids were given without probes"),
+])
+def test_bad_recording_options(tmp_path: Any, option: dict[str, Any], message: str) -> None:
+    """Accepted before, silently: a truthy string for a flag, probe ids for no probes."""
+    with pytest.raises(InputError, match=message):
+        gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", **option)
+    gradlog.GradRecorder(mlp(), tmp_path / "r.gradlog", durable=np.bool_(False), resume=True)
+
+
 def test_numpy_integers_are_taken_as_ints(tmp_path: Any) -> None:
     """Counts computed with numpy (np.int64) are as good as Python ints, and are stored as
     plain JSON numbers."""
@@ -473,6 +487,23 @@ def test_probes_take_a_token_mask_like_the_training_losses(tmp_path: Any) -> Non
         want = torch.autograd.grad(loss, model.head.weight)[0]
         torch.testing.assert_close(torch.from_numpy(got[p]).to(want.dtype), want, rtol=1e-5,
                                    atol=1e-7)
+
+
+def test_a_probe_batch_the_model_does_not_take_is_named(tmp_path: Any) -> None:
+    """A probe batch of the wrong width raised torch's bare matmul error from inside
+    gradlog's op capture; now an InputError naming the probes, and nothing is written."""
+    model = mlp()
+    x, y = mlp_batch(4)
+    bad = (torch.randn(3, x.shape[1] + 1, dtype=x.dtype), y[:3])
+
+    def probe_losses(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1], reduction="none")
+
+    with pytest.raises(InputError, match=r"probes' loss_fn failed on the probe batch.*"
+                                         r"RuntimeError"), gradlog.GradRecorder(
+            model, tmp_path / "r.gradlog", probes=(probe_losses, bad)) as rec:
+        rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+    assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradlog.errors import InputError, NonFiniteLossError
+from gradlog.errors import GradlogError, InputError, NonFiniteLossError
 from gradlog.losses import per_datum_losses
 from gradlog.recording.inputs import check_mask
 from gradlog.recording.staging import to_host
@@ -75,8 +75,18 @@ class ProbeRecorder:
         # A forked RNG: dropout in the probe forward must not shift training's random stream.
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
             try:
-                losses = per_datum_losses(self.loss_fn(self.model, self.batch), self.mask,
-                                          self.token_reduction)
+                raw = self.loss_fn(self.model, self.batch)
+            except (GradlogError, MemoryError, torch.cuda.OutOfMemoryError):
+                raise
+            except Exception as e:  # a probe batch the model does not take, a loss_fn bug
+                raise InputError(
+                    f"the probes' loss_fn failed on the probe batch at step {step} "
+                    f"({type(e).__name__}: {e}); nothing of this step was written. Check "
+                    "that loss_fn(model, batch) runs on the batch given as "
+                    "GradRecorder(probes=(loss_fn, batch)) (its shapes, dtype and device) "
+                    "outside the recorder.") from e
+            try:
+                losses = per_datum_losses(raw, self.mask, self.token_reduction)
             except InputError as e:  # the message speaks of "losses" and "mask=": say whose
                 said = str(e).replace("Pass mask=", "Pass probes=(loss_fn, batch, mask) with "
                                       "mask=")
