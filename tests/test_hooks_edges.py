@@ -913,3 +913,30 @@ def test_state_the_module_keeps_on_itself_explains_its_re_run_failing() -> None:
         per_datum(recurrent, lambda: squares(recurrent(x)), "hooks")
     storing = _Recurrent(store_only=True)
     assert_hooks_match_loop(storing, lambda: squares(storing(x)))
+
+
+class _SharedTable(nn.Module):
+    """A raw parameter (the torch.func fallback) applied with a table shared by the batch
+    (Funnel's pooled relative positions), of ``rows`` rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.3, -0.7, 1.1], dtype=D64))
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x * self.w + (table * self.w).sum(0)  # (B, T, 3)
+
+
+def test_a_shared_table_of_b_rows_is_named_when_the_checks_refuse_it() -> None:
+    """The fallback splits every tensor argument whose first dimension is B: a table shared
+    by the batch with B rows is taken for a batched one (Funnel at T 6, B 3), wrong, refused
+    by the checks with a message blaming a use outside the model. It now also names the
+    module re-run per datum and why; with other sizes, as the loop oracle."""
+    layer = _SharedTable()
+    x = torch.randn(B, 5, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
+    table = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match=r"re-running their module per datum with torch\.func "
+                                           r"\(_SharedTable '\(the model\)'\).*first dimension "
+                                           r"equals the batch size"):
+        per_datum(layer, lambda: squares(layer(x, table)), "hooks")
+    assert_hooks_match_loop(layer, lambda: squares(layer(x, table[:2])))

@@ -176,6 +176,8 @@ class HooksBackend(Backend):
         if any(p.device.type == "cpu" for p in self.params.values()):
             keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
         self._entries = plan_entries(self.model, self.params, self.batch_grad)
+        self._spot.rerun = {n: e.label for e in self._entries if e.rule.uses_torch_func
+                            for n in e.names.values()}  # (for the checks' messages)
         self._sequence_first = [name for name, m in self.model.named_modules()
                                 if getattr(m, "batch_first", True) is False]
         for entry in self._entries:  # (pre-hooks before the user's: prune's)
@@ -382,7 +384,7 @@ class HooksBackend(Backend):
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
                 checks.check_datum(datum, out, self.params, narrow, trusted=not foreign,
-                                   loss_scaled=self.seed_scale != 1)
+                                   loss_scaled=self.seed_scale != 1, rerun=self._spot.rerun)
             return out
         finally:
             for call in self._touched:

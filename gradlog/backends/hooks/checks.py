@@ -78,6 +78,7 @@ class SpotCheck:
         self._widths = torch.ones(0, 1, dtype=torch.long)  # and rows' widths (2-D)
         self._nonempty: list[tuple[int, str]] = []  # (position, name) of those with entries
         self._matrices: list[tuple[int, str]] = []  # and of the 2-D ones among them
+        self.rerun: dict[str, str] = {}  # parameters re-run per datum: name -> module label
 
     def draw(self, batch_size: int, full: bool = False) -> None:
         """Forget the last backward's entries; for a batch (``batch_size`` > 0), draw new:
@@ -136,7 +137,7 @@ class SpotCheck:
         read one that passed (each is read once)."""
         verdict, self.pending = self.pending, None
         if verdict is not None:
-            verdict.settle()
+            verdict.settle(self.rerun)
         return verdict is not None
 
     def check(self, records: Mapping[str, Any], low_precision: Mapping[str, torch.dtype],
@@ -250,11 +251,28 @@ class Verdict:
         """The parameters whose records miss the tolerance (waits for the device)."""
         return [n for n, g in zip(self.names, self.over.tolist()) if g > 0]
 
-    def settle(self) -> None:
-        """Raise :class:`BackendError` naming the parameters whose records do not add up."""
+    def settle(self, rerun: Mapping[str, str] | None = None) -> None:
+        """Raise :class:`BackendError` naming the parameters whose records do not add up
+        (``rerun``: :func:`rerun_hint`'s)."""
         bad = self.bad()
         if bad:
-            raise BackendError(_not_adding_up(bad, self.how) + self.hint)
+            raise BackendError(_not_adding_up(bad, self.how) + self.hint
+                               + rerun_hint(bad, rerun or {}))
+
+
+def rerun_hint(bad: Iterable[str], rerun: Mapping[str, str]) -> str:
+    """For failed checks: which of the ``bad`` parameters come from re-running their module
+    per datum (the ``torch.func`` fallback, ``rerun``: name -> module), and when such a
+    re-run is wrong."""
+    modules = sorted({rerun[n] for n in bad if n in rerun})
+    if not modules:
+        return ""
+    return (f" Of those, some are computed by re-running their module per datum with "
+            f"torch.func ({', '.join(modules[:3])}): that re-run is wrong when the module takes "
+            "a tensor shared by the batch whose first dimension equals the batch size (it is "
+            "split as if it held one row per datum) or reads state beyond its arguments. A "
+            "batch size different from such sizes, a rule for the module "
+            "(gradlog.rules.register_rule) or backend='loop' avoids it.")
 
 
 _WATCH_HINT = (
@@ -393,7 +411,7 @@ def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
 def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
                 records: Mapping[str, Any], params: Mapping[str, nn.Parameter],
                 narrow: Iterable[torch.dtype], *, trusted: bool = True,
-                loss_scaled: bool = False) -> None:
+                loss_scaled: bool = False, rerun: Mapping[str, str] | None = None) -> None:
     """The records weighted by random ``v`` (``sum_b v_b g_b``) against autograd's gradient
     of ``sum_b v_b losses[b]`` at the sampled entries. Every datum is checked at once: a
     split between datums that keeps their sum (the spot check's blind spot: two datums'
@@ -459,7 +477,7 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
             "called once per datum by hand); (3) a rule that assigns gradient to the wrong "
             "datum (please report it). p.grad is complete; nothing of this step was "
             "recorded. Use backend='loop', or for (2) a batch size different from the "
-            "sequence length."
+            "sequence length." + rerun_hint(bad, rerun or {})
         )
 
 
