@@ -43,25 +43,49 @@ MemoryOpt = Annotated[
 ]
 
 
+_IDS = {
+    "step": ("steps are the run's step numbers", "gradlog ls RUN lists them"),
+    "datum": ("datum ids are the ids the datums were recorded with",
+              "gradlog norms RUN shows records with theirs"),
+    "probes": ("probe ids are the ids the probes were recorded with",
+               "gradlog ls RUN lists them"),
+}
+"""What each option's ids are, for the refusal of a negative one."""
+
+
 def selector(text: str | None, what: str) -> Any:
     """``"5"`` -> 5, ``"2:8"`` -> slice(2, 8), ``"1,4,9"`` -> [1, 4, 9]; None stays None.
 
     Raises:
-        InputError: ``text`` is none of those (``what`` names the option).
+        InputError: ``text`` is none of those, or holds a negative id (``what`` names the
+            option).
     """
     if text is None:
         return None
     try:
         if ":" in text:
             start, _, stop = text.partition(":")
-            return slice(int(start) if start.strip() else None, int(stop) if stop.strip() else None)
-        if "," in text:
-            return [int(v) for v in text.split(",") if v.strip()]
-        return int(text)
+            parsed: Any = slice(int(start) if start.strip() else None,
+                                int(stop) if stop.strip() else None)
+            values = [v for v in (parsed.start, parsed.stop) if v is not None]
+        elif "," in text:
+            parsed = values = [int(v) for v in text.split(",") if v.strip()]
+        else:
+            parsed = int(text)
+            values = [parsed]
     except ValueError:
         raise InputError(
             f"--{what} {text!r} is not a selection: pass {SELECTOR_HELP} (e.g. 3, 0:10, 1,5,9)."
         ) from None
+    if any(v < 0 for v in values):
+        # said here, with the CLI's words: the library's message names run.steps
+        ids, listed = _IDS.get(what, ("ids are the run's own numbers", "gradlog ls RUN"))
+        raise InputError(
+            f"--{what} {text!r}: {ids} (>= 0), not positions: {min(values)} does not count "
+            f"from the end. Pass the numbers themselves ({listed}); A: selects A and every "
+            "later one."
+        )
+    return parsed
 
 
 def storage_options(values: list[str] | None) -> dict[str, Any]:

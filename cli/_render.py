@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Container, Sequence
 from typing import Any, NoReturn
 
@@ -21,6 +22,23 @@ def fail(error: Exception) -> NoReturn:
     err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False,
                       soft_wrap=True)
     raise typer.Exit(code=1)
+
+
+READ_WORDS = (
+    # keywords of the scans' options, as the commands that read a run name them
+    (r"(?<![\w(.-])max_memory\b ?=? ?", "--max-memory "),
+    (r"(?<![\w(.-])kind=", "--kind "),
+)
+"""A library message's Python keywords and the options of the commands that read a run."""
+
+
+def cli_words(message: str, words: Sequence[tuple[str, str]] = READ_WORDS) -> str:
+    """A library message, naming the command's options (``--seq-len``, ``--max-memory``)
+    instead of the Python keywords behind them (``block_size=``, ``max_memory=``), which the
+    CLI does not take. The library's messages stay as they are for Python callers."""
+    for pattern, replacement in words:
+        message = re.sub(pattern, replacement, message)
+    return message
 
 
 def note(message: Warning | str, *_: object, **__: object) -> None:

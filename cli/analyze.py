@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,7 +31,8 @@ _SIDES = (("proponent", "proponents (training on them lowered the probe's loss)"
 
 def influence(
     run_path: RunArg,
-    probe: Annotated[int | None, typer.Option(help="Id of a probe recorded with the run.")] = None,
+    probe: Annotated[int | None, typer.Option(
+        min=0, help="Id of a probe recorded with the run.")] = None,
     probes: Annotated[str | None, typer.Option(
         help="Many probes in one pass: 'all', ids 1,5,9 or A:B (ids A..B-1); the "
              "datums x probes matrix goes to --out, or a summary is printed.")] = None,
@@ -59,6 +61,11 @@ def influence(
     """Influence over the recorded steps: the training data that most helped (proponents) and
     hurt (opponents) a probe; tracin: score = sum_t lr_t <g_t(datum), g_t(probe)>; optimizer:
     sum_t lr_t c <P_t g_t(datum), g_t(probe)> with Adam's preconditioner P_t."""
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        # said here: the library's message offers lr=None, which is no --lr value
+        raise InputError(f"--lr {lr:g} must be a finite positive number (the learning rate "
+                         "that replaces every recorded one); omit --lr to use the recorded "
+                         "ones.")
     run = open_run(run_path, storage)
     if sum((self_, probe is not None, probes is not None)) != 1:
         ids = run.probe_ids

@@ -36,6 +36,7 @@ from gradlog.cli._render import (
 from gradlog.errors import InputError, NotAStoreError
 from gradlog.store import format as fmt
 from gradlog.store.fs import store_path
+from gradlog.store.lease import writer_note
 
 _CONFIG_DEFAULTS = (("batch_grad", "autograd"), ("form", "full"))
 """Options ``info`` lists only when set away from these defaults (older stores lack them)."""
@@ -64,11 +65,24 @@ def info(run_path: RunArg, as_json: JsonOpt = False, storage: StorageOpt = None)
         "records": run.datums.num_rows,
         "datums": len(set(run.datums.column("datum_id").to_pylist())),
         "bytes": run.nbytes,
+        "writer": _writer(run.path),
     }
     if as_json:
         echo_json(summary)
         return
     _print_info(summary)
+
+
+def _writer(root: Any) -> dict[str, Any] | None:
+    """The store's writer lease, when one is left there (a writer recording, or one that
+    did not close the store): its state, whether it may be live, holder and one sentence."""
+    note = writer_note(root)
+    if note is None:
+        return None
+    lease = note.lease
+    return {"state": note.state, "live": note.live, "note": note.text,
+            "owner": lease.owner if lease else None,
+            "renewed": lease.renewed if lease else None}
 
 
 def _print_info(summary: dict[str, Any]) -> None:
@@ -95,6 +109,8 @@ def _print_info(summary: dict[str, Any]) -> None:
         f" ({summary['first_step']}..{summary['last_step']})" if summary["steps"] else ""))
     head.add_row("records", f"{summary['records']} ({summary['datums']} distinct datums)")
     head.add_row("bytes on disk", human_bytes(summary["bytes"]))
+    if summary["writer"] is not None:
+        head.add_row("writer", summary["writer"]["note"])
     console.print(head)
 
     params = table("recorded parameters",

@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 
 from gradlog._version import __version__
 from gradlog.cli import analyze, inspection, record, store_admin
-from gradlog.cli._render import fail, note
+from gradlog.cli._render import cli_words, fail, note
 from gradlog.errors import GradlogError
 
 
@@ -35,7 +35,7 @@ class _Group(TyperGroup):
                 warnings.showwarning = note
                 return super().invoke(ctx)
         except GradlogError as e:
-            fail(e)
+            fail(GradlogError(cli_words(str(e))))
         except Exception as e:
             if not _storage_refused(e):
                 raise  # a bug: its traceback is what a report needs

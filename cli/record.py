@@ -14,7 +14,14 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from gradlog.cli._args import StorageOpt, location
-from gradlog.cli._render import LiteralTable, console, err_console, fail, human_bytes
+from gradlog.cli._render import (
+    LiteralTable,
+    cli_words,
+    console,
+    err_console,
+    fail,
+    human_bytes,
+)
 from gradlog.errors import GradlogError, InputError, StoreExistsError
 
 if TYPE_CHECKING:
@@ -190,11 +197,27 @@ def train(
             )
         except (GradlogError, ValueError) as e:  # said inside the progress display: it ends
             progress.stop()  # before the line (ValueError: the demo's own checks)
-            fail(e)
+            fail(GradlogError(cli_words(str(e), _TRAIN_WORDS)))
         except KeyboardInterrupt:  # Ctrl-C: the recorder committed the completed steps
             progress.stop()
             _interrupted(path, recorder.get("done", 0), started="rec" in recorder)
     _print_summary(summary, out if out is not None else str(path), storage)
+
+
+_TRAIN_WORDS = (
+    # the library's and the demo's keywords, as train's options: what the user can change
+    (r"(?<![\w(.-])block_size=(\d+)", r"--seq-len \1"),
+    (r"(?<![\w(.-])block_size\b", "--seq-len"),
+    (r"(?<![\w(.-])batch_size must be", "--batch-size must be"),
+    (r"(?<![\w(.-])windows must be", "--windows must be"),
+    (r"(?<![\w(.-])batch_grad=", "--batch-grad "),
+    (r"(?<![\w(.-])backend=", "--backend "),
+    (r"(?<![\w(.-])dtype=", "--dtype "),
+    (r"(?<![\w(.-])params pattern", "--params pattern"),
+    (r"fewer windows or probes \(probes >= 0\), or shorter sequences",
+     "fewer --windows or --probes, or a shorter --seq-len"),
+)
+"""Train's messages from the library and the demo, in its options' words (:func:`cli_words`)."""
 
 
 def _count(n: int, noun: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -42,7 +45,8 @@ def unlock(
     if held is None and not damaged and not (store_path(where) / "zarr.json").exists():
         raise NotAStoreError(f"{where} is not a gradlog store (no zarr.json there): nothing "
                              "to unlock. Name the store's directory (NAME.gradlog).")
-    removed = break_lease(where, force=force)
+    with _unlogged_break():
+        removed = break_lease(where, force=force)
     if held is None and not damaged:
         console.print(f"{escape(str(where))}: no writer holds the lease; nothing to do.",
                       highlight=False, soft_wrap=True)
@@ -50,3 +54,18 @@ def unlock(
     holder = removed.describe() if removed is not None else "a damaged lease file"
     console.print(f"{escape(str(where))}: broke the writer lease of {escape(holder)}.",
                   highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _unlogged_break() -> Iterator[None]:
+    """Without the library's log line that it broke a lease: the command says so itself (on
+    stdout), and the log's would repeat it on stderr."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("gradlog: broke the writer lease")
+
+    logger = logging.getLogger("gradlog")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

@@ -1000,3 +1000,42 @@ def test_factored_store_scores_equal_the_full_store(tmp_path: Path, dtype: str) 
                   full.similarity(a=some, kind=kind, **kw))
             close(fact.similarity(a=some, b={"step": 3}, kind=kind, **kw),
                   full.similarity(a=some, b={"step": 3}, kind=kind, **kw))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_user_gradients_are_refused_up_front(
+    run: gradlog.Run, tmp_path: Path, bad: float
+) -> None:
+    """A NaN or inf in a gradient the user gives made every score NaN: influence warned
+    about "recorded gradients" and returned an empty table, influence_matrix returned NaN
+    scores, run.project a NaN projection. Each now names the parameter and what it holds."""
+    shapes = {p["name"]: tuple(p["shape"]) for p in run.params.to_pylist()}
+    good = np.ones(shapes["2.weight"])
+    g = good.copy()
+    g[1, 2] = bad
+    what = "NaN" if np.isnan(bad) else "inf"
+    message = rf"gradient.* for '2\.weight' holds {what} \(1 of its \d+ entries\)"
+    for value in (g, torch.from_numpy(g), torch.from_numpy(g).float().requires_grad_()):
+        for kind in ("tracin", "cosine"):
+            with pytest.raises(gradlog.InputError, match=message):
+                run.influence({"2.weight": value}, kind=kind, params="2.weight")
+        with pytest.raises(gradlog.InputError, match=message):
+            run.influence_matrix({"2.weight": value[None]}, params="2.weight")
+    with pytest.raises(gradlog.InputError, match=message):  # beside a finite parameter
+        run.influence_matrix({"2.weight": np.stack([good, g]), "2.bias": np.ones((2, 3))})
+    # finite gradients are scored as before
+    assert run.influence({"2.weight": good}, params="2.weight", top=None).num_rows > 0
+    assert np.isfinite(run.influence_matrix({"2.weight": good[None]}).scores).all()
+
+    path = tmp_path / "proj.gradlog"
+    _record_sequence(path, {"form": "projection", "dim": 8}, "float32")  # type: ignore[arg-type]
+    proj = gradlog.open(path)
+    w = np.ones((10, 12), dtype=np.float32)
+    w[0, 0] = bad
+    with pytest.raises(gradlog.InputError, match=rf"'0\.weight' holds {what}"):
+        proj.project("0.weight", w)
+    with pytest.raises(gradlog.InputError, match=rf"'0\.weight' holds {what}"):
+        proj.project("0.weight", torch.from_numpy(w)[None])
+    with pytest.raises(gradlog.InputError, match=rf"'0\.weight' holds {what}"):
+        proj.influence({"0.weight": w}, params="0.weight", kind="tracin")
+    assert np.isfinite(proj.project("0.weight", np.ones((10, 12)))).all()

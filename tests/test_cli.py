@@ -526,3 +526,22 @@ def test_storage_access_errors_are_one_line_and_bugs_keep_their_traceback(
     monkeypatch.setattr(inspection, "open_run", bug)
     result = runner.invoke(app, ["info", "run.gradlog"])
     assert isinstance(result.exception, KeyError)
+
+
+def test_train_messages_name_its_options(tmp_path: Path) -> None:
+    """The demo's checks spoke of block_size=, which train does not take (--seq-len)."""
+    out = tmp_path / "r.gradlog"
+    result = runner.invoke(app, ["train", "--out", str(out), "--seq-len", "100000"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "--seq-len 100000 is too long" in text, text
+    assert "use a smaller --seq-len" in text and "block_size" not in text
+    result = runner.invoke(app, ["train", "--out", str(out), "--windows", "100000"])
+    text = " ".join(result.output.split())
+    assert "fewer --windows or --probes, or a shorter --seq-len" in text, text
+    for option, name in (("--batch-grad", "batch_grad"), ("--backend", "backend"),
+                         ("--dtype", "dtype")):
+        result = runner.invoke(app, ["train", "--out", str(out), option, "bogus"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 1 and f"{option} 'bogus'" in text, text
+        assert f"{name}=" not in text
+    assert not out.exists()

@@ -215,7 +215,7 @@ def test_influence_many_probes(store: Path, tmp_path: Path) -> None:
     assert "name the file .parquet" in _error("influence", str(store), "--probes", "all",
                                              "--out", str(tmp_path / "m.txt"))
     bare = _record(tmp_path / "bare.gradlog", lr=False)  # no optimizer: no optimizer state
-    assert "kind='optimizer' needs" in _error("influence", str(bare), "--probe", "5", "--kind",
+    assert "--kind 'optimizer' needs" in _error("influence", str(bare), "--probe", "5", "--kind",
                                              "optimizer", "--lr", "0.1")
 
 
@@ -402,3 +402,41 @@ def test_plot_without_matplotlib(
 def test_commands_on_a_path_that_is_not_a_store(command: list[str], tmp_path: Path) -> None:
     args: list[Any] = [command[0], str(tmp_path / "missing.gradlog"), *command[1:]]
     assert "does not exist" in _error(*args)
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "value"),
+    [("show", "--step", "-3:"), ("show", "--step", ":-1"), ("norms", "--datum", "1,-2"),
+     ("norms", "--step", "-1"), ("export", "--datum", "-4:"), ("influence", "--probes", "-1:")],
+)
+def test_negative_selections_are_refused_not_counted_from_the_end(
+    store: Path, tmp_path: Path, command: str, option: str, value: str
+) -> None:
+    """`--step=-3:` printed "gradients at step -3:" over every step; ids are >= 0."""
+    extra = {"export": ["--out", str(tmp_path / "e.npz")], "influence": []}.get(command, [])
+    text = _error(command, str(store), f"{option}={value}", *extra)
+    assert f"{option} '{value}'" in text and "not positions" in text, text
+    assert "does not count from the end" in text and "gradlog " in text  # where to look
+    assert "run." not in text  # the CLI's words, not the Python API's
+    assert not (tmp_path / "e.npz").exists()
+    probe = runner.invoke(app, ["influence", str(store), "--probe=-1"])
+    assert probe.exit_code == 2 and "--probe" in probe.output  # click's range check
+
+
+def test_cli_messages_name_the_options_not_the_python_keywords(store: Path) -> None:
+    for lr in ("0", "-1", "nan", "inf"):
+        text = _error("influence", str(store), "--probe", "5", f"--lr={lr}")
+        assert "--lr" in text and "omit --lr to use the recorded ones" in text, text
+        assert "None" not in text and "lr=" not in text
+    text = _error("influence", str(store), "--probe", "5", "--max-memory", "1kB")
+    assert "Pass --max-memory >=" in text and "max_memory" not in text, text
+    text = _error("show", str(store), "--max-memory", "lots")
+    assert "--max-memory 'lots' is not a size" in text and "max_memory" not in text, text
+    text = _error("influence", str(store), "--probe", "5", "--kind", "bogus")
+    assert "--kind 'bogus' is not one of" in text, text
+    # the Python API's own messages keep its keywords
+    run = gradlog.open(store)
+    with pytest.raises(gradlog.InputError, match=r"or None to use the recorded ones"):
+        run.influence(5, lr=0)
+    with pytest.raises(gradlog.InputError, match=r"max_memory='lots'"):
+        run.stats("0.bias", max_memory="lots")

@@ -143,7 +143,8 @@ def test_the_batch_weight_gradient_matmul_is_skipped(tmp_path: Path) -> None:
 def test_steps_gradlog_does_not_record_train_as_without_it(tmp_path: Path) -> None:
     model, loss_fn = _case("gpt")
     plain = copy.deepcopy(model)
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", batch_grad="sum"):
+    with pytest.warns(UserWarning, match="nothing was recorded"), gradlog.GradRecorder(
+            model, tmp_path / "r.gradlog", batch_grad="sum"):
         loss_fn(model).mean().backward()  # the user's own backward: gradlog records nothing
     loss_fn(plain).mean().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):

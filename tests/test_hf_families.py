@@ -222,7 +222,7 @@ def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop() 
         attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
         mamba_dt_rank=4, use_mamba_kernels=False, attention_dropout=0.0)
     model = _built(config, transformers.JambaForCausalLM, "eager")
-    ids, mask = _ids()
+    ids, _ = _ids()
     labels = ids[:, 1:]
 
     def forward(**options: Any) -> Callable[[], torch.Tensor]:

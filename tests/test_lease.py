@@ -16,6 +16,7 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import runpy
 import signal
 import textwrap
@@ -456,3 +457,109 @@ def test_lease_renewal_touches_the_file(tmp_store: Path, monkeypatch: pytest.Mon
         info = lease_module.read_lease(tmp_store)
         assert info is not None and time.time() - info.renewed < 60
     np.testing.assert_equal(gradlog.open(tmp_store).steps.num_rows, 1)
+
+
+# -- what readers are told of a lease left in the store ----------------------------------------
+def _plant_own_host_lease(path: Path, pid: int, start_ticks: int, *, age_s: float = 1) -> None:
+    """A lease of this host (same host name, boot id and pid namespace) held by ``pid``."""
+    _plant_lease(path, age_s=age_s, host=lease_module._identity()["host"])
+    lease_file = path / lease_module.LEASE_FILE
+    record = json.loads(lease_file.read_text())
+    me = lease_module._identity()
+    record["owner"].update(boot_id=me["boot_id"], pid_ns=me["pid_ns"], pid=pid,
+                           start_ticks=start_ticks)
+    lease_file.write_text(json.dumps(record))
+    os.utime(lease_file, (time.time() - age_s, time.time() - age_s))
+
+
+def _info_and_verify(path: Path) -> tuple[str, dict[str, Any], str, dict[str, Any]]:
+    runner = CliRunner()
+    info = runner.invoke(app, ["info", str(path)], terminal_width=200)
+    info_json = runner.invoke(app, ["info", str(path), "--json"])
+    checked = runner.invoke(app, ["verify", str(path)], terminal_width=200)
+    checked_json = runner.invoke(app, ["verify", str(path), "--json"])
+    for result in (info, info_json, checked, checked_json):
+        assert result.exit_code == 0, result.output  # a left lease is no damage
+    return (" ".join(info.output.replace("│", " ").split()), json.loads(info_json.output),
+            " ".join(checked.output.split()), json.loads(checked_json.output))
+
+
+def test_info_and_verify_say_when_the_writer_did_not_close_the_store(tmp_store: Path) -> None:
+    """A writer killed (SIGKILL) leaves its lease: info and verify said nothing of it. Each
+    lease state the lease module judges (lease.py) is said, live apart from stale."""
+    import subprocess
+
+    _record(tmp_store, range(2))
+    text, data, checked, checked_data = _info_and_verify(tmp_store)
+    assert data["writer"] is None and "writer" not in text and "writer:" not in checked
+    assert not any("writer" in n for n in checked_data["notes"])
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        ticks = lease_module._start_ticks(alive.pid) or 0
+        cases = [
+            (lambda: _plant_own_host_lease(tmp_store, gone.pid, 1), "dead", False,
+             f"its writer did not close the store: pid {gone.pid} on host .* is gone "
+             r"\(killed or crashed\), so the run was cut short"),
+            (lambda: _plant_own_host_lease(tmp_store, alive.pid, ticks), "alive", True,
+             f"a writer is recording into the store now: pid {alive.pid} on host .* runs"),
+            (lambda: _plant_lease(tmp_store, age_s=20), "live-elsewhere", True,
+             r"a writer on another host holds its lease, renewed 2\d s ago \(within its 300 "
+             r"s TTL\): pid 4242 on host 'another-host' .* is recording, or was cut short"),
+            (lambda: _plant_lease(tmp_store, age_s=lease_module.LEASE_TTL_S + 60), "expired",
+             False, r"its writer did not close the store: pid 4242 on host 'another-host' .*, "
+             r"on another host, has not renewed its lease for 36\d s .*gradlog unlock"),
+        ]
+        for plant, state, live, said in cases:
+            plant()
+            text, data, checked, checked_data = _info_and_verify(tmp_store)
+            assert re.search(rf"writer {said}", text), (state, text)
+            assert re.search(rf"note: writer: {said}", checked), (state, checked)
+            assert checked.endswith("intact"), checked  # a note, not a FAIL
+            assert checked_data["ok"] and re.search(said, checked_data["notes"][0])
+            assert data["writer"]["state"] == state and data["writer"]["live"] is live
+            assert re.search(said, data["writer"]["note"])
+            assert data["writer"]["owner"]["pid"] in (gone.pid, alive.pid, 4242)
+    finally:
+        alive.kill()
+        alive.wait()
+    (tmp_store / lease_module.LEASE_FILE).write_text("{not json")
+    text, data, checked, _ = _info_and_verify(tmp_store)
+    assert data["writer"]["state"] == "damaged" and "--force" in text and "--force" in checked
+
+
+def test_info_says_a_killed_writer_did_not_close_the_store(tmp_path: Path) -> None:
+    """A real writer, paused holding its lease (recording, live), then SIGKILLed (stale)."""
+    path = tmp_path / "run.gradlog"
+    worker = Worker(tmp_path, str(path), "new", pause_at=1)
+    try:
+        worker.wait_ready()
+        text, data, _, _ = _info_and_verify(path)
+        assert data["writer"]["state"] == "alive" and data["writer"]["live"], text
+        assert f"a writer is recording into the store now: pid {worker.proc.pid}" in text
+    finally:
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.join(60)
+    text, data, checked, _ = _info_and_verify(path)
+    assert data["writer"]["state"] == "dead" and not data["writer"]["live"]
+    assert f"its writer did not close the store: pid {worker.proc.pid}" in text, text
+    assert "killed or crashed" in checked and checked.endswith("intact"), checked
+
+
+def test_unlock_says_it_once(tmp_store: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`gradlog unlock` printed that it broke the lease, and the library logged it too (to
+    stderr): the command says it once; break_lease from Python still logs it."""
+    _record(tmp_store, range(1))
+    _plant_lease(tmp_store, age_s=lease_module.LEASE_TTL_S + 60)
+    with caplog.at_level("WARNING", logger="gradlog"):
+        result = CliRunner().invoke(app, ["unlock", str(tmp_store)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("broke the writer lease") == 1, result.output
+    assert not [r for r in caplog.records if "broke the writer lease" in r.getMessage()]
+    assert lease_module.read_lease(tmp_store) is None
+    _plant_lease(tmp_store, age_s=lease_module.LEASE_TTL_S + 60)
+    with caplog.at_level("WARNING", logger="gradlog"):
+        lease_module.break_lease(tmp_store)
+    assert [r for r in caplog.records if "broke the writer lease" in r.getMessage()]

@@ -416,8 +416,66 @@ def test_slices_past_int64_bound_nothing(sel_run: tuple[gradlog.Run, Expected]) 
     run, _ = sel_run
     every = run.datums.num_rows
     assert run.records(datum=slice(0, 2**70)).num_rows == every
-    assert run.records(step=slice(-(2**70), None)).num_rows == every
+    assert run.records(step=slice(0, None)).num_rows == every
     assert run.records(datum=slice(2**63, None)).num_rows == 0
+
+
+def _record_readers(run: gradlog.Run, kw: dict[str, Any], out: Path) -> list[Any]:
+    """Every reader that takes a step/datum selection, called with ``kw``."""
+    return [
+        lambda: run.records(**kw),
+        lambda: run.grads("0.bias", **kw),
+        lambda: run.norms(**kw),
+        lambda: run.stats("0.bias", **kw),
+        lambda: run.export(out, format="npz", params="0.bias", **kw),
+        lambda: run.similarity("0.bias", a=kw),
+        lambda: run.to_dask("0.bias", **kw),
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [slice(-3, None), slice(None, -1), slice(2, -1), -1, [2, -2], range(-3, 0),
+     np.array([-1]), torch.tensor(-2), slice(-(2**70), None)],
+    ids=repr,
+)
+def test_negative_ids_are_refused_not_counted_from_the_end(
+    sel_run: tuple[gradlog.Run, Expected], bad: Any, tmp_path: Path
+) -> None:
+    """Steps and datum ids are >= 0: a negative one is no position from the end (slice(-3,
+    None) selected every step, slice(None, -1) none), on every path that reads records."""
+    run, _ = sel_run
+    message = r"not positions: -\d+ does not count from the end"
+    for key in ("step", "datum"):
+        for call in _record_readers(run, {key: bad}, tmp_path / "x.npz"):
+            with pytest.raises(errors.InputError, match=message):
+                call()
+    with pytest.raises(errors.InputError, match=message):
+        run.movers("0.bias", steps=bad)
+    with pytest.raises(errors.InputError, match=r"run\.steps\['step'\]"):
+        run.records(step=slice(-3, None))  # how to select the last steps
+    if isinstance(bad, int):
+        with pytest.raises(errors.InputError, match=message):
+            run.trajectory("0.bias", bad)
+        with pytest.raises(errors.InputError, match=r"probe=-1: probe ids .* not positions"):
+            run.probe_grads("0.bias", probe=bad)
+    assert not (tmp_path / "x.npz").exists()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, "bogus", None, torch.float16, bool])
+def test_grads_refuse_dtypes_other_than_float32_and_float64(
+    sel_run: tuple[gradlog.Run, Expected], dtype: Any
+) -> None:
+    """An integer dtype truncated the gradients and the read then blamed the store
+    (StoreCorruptError); others gave numpy's TypeError."""
+    run, exp = sel_run
+    with pytest.raises(errors.InputError, match=r"grads\(dtype=.*float32 .* or float64"):
+        run.grads("0.weight", step=0, dtype=dtype)
+    for ok, want in ((np.float64, np.float64), ("float32", np.float32),
+                     (torch.float64, np.float64), (np.dtype("float32"), np.float32)):
+        got = run.grads("0.weight", step=0, dtype=ok)
+        assert got.dtype == want
+        np.testing.assert_allclose(got, exp.grad("0.weight")[:3], rtol=1e-6)
 
 
 def test_datum_slices_everywhere(sel_run: tuple[gradlog.Run, Expected]) -> None:

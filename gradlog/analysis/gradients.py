@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradlog.analysis.scan import memory_bytes
+from gradlog.analysis.selection import check_finite
 from gradlog.errors import (
     NonFiniteGradientWarning,
     ReadTooLargeError,
@@ -22,7 +23,7 @@ from gradlog.errors import (
     StoreCorruptError,
     StoreFormatError,
 )
-from gradlog.store.dtypes import norms_disagree
+from gradlog.store.dtypes import norms_disagree, read_dtype
 from gradlog.store.reader import Selector, StoreReader, one_int
 
 __all__ = [
@@ -78,7 +79,10 @@ def grads(
     elsewhere); ``projection`` returns the projected vectors ``(n_records, *ranks)``
     (with a :class:`UserWarning` saying so, once per parameter); ``norm`` keeps no
     gradient and raises :class:`~gradlog.errors.SelectionError` pointing to ``run.norms``.
+
+    ``dtype``: float32 (default) or float64; others raise :class:`~gradlog.errors.InputError`.
     """
+    dtype = read_dtype(dtype, "grads")
     run.spec(param)
     records = run.records(step, datum)
     rows = np.asarray(records.column("row"), dtype=np.int64)
@@ -244,6 +248,7 @@ def project(run: StoreReader, param: str, grad: Any) -> Any:
 
     Raises:
         SelectionError: ``param`` was not recorded with form ``projection``.
+        InputError: ``grad`` holds NaN or inf (its projection would too, silently).
     """
     import torch
 
@@ -258,6 +263,8 @@ def project(run: StoreReader, param: str, grad: Any) -> Any:
     g = grad if isinstance(grad, torch.Tensor) else torch.as_tensor(np.asarray(grad))
     if not g.is_floating_point():
         g = g.to(torch.float32)
+    if not bool(torch.isfinite(g).all()):  # (the message counts them, on this rare path)
+        check_finite(g.detach().cpu().double().numpy(), param, "gradient to project")
     out = project_with(g, spec["form_spec"])  # float64 stays float64
     return out if isinstance(grad, torch.Tensor) else out.numpy()
 
@@ -274,7 +281,8 @@ def probe_grads(
 ) -> Any:
     """Recorded probe gradients of ``param``: ``(n, *shape)``, rows following
     ``run.probe_records`` with the same selection (every probe at every step: refused above
-    ``max_memory``, as :func:`grads`)."""
+    ``max_memory``, as :func:`grads`; ``dtype`` float32 or float64, as :func:`grads`)."""
+    dtype = read_dtype(dtype, "probe_grads")
     run.spec(param)
     rows = np.asarray(run.probe_records(probe, step).column("row"), dtype=np.int64)
     if probe is None and step is None:

@@ -45,6 +45,7 @@ from gradlog.analysis.optimizer import (
 )
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
 from gradlog.analysis.selection import (
+    check_finite,
     params_of,
     per_datum,
     ranked,
@@ -79,7 +80,7 @@ def _vector(value: Any, shape: Sequence[int], name: str) -> np.ndarray:
             f"the probe gradient for {name!r} has shape {tuple(arr.shape)}; the parameter's "
             f"shape is {tuple(shape)}."
         )
-    return arr.reshape(numel)
+    return check_finite(arr.reshape(numel), name, "probe gradient")
 
 
 def record_influence(

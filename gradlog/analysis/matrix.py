@@ -33,7 +33,7 @@ from gradlog.analysis.optimizer import (
     probe_sqnorms,
 )
 from gradlog.analysis.scan import ArrayReader, ScanArgs, ScanOptions, blocks, least_budget
-from gradlog.analysis.selection import params_of, summed_sqnorms
+from gradlog.analysis.selection import check_finite, params_of, summed_sqnorms
 from gradlog.analysis.space import FormOps, ops_of, reader
 from gradlog.errors import InputError
 from gradlog.store.reader import StoreReader
@@ -296,7 +296,7 @@ def _fixed_probes(
         if arr.ndim != len(shape) + 1 or tuple(arr.shape[1:]) != shape:
             raise InputError(f"the probe gradients of {n!r} have shape {tuple(arr.shape)}; "
                              f"expected (P, {', '.join(map(str, shape))}): one per probe.")
-        fixed[n] = arr.reshape(arr.shape[0], -1)
+        fixed[n] = check_finite(arr.reshape(arr.shape[0], -1), n, "probe gradient array")
         counts.add(arr.shape[0])
     if len(counts) != 1:
         raise InputError(f"the probe gradients give different numbers of probes per parameter "

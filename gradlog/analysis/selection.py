@@ -14,6 +14,7 @@ from gradlog.errors import InputError, MissingLearningRateError, SelectionError
 from gradlog.store.reader import StoreReader
 
 __all__ = [
+    "check_finite",
     "check_lr",
     "params_of",
     "per_datum",
@@ -89,6 +90,26 @@ def records_of(run: StoreReader, selection: Any, what: str) -> Any:
         f"{{'step': range(10), 'datum': [1, 2]}}, or a table from run.records(); got "
         f"{type(selection).__name__}."
     )
+
+
+def check_finite(values: np.ndarray, param: str, what: str) -> np.ndarray:
+    """``values`` (a gradient the user gave for ``param``), refused unless every entry is
+    finite: one NaN or inf makes every score it enters NaN, which rankings would then drop
+    or blame on the recorded gradients.
+
+    Raises:
+        InputError: an entry is NaN or infinite.
+    """
+    bad = ~np.isfinite(values)
+    if bad.any():
+        kinds = " and ".join(k for k, b in (("NaN", np.isnan(values).any()),
+                                            ("inf", np.isinf(values).any())) if b)
+        raise InputError(
+            f"the {what} for {param!r} holds {kinds} ({int(bad.sum())} of its {values.size} "
+            "entries): every score it entered would be NaN. Pass a finite gradient (a "
+            "non-finite one comes from its loss: check that loss and its inputs)."
+        )
+    return values
 
 
 def check_lr(lr: Any) -> float:

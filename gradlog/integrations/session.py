@@ -133,7 +133,7 @@ class RecordingSession:
         """After a training step: refuse a trainer whose loss never came through
         :meth:`loss` (nothing would be recorded). ``how`` says what the user must do."""
         if self.recorder is not None and self._losses == 0:
-            self.close()
+            self.close(failed=True)  # (refused: not also warned that nothing was recorded)
             raise InputError(f"gradlog recorded nothing during a training step: {how}")
 
     def close(self, *, failed: bool = False) -> None:

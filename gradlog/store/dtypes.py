@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from gradlog.errors import ConfigError
+from gradlog.errors import ConfigError, InputError
 
 __all__ = [
     "COMPRESSIONS",
+    "READ_DTYPES",
     "STORAGE_DTYPE_NAMES",
     "StorageDtype",
     "as_stored",
@@ -40,6 +41,7 @@ __all__ = [
     "default_compression",
     "from_storage",
     "norms_disagree",
+    "read_dtype",
     "storage_dtype",
     "to_storage_numpy",
 ]
@@ -184,3 +186,34 @@ def from_storage(stored: np.ndarray, dtype: StorageDtype, out_dtype: Any = np.fl
         widened = np.asarray(stored, dtype=np.uint16).astype(np.uint32) << np.uint32(16)
         return np.asarray(widened.view(np.float32), dtype=out_dtype)
     return np.asarray(stored, dtype=out_dtype)
+
+
+READ_DTYPES = ("float32", "float64")
+"""The dtypes reads return values in (``dtype=`` of ``run.grads``, ``run.probe_grads``)."""
+
+
+def read_dtype(dtype: Any, method: str) -> Any:
+    """``dtype=`` of read ``method`` as the numpy dtype it names, float32 or float64 (numpy's,
+    its name, or torch's: the same values), checked before anything is read.
+
+    Raises:
+        InputError: another dtype: an integer or narrower one would truncate the gradients
+            (and then fail the read's norms check as if the store were damaged).
+    """
+    name = None
+    if dtype is not None and not isinstance(dtype, bool):  # np.dtype(None) is float64
+        if type(dtype).__module__ == "torch":  # torch.float64, without importing torch
+            name = str(dtype).removeprefix("torch.")
+        else:
+            try:
+                name = np.dtype(dtype).name
+            except (TypeError, ValueError):
+                name = None
+    if name in READ_DTYPES:
+        return np.dtype(name)
+    shown = repr(dtype) if name is None else name  # np.int32 by name, not its class repr
+    raise InputError(
+        f"{method}(dtype={shown}): reads return float32 (the default) or float64; pass "
+        "np.float32 or np.float64 (or 'float32', 'float64', torch.float32, torch.float64). "
+        "For another dtype, cast the result (.astype(...), or .to(...) with as_torch=True)."
+    )

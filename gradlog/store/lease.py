@@ -54,9 +54,11 @@ __all__ = [
     "LEASE_TTL_S",
     "Lease",
     "LeaseInfo",
+    "WriterNote",
     "acquire",
     "break_lease",
     "read_lease",
+    "writer_note",
 ]
 
 log = logging.getLogger("gradlog")
@@ -200,16 +202,20 @@ class LeaseInfo:
         now = time.time() if now is None else now
         return "expired" if now - self.renewed > self.ttl_s else "live-elsewhere"
 
-    def describe(self) -> str:
-        """The holder, for messages: ``pid 12 on host 'a' (user u: `python train.py`)``."""
+    def holder(self) -> str:
+        """The holder, for messages: ``pid 12 on host 'a' (user u, `python train.py`)``."""
         o = self.owner
         who = f"pid {o.get('pid')} on host {o.get('host')!r}"
         extra = ", ".join(x for x in (
             f"user {o['user']}" if o.get("user") else "",
             f"`{o['command']}`" if o.get("command") else "",
         ) if x)
+        return f"{who}{f' ({extra})' if extra else ''}"
+
+    def describe(self) -> str:
+        """The holder and the lease's age, for messages."""
         age = max(0.0, time.time() - self.renewed)
-        return f"{who}{f' ({extra})' if extra else ''}, lease renewed {age:.0f} s ago"
+        return f"{self.holder()}, lease renewed {age:.0f} s ago"
 
 
 def _lease_path(root: StorePath) -> StorePath:
@@ -239,6 +245,66 @@ def read_lease(root: str | os.PathLike[str] | StorePath) -> LeaseInfo | None:
         f"{path} is not a valid writer lease (a damaged or foreign file). If no writer "
         f"records into {root}, remove it: gradlog unlock {root} --force."
     )
+
+
+# -- what a reader is told ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class WriterNote:
+    """What a reader should know of a store whose writer lease is there (``gradlog info``,
+    ``gradlog verify``): a writer is recording into it, or did not close it.
+
+    Attributes:
+        state: :meth:`LeaseInfo.state`'s, or ``"damaged"`` (a lease file that is no lease).
+        text: One sentence saying it, with what to do.
+        lease: The lease, None when damaged.
+    """
+
+    state: str
+    text: str
+    lease: LeaseInfo | None
+
+    @property
+    def live(self) -> bool:
+        """Whether a writer may be recording into the store now (its process runs, or
+        another host renewed the lease within its TTL)."""
+        return self.state in ("mine", "alive", "live-elsewhere")
+
+
+def writer_note(root: str | os.PathLike[str] | StorePath) -> WriterNote | None:
+    """The store's writer lease as a reader should hear of it; None when no writer holds it
+    (every writer closed the store). A writer killed (SIGKILL, a lost node) leaves its lease:
+    on this host its process is gone; on another host only the lease's age tells, so one
+    renewed within its TTL reads as live."""
+    try:
+        info = read_lease(root)
+    except StoreLockedError:
+        return WriterNote("damaged", f"its writer lease ({LEASE_FILE}) is damaged: a writer "
+                          "may not have closed the store. If none records into it, remove "
+                          f"it with `gradlog unlock {root} --force`.", None)
+    if info is None:
+        return None
+    state = info.state()
+    who, age, ttl = info.holder(), max(0.0, time.time() - info.renewed), info.ttl_s
+    text = {
+        "mine": f"a writer of this process is recording into the store ({who}, lease "
+                f"renewed {age:.0f} s ago): reads see its committed steps so far.",
+        "alive": f"a writer is recording into the store now: {who} runs (lease renewed "
+                 f"{age:.0f} s ago); reads see its committed steps so far.",
+        "stale-mine": f"its writer did not close the store: a recorder of this process "
+                      f"({who}) was dropped unclosed, so the run stops at its last committed "
+                      "step; the next writer takes the lease over.",
+        "dead": f"its writer did not close the store: {who} is gone (killed or crashed), so "
+                "the run was cut short at its last committed step. GradRecorder(..., "
+                "resume=True) continues it (taking the lease over).",
+        "live-elsewhere": f"a writer on another host holds its lease, renewed {age:.0f} s ago "
+                          f"(within its {ttl:.0f} s TTL): {who} is recording, or was cut "
+                          f"short less than {ttl:.0f} s ago.",
+        "expired": f"its writer did not close the store: {who}, on another host, has not "
+                   f"renewed its lease for {age:.0f} s (TTL {ttl:.0f} s): cut short, or still "
+                   f"running there but stalled. If it is gone, `gradlog unlock {root}` breaks "
+                   "the lease (break_lease=True in Python).",
+    }[state]
+    return WriterNote(state, text, info)
 
 
 # -- acquiring ---------------------------------------------------------------------------------

@@ -9,13 +9,32 @@ from typing import Any
 
 import numpy as np
 
-from gradlog.errors import SelectionError
+from gradlog.errors import InputError, SelectionError
 
 __all__ = ["Selector", "as_ids", "in_slice", "one_int"]
 
 Selector = int | Sequence[int] | range | slice | None
 
 _EXPECTED = "expected an int, a list of ints, a range or a slice (ids A..B-1 for slice(A, B))"
+
+# what each kind of id is, and how to pick the last ones by value
+_IDS = {
+    "step": ("steps are the run's step numbers",
+             "the last 3 steps: step=run.steps['step'].to_pylist()[-3:]"),
+    "datum": ("datum ids are the ids the datums were recorded with",
+              "run.datums['datum_id'] lists them"),
+    "probe": ("probe ids are the ids the probes were recorded with", "run.probe_ids lists them"),
+}
+
+
+def _negative(name: str, sel: Any, value: int) -> InputError:
+    """Refusal of a negative id or bound: ids are >= 0, so Python's count-from-the-end
+    would silently select something else (``slice(-3, None)``: every step)."""
+    what, pick = _IDS.get(name, (f"{name} ids are the run's own numbers", "the run lists them"))
+    return InputError(
+        f"{name}={sel!r}: {what} (>= 0), not positions: {value} does not count from the "
+        f"end. Select by value ({pick})."
+    )
 
 
 def one_int(sel: Any) -> int | None:
@@ -37,11 +56,13 @@ def as_ids(sel: Selector, name: str) -> np.ndarray | None:
 
     Raises:
         SelectionError: ``sel`` is not integers (floats, bools, strings are never ids).
+        InputError: an id is negative (ids are >= 0; -1 is no "last").
     """
     if sel is None:
         return None
     if isinstance(sel, slice):
         raise TypeError("internal: slices are resolved before as_ids")
+    given = sel  # as the caller wrote it, for messages
     one = one_int(sel)
     if one is not None:
         sel = [one]
@@ -79,6 +100,8 @@ def as_ids(sel: Selector, name: str) -> np.ndarray | None:
     if values.dtype.kind == "u" and values.size and int(values.max()) > _INT64.max:
         raise SelectionError(f"{name}={sel!r}: {name} ids are int64: {int(values.max())} is "
                              "above 2**63 - 1.")
+    if values.size and int(values.min()) < 0:
+        raise _negative(name, given, int(values.min()))
     return values.astype(np.int64)
 
 
@@ -91,7 +114,12 @@ def _outside(values: Any) -> int | None:
 
 
 def in_slice(column: Any, sel: slice, name: str) -> Any:
-    """Mask of ``column``'s values in ``[sel.start, sel.stop)`` (an open end: no bound)."""
+    """Mask of ``column``'s values in ``[sel.start, sel.stop)`` (an open end: no bound).
+
+    Raises:
+        SelectionError: a stride, or bounds that are not ints.
+        InputError: a negative bound (ids are >= 0; ``slice(-3, None)`` is no "last 3").
+    """
     import pyarrow.compute as pc
 
     if sel.step not in (None, 1):
@@ -101,6 +129,9 @@ def in_slice(column: Any, sel: slice, name: str) -> Any:
     start, stop = (None if b is None else one_int(b) for b in (sel.start, sel.stop))
     if (sel.start is not None and start is None) or (sel.stop is not None and stop is None):
         raise SelectionError(f"{name}={sel!r}: slice bounds must be ints or None.")
+    for bound in (start, stop):
+        if bound is not None and bound < 0:
+            raise _negative(name, sel, bound)
     # bounds beyond int64 bound nothing (stop) or everything (start): ids are int64
     start = None if start is None else min(max(start, _INT64.min), _INT64.max + 1)
     if start is not None and start > _INT64.max:

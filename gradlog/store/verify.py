@@ -31,7 +31,8 @@ first):
 
 Uncommitted leftovers of a crash (index and probe parts of steps that never committed,
 temporaries) are reported as notes, not problems: readers ignore them and ``resume=True``
-discards them.
+discards them. So is a writer lease left in the store (its writer is recording, or did not
+close the store: killed, crashed), first among the notes.
 
 Nothing is written and nothing from the store is executed. Imports no torch.
 """
@@ -54,6 +55,7 @@ from gradlog.store import fs as sfs
 from gradlog.store.arrays import GradArray
 from gradlog.store.dtypes import StorageDtype, norms_disagree
 from gradlog.store.fs import StorePath
+from gradlog.store.lease import writer_note
 from gradlog.store.optimizer import verify_optimizer_state
 from gradlog.store.probes import (
     PROBE_INDEX_DIR,
@@ -142,6 +144,9 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
     problems, notes, check.summary = verify_optimizer_state(root, set(steps), attrs["params"])
     check.problems += problems
     report.notes += notes
+    writer = writer_note(root)  # a fact about the run, not damage: a note, never a FAIL
+    if writer is not None:
+        report.notes.insert(0, f"writer: {writer.text}")
     for c in report.checks:
         if len(c.problems) > max_problems:
             extra = len(c.problems) - max_problems
