@@ -6,7 +6,7 @@ first):
 - **root**: the root ``zarr.json`` parses, names a gradlog store of a known version, its
   ``config_hash`` is the hash of its ``config``, and every parameter's array path is the one
   FORMAT.md section 3 gives;
-- **commit log**: every steps part (the commit markers, ``steps/``) is readable, named after
+- **commit log**: every steps part (``steps/``, the commit markers) is readable, named after
   its one step, and holds one row;
 - **index**: every committed step has its index parts (micro-batches ``0 .. n_micro-1``), its
   rows are where the steps part says, rows are unique, numbers finite, weights positive;
@@ -16,24 +16,20 @@ first):
   in version 2, the shard index's), so damage anywhere is found, and each ``full`` record's
   norm is compared with the index's exact one, so a shard holding other rows is found too;
 - **schemas**: root attributes and every committed index and steps row against the JSON
-  Schemas (with ``jsonschema`` when it is installed; otherwise the structural checks above,
-  which gradlog knows itself, stand in);
+  Schemas (with ``jsonschema`` when installed; otherwise the structural checks above);
 - **probes** (FORMAT.md section 11; "no probes" for a store without them): the probes group
   lists distinct probe ids, every probe part of a committed step is readable, named after its
   step and holds one row per probe in ``probe_ids`` order with finite losses and norms, the
   committed probe rows are ``0 .. n-1`` (a gap is a lost part; a committed step may have no
   probe part), and every probe array covers them with every chunk holding one read and its
   crc32c verified;
-- **optimizer** (FORMAT.md section 14; "no optimizer state" for a store without it): every
-  optimizer state file of a committed step reads whole (zip crc32), its metadata is valid
-  and names recorded parameters, and each ``adam`` preconditioner has the parameter's length
-  and finite entries >= 0.
+- **optimizer** (FORMAT.md section 14): every optimizer state file of a committed step reads
+  whole (zip crc32), its metadata names recorded parameters, and each ``adam``
+  preconditioner has the parameter's length and finite entries >= 0.
 
 Uncommitted leftovers of a crash (index and probe parts of steps that never committed,
 temporaries) are reported as notes, not problems: readers ignore them and ``resume=True``
-discards them. So is a writer lease left in the store (its writer is recording, or did not
-close the store: killed, crashed), first among the notes.
-
+discards them; so is a writer lease left in the store (first: recording, or killed).
 Nothing is written and nothing from the store is executed. Imports no torch.
 """
 
@@ -144,8 +140,7 @@ def verify(path: str | os.PathLike[str] | StorePath, *, max_problems: int = 50) 
     problems, notes, check.summary = verify_optimizer_state(root, set(steps), attrs["params"])
     check.problems += problems
     report.notes += notes
-    writer = writer_note(root)  # a fact about the run, not damage: a note, never a FAIL
-    if writer is not None:
+    if (writer := writer_note(root)) is not None:  # a fact, not damage: never a FAIL
         report.notes.insert(0, f"writer: {writer.text}")
     for c in report.checks:
         if len(c.problems) > max_problems:
