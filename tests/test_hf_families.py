@@ -83,6 +83,12 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
         "qwen2": (lambda: t.Qwen2Config(**common), t.Qwen2ForCausalLM),
         "mistral": (lambda: t.MistralConfig(**common), t.MistralForCausalLM),
         "gemma": (lambda: t.GemmaConfig(**common, head_dim=8), t.GemmaForCausalLM),
+        # flattens its hidden states to (B*T, d) for the feed-forward layers
+        "opt": (lambda: t.OPTConfig(vocab_size=V, hidden_size=16, ffn_dim=32,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    max_position_embeddings=32, word_embed_proj_dim=16,
+                                    dropout=DROP, attention_dropout=DROP),
+                t.OPTForCausalLM),
     }[kind]
     model = _built(config(), cls, attn)
     return model, _causal(model)
@@ -142,7 +148,7 @@ def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Call
 
 
 def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma"):
+    if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt"):
         return _decoder(kind, attn)
     if kind in ("bert", "distilbert", "t5"):
         return _encoder(kind, attn)
@@ -156,12 +162,12 @@ _T5_SDPA = pytest.mark.xfail(
     "shared output",
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
-            ("t5", "eager")]
+            ("t5", "eager"), ("opt", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
-    for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "bert", "distilbert", "t5",
-                 "vit", "convnext")
+    for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "bert", "distilbert",
+                 "t5", "vit", "convnext")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]

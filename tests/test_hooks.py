@@ -431,13 +431,20 @@ def test_a_parameter_only_used_outside_the_models_forward_is_refused() -> None:
                 loop_grads(model, lambda: model(x).pow(2).sum(1)))
 
 
-def test_a_flattened_batch_is_refused_before_the_backward() -> None:
+def test_a_flattened_batch_is_recorded_and_a_time_major_one_refused() -> None:
+    """A Linear on ``x.reshape(B*T, d)`` (each datum's rows together, a view proves it) is
+    recorded as the loop oracle's; it was refused. Rows flattened time-major are refused
+    before the backward, p.grad untouched."""
     layer = nn.Linear(3, 2).to(D64)
     x = torch.randn(4, 5, 3, dtype=D64)
+    flat = lambda: layer(x.reshape(20, 3)).reshape(4, 5, 2).pow(2).sum((1, 2))  # noqa: E731
+    assert_same(hooks_grads(layer, flat), loop_grads(layer, flat))
+    layer.zero_grad(set_to_none=True)
     be = backend(layer)
     try:
-        losses = layer(x.reshape(20, 3)).reshape(4, 5, 2).pow(2).sum((1, 2))  # (B,)
-        with pytest.raises(BackendError, match=r"\(20, 2\).*B=4.*do not flatten"):
+        time_major = layer(x.transpose(0, 1).reshape(20, 3)).reshape(5, 4, 2).transpose(0, 1)
+        losses = time_major.pow(2).sum((1, 2))  # (B,)
+        with pytest.raises(BackendError, match=r"\(20, 2\).*B=4.*each datum's rows together"):
             be.backward(losses, losses.mean())
     finally:
         be.detach()

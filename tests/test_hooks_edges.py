@@ -940,3 +940,50 @@ def test_a_shared_table_of_b_rows_is_named_when_the_checks_refuse_it() -> None:
                                            r"equals the batch size"):
         per_datum(layer, lambda: squares(layer(x, table)), "hooks")
     assert_hooks_match_loop(layer, lambda: squares(layer(x, table[:2])))
+
+
+class _FlatFFN(nn.Module):
+    """A feed-forward block run on the batch's tokens flattened to (B*T, d), as OPT's
+    decoder layers do; ``order`` flattens them datum-major (``"datums"``), time-major
+    (``"time"``), or mixes the rows before the layers (``"mixed"``)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.norm, self.up, self.down = nn.LayerNorm(4), nn.Linear(4, 6), nn.Linear(6, 4)
+        self.order = order
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        B, T, d = h.shape
+        if self.order == "time":
+            rows = h.transpose(0, 1).reshape(-1, d)  # (T*B, d): time-major
+        else:
+            rows = h.reshape(-1, d)  # (B*T, d): each datum's rows together
+        if self.order == "mixed":
+            rows = rows.flip(0)  # another datum's row at each place
+        out = rows + self.down(F.gelu(self.up(self.norm(rows))))
+        if self.order == "time":
+            return out.view(T, B, d).transpose(0, 1)
+        return (out.flip(0) if self.order == "mixed" else out).view(B, T, d)
+
+
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+def test_layers_on_the_batchs_tokens_flattened_record_like_the_loop(batch_grad: str) -> None:
+    """Linear and LayerNorm on (B*T, d) rows that a reshape of (B, T, d) made, through
+    row-wise ops only (OPT's feed-forward layers): each datum's rows are proved from the
+    graph and laid out as a chunk's. They were refused ("do not flatten to (B*T, d)")."""
+    block = _FlatFFN("datums").double()
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(block, lambda: squares(block(h)), batch_grad=batch_grad)
+
+
+@pytest.mark.parametrize(("order", "T"), [("time", 5), ("time", B), ("mixed", 5), ("datums", B)])
+def test_flattened_rows_that_are_not_each_datums_are_refused(order: str, T: int) -> None:
+    """Time-major rows (a (T, B, d) tensor flattened), rows mixed across datums before the
+    layers, and a (B, B, d) flattening, whose rows could be either, are refused as before;
+    never laid out as datums."""
+    block = _FlatFFN(order).double()
+    h = torch.randn(B, T, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="no batch dimension"):
+        per_datum(block, lambda: squares(block(h)), "hooks")

@@ -10,6 +10,7 @@ head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,12 +21,15 @@ from gradlog._torch_private import (
     autograd_node_leading_copies,
     autograd_node_output_shape,
     autograd_node_shapes_known,
+    autograd_node_view_input_sizes,
     storage_key,
+    view_base,
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Call, Entry
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
+    TAG,
     VIEW_NODES,
     Chain,
     GraphSurvey,
@@ -33,11 +37,13 @@ from gradlog.backends.hooks.graph import (
     through_views,
 )
 from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.memory.chunk import ChunkInfo
 
 __all__ = [
     "batch_first",
     "chunk_as_datums",
     "consumer_inputs",
+    "flattened_rows",
     "locate_batch",
     "shared_outputs",
 ]
@@ -170,6 +176,13 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 call.via_consumers = True
                 yield call, chained
                 continue
+        if not shared and call.lead != B and call.hooked == 1 and (
+                entry.rule.feature_dims is not None):
+            lead = flattened_rows(call, B)
+            if lead is not None:  # (B*T, d) rows of (B, T, d) datums: laid out as a chunk's
+                call.chunk = ChunkInfo(lead, 0, math.prod(lead), differentiated=True)
+                call.bd, call.lead = 0, B
+                continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
             beyond = (consumers_through_views(root, found)
@@ -185,10 +198,98 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "bias; with attention implementations that take the bias into a fused "
                 "kernel, such as SDPA, use the eager one). Give the layer a batched input (e.g. "
                 "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
-                "accepts (B, T, d); do not flatten to (B*T, d)), give one loss per row the "
+                "accepts (B, T, d); flattened to (B*T, d), each datum's rows together, through "
+                "row-wise ops only), give one loss per row the "
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
                 "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
             )
+
+
+ROW_WISE = frozenset({
+    "NativeLayerNormBackward0", "NativeDropoutBackward0", "ToCopyBackward0", "CloneBackward0",
+    "GeluBackward0", "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0",
+    "ThresholdBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
+    "NegBackward0", "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0",
+})
+"""Autograd nodes of ops whose output row ``r`` is computed from their inputs' row ``r``
+(and tensors broadcast over the rows) alone, as :func:`flattened_rows` walks them; a Linear
+(``addmm``/``mm``) is one through its input, not its weight."""
+
+_FLATTENING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot (not weight's)
+_MAX_NODES = 64
+
+
+def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
+    """``(B, T, ...)`` when the rows of the call's ``(N, ..., d)`` input are the tokens of B
+    datums flattened in order, each datum's rows together (OPT flattens its hidden states
+    to ``(B*T, d)`` before its feed-forward layers), else None. Proved, not guessed by size:
+    the input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from
+    it in the autograd graph crosses only row-wise ops (:data:`ROW_WISE`, a Linear through
+    its input) to parameters, to such a reshape, or to the output of a call proved so
+    before it. A ``(B, B, d)`` tensor flattened, whose rows could be time-major, proves
+    nothing. A row-wise layer's per-datum gradients are then those of a chunk of whole
+    datums (:func:`chunk_as_datums`); the datum check verifies them at the first step, as
+    for every layout."""
+    x = call.args[0] if call.args else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= B or x.shape[0] % B:
+        return None
+    n, features = int(x.shape[0]), x.dim() - 1
+    if x.grad_fn is None:  # (data without a graph: only a view can prove its rows)
+        base = view_base(x)
+        if (base is None or not (base.is_contiguous() and x.is_contiguous())
+                or x.data_ptr() != base.data_ptr() or x.numel() != base.numel()):
+            return None  # (x is then base's elements in order, reshaped)
+        return _flattened(tuple(base.shape), B, n, features)
+    leads: set[tuple[int, ...]] = set()
+    stack, seen = [(x.grad_fn, x.output_nr)], {id(x.grad_fn)}
+    held = [x.grad_fn]  # (node wrappers alive while their ids are keys)
+    while stack:
+        node, nr = stack.pop()
+        kind = type(node).__name__
+        proved = [c.chunk.lead_shape for o, c in _tagged(node) if o == nr and c.chunk is not None
+                  and (c.chunk.start, c.chunk.stop) == (0, n) == (0, math.prod(c.chunk.lead_shape))]
+        if proved:
+            leads.add(tuple(proved[0]))
+            continue
+        if kind in _FLATTENING:
+            sizes = autograd_node_view_input_sizes(node)
+            lead = None if sizes is None else _flattened(sizes, B, n, features)
+            if lead is None:
+                return None  # a reshape of something else: no proof
+            leads.add(lead)
+            continue
+        if kind == "AccumulateGrad":
+            continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
+        if kind in _MATMUL_INPUT:
+            children = [node.next_functions[_MATMUL_INPUT[kind]]]
+        elif kind in ROW_WISE:
+            children = list(node.next_functions)
+        else:
+            return None
+        for child, child_nr in children:
+            if child is not None and id(child) not in seen:
+                if len(seen) >= _MAX_NODES:
+                    return None
+                seen.add(id(child))
+                held.append(child)
+                stack.append((child, child_nr))
+    return leads.pop() if len(leads) == 1 else None
+
+
+def _flattened(sizes: tuple[int, ...], B: int, n: int, features: int) -> tuple[int, ...] | None:
+    """The leading shape ``(B, T, ...)`` of a ``(B, T, ..., *features)`` tensor reshaped into
+    ``n`` rows, or None (another shape, or one where rows could be time-major)."""
+    lead = sizes[: len(sizes) - features]
+    if len(lead) < 2 or lead[0] != B or math.prod(lead) != n or B in lead[1:]:
+        return None
+    return lead
+
+
+def _tagged(node: Any) -> list[tuple[int, Call]]:
+    """The captured calls whose output ``node`` made, by output slot (:data:`graph.TAG`)."""
+    meta = getattr(node, "metadata", None)
+    return list(meta.get(TAG, ())) if meta else []
 
 
 _OP_ON_PARAMETERS = (
