@@ -178,20 +178,23 @@ class Factors:
     @property
     def g(self) -> torch.Tensor:
         """``(B, N, p)`` in the gradients' dtype."""
-        if self._g.dtype is not self.narrow:
-            return self._g
-        if self._wide_g is None:
-            object.__setattr__(self, "_wide_g", self._g.float())
-        return self._wide_g  # type: ignore[return-value]
+        return self._widened("_g", "_wide_g")
 
     @property
     def a(self) -> torch.Tensor:
         """``(B, N, q)`` in the gradients' dtype."""
-        if self._a.dtype is not self.narrow:
-            return self._a
-        if self._wide_a is None:
-            object.__setattr__(self, "_wide_a", self._a.float())
-        return self._wide_a  # type: ignore[return-value]
+        return self._widened("_a", "_wide_a")
+
+    def _widened(self, held: str, wide: str) -> torch.Tensor:
+        """A factor held in ``narrow``, widened to float32 once (kept); others as held."""
+        t: torch.Tensor = getattr(self, held)
+        if t.dtype is not self.narrow:
+            return t
+        widened: torch.Tensor | None = getattr(self, wide)
+        if widened is None:
+            widened = t.float()
+            object.__setattr__(self, wide, widened)
+        return widened
 
     @property
     def dtype(self) -> torch.dtype:
