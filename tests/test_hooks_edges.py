@@ -956,10 +956,8 @@ class _FlatFFN(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
         B, T, d = h.shape
-        if self.order == "time":
-            rows = h.transpose(0, 1).reshape(-1, d)  # (T*B, d): time-major
-        else:
-            rows = h.reshape(-1, d)  # (B*T, d): each datum's rows together
+        # (T*B, d) time-major, or (B*T, d): each datum's rows together
+        rows = (h.transpose(0, 1) if self.order == "time" else h).reshape(-1, d)
         if self.order == "mixed":
             rows = rows.flip(0)  # another datum's row at each place
         out = rows + self.down(F.gelu(self.up(self.norm(rows))))
@@ -987,3 +985,45 @@ def test_flattened_rows_that_are_not_each_datums_are_refused(order: str, T: int)
     h = torch.randn(B, T, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     with pytest.raises(BackendError, match="no batch dimension"):
         per_datum(block, lambda: squares(block(h)), "hooks")
+
+
+class _FoldedTimeMajor(nn.Module):
+    """Rows that only look datum-major: a time-major (T, B, d) tensor folded to
+    (T, 2B, d/2) and flattened; with T == B its first dimension has the batch's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.fc, self.out = nn.Linear(5, 6), nn.Linear(3, 3), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 5), T == B
+        n, t = x.shape[:2]
+        h = self.inp(x).transpose(0, 1).reshape(t, 2 * n, 3)  # (T, 2B, 3)
+        y = self.fc(h.reshape(-1, 3)).reshape(t, n, 6).transpose(0, 1)  # (B, T, 6)
+        return self.out(torch.tanh(y))
+
+
+def test_flattened_rows_that_only_look_datum_major_are_never_recorded_unverified(
+        tmp_path: Path) -> None:
+    """Sizes let such rows pass for each datum's (a review found it): the datum check at
+    the layout's first step refuses them, and where no trusted datum check can run (a
+    backward hook of the user's here; DDP) a flattened layout is refused outright. Before
+    that, with the check off, the records came out wrong and summed to p.grad."""
+    model = _FoldedTimeMajor().double()
+    x = torch.randn(B, B, 5, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="differ from the datums' own gradients"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+    handle = model.out.register_full_backward_hook(lambda *args: None)
+    try:
+        with pytest.raises(UnsupportedLayerError, match=r"tokens flattened to rows.*cannot "
+                                                        r"run here"), gradlog.GradRecorder(
+                model, tmp_path / "r.gradlog", check_every=0) as rec:
+            rec.backward(squares(model(x)))
+        block = _FlatFFN("datums").double()  # the same refusal for rows that are datums'
+        block.register_full_backward_hook(lambda *args: None)
+        h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+        with pytest.raises(UnsupportedLayerError, match="tokens flattened to rows"):
+            per_datum(block, lambda: squares(block(h)), "hooks")
+    finally:
+        handle.remove()

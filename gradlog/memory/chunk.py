@@ -25,12 +25,16 @@ class ChunkInfo:
         stop: One past its last row.
         differentiated: True when this call's graph is backpropagated (the backward re-run,
             or a forward that computes gradients); False for a forward without a graph.
+        flattened: Not a chunked head's rows: a layer run on the batch's tokens flattened
+            (the hooks backend's ``layout.flattened_rows``), trusted once a datum check
+            passed on its layout.
     """
 
     lead_shape: tuple[int, ...]
     start: int
     stop: int
     differentiated: bool
+    flattened: bool = False
 
 
 _CURRENT_CHUNK: contextvars.ContextVar[ChunkInfo | None] = contextvars.ContextVar(

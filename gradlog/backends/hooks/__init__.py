@@ -37,13 +37,10 @@ dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leadin
 (sequence-first models); it is found by size, and refused as ambiguous when the model has
 sequence-first layers and the sequence length equals B.
 
-Shared inputs. A module whose output has no batch dimension of size B (Hugging Face style
-position ids ``[1, T]``, or nanoGPT's ``arange(T)``) is broadcast over the batch by the op that
-consumes it, and its own output gradient is already summed over datums. Before the backward,
-gradlog walks the autograd graph from the loss to that output's consumers; when they are
-additions, subtractions or expands, it takes each datum's gradient from the consumer's
-output gradient instead (per datum: the shared input with that datum's gradient). Other
-consumers are refused with an error before ``p.grad`` is touched.
+Shared inputs. An output with no batch dimension of size B (position ids ``[1, T]``) is
+broadcast over the batch by the op consuming it, its own gradient summed over datums: when
+that op adds, subtracts or expands, each datum's gradient is taken from its output gradient
+(found by a walk of the graph before the backward); other consumers are refused first.
 
 Chunked heads (:func:`gradlog.memory.chunked_linear_loss`): a chunk adds into its datums'.
 
@@ -95,6 +92,7 @@ from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, hook_target
 from gradlog.backends.hooks.layout import (
+    RowLayouts,
     batch_first,
     chunk_as_datums,
     consumer_inputs,
@@ -155,6 +153,7 @@ class HooksBackend(Backend):
         self._spot = checks.SpotCheck(self.params, self._spot_rng)
         self._pool = BufferPool()
         self._datum_checked: set[checks.Layout] = set()  # layouts checked
+        self._rows = RowLayouts()
         self._probing = False  # inside the datum check's backward (_datum_probe)
         self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
         self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (checks.HOOK_KINDS)
@@ -350,6 +349,7 @@ class HooksBackend(Backend):
             when, foreign = checks.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
             ) if self._wants_datum_check(B) else (None, False)
+            self._rows.require(when is not None and not foreign)
             rng = rng_states(cuda_devices(self.model)) if when is not None else None
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
@@ -380,11 +380,13 @@ class HooksBackend(Backend):
             }
             if when == "after":
                 datum = self._datum_probe(losses, rng, keep_graph=False)  # (frees the graph)
+            self._rows.require(datum is not None)  # (autograd refused the check's backward)
             if datum is not None:
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
                 checks.check_datum(datum, out, self.params, narrow, trusted=not foreign,
                                    loss_scaled=self.seed_scale != 1, rerun=self._spot.rerun)
+                self._rows.passed()
             return out
         finally:
             for call in self._touched:
@@ -399,12 +401,14 @@ class HooksBackend(Backend):
             self._ops.checked()
 
     def _wants_datum_check(self, B: int) -> bool:
-        """:func:`checks.wants_datum_check`, or a self-checked batch; never for B 1 or DDP."""
+        """:func:`checks.wants_datum_check`, or a self-checked batch, or a new flattened
+        layout (:class:`.layout.RowLayouts`); never for B 1 or DDP."""
+        calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
+        rows = self._rows.note(calls, B)
         if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
             return False
-        calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params,
-                                        self.datum_check_due)
+                                        self.datum_check_due or rows)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:

@@ -11,7 +11,7 @@ head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory.chunk import ChunkInfo
 
 __all__ = [
+    "RowLayouts",
     "batch_first",
     "chunk_as_datums",
     "consumer_inputs",
@@ -180,7 +181,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 entry.rule.feature_dims is not None):
             lead = flattened_rows(call, B)
             if lead is not None:  # (B*T, d) rows of (B, T, d) datums: laid out as a chunk's
-                call.chunk = ChunkInfo(lead, 0, math.prod(lead), differentiated=True)
+                call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True)
                 call.bd, call.lead = 0, B
                 continue
         if shared or call.lead != B:
@@ -275,6 +276,43 @@ def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
                 held.append(child)
                 stack.append((child, child_nr))
     return leads.pop() if len(leads) == 1 else None
+
+
+class RowLayouts:
+    """Layers run on the batch's tokens flattened (:func:`.layout.flattened_rows`): each
+    datum's rows are inferred from the graph and the sizes, so such a layout is trusted only
+    once a datum check passed on it (:attr:`verified`), and refused where none can run
+    (under DDP, with backward hooks of the user's, a reentrant checkpoint, autograd
+    Functions gradlog does not know, whose check is not trusted): rows read time-major
+    where sizes allow it would sum to p.grad and pass every other check."""
+
+    def __init__(self) -> None:
+        self.verified: set[tuple[str, tuple[int, ...]]] = set()
+        self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
+
+    def note(self, calls: Iterable[Call], B: int) -> bool:
+        """This backward's layouts not verified yet (one datum needs none); True if any."""
+        self.pending = set() if B < 2 else {
+            (c.entry.name, tuple(c.chunk.lead_shape)) for c in calls
+            if c.chunk is not None and c.chunk.flattened} - self.verified
+        return bool(self.pending)
+
+    def require(self, checked: bool) -> None:
+        """Refuse the pending layouts unless a trusted datum check runs on them."""
+        if self.pending and not checked:
+            names = sorted({name for name, _ in self.pending})
+            self.pending = set()
+            raise UnsupportedLayerError(
+                f"{names[:3]} ran on the batch's tokens flattened to rows, whose datums "
+                "gradlog verifies with a datum check at the layout's first step, and that "
+                "check cannot run here (under torch.distributed, with backward hooks of "
+                "your own, a reentrant activation checkpoint, or autograd Functions gradlog "
+                "does not know). Keep the batch as its own dimension ((B, T, d) into the "
+                "layer), run one step without those, or use backend='loop'.")
+
+    def passed(self) -> None:
+        self.verified |= self.pending
+        self.pending = set()
 
 
 def _flattened(sizes: tuple[int, ...], B: int, n: int, features: int) -> tuple[int, ...] | None:
