@@ -224,14 +224,15 @@ _MAX_NODES = 64
 def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
     """``(B, T, ...)`` when the rows of the call's ``(N, ..., d)`` input are the tokens of B
     datums flattened in order, each datum's rows together (OPT flattens its hidden states
-    to ``(B*T, d)`` before its feed-forward layers), else None. Proved, not guessed by size:
-    the input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from
-    it in the autograd graph crosses only row-wise ops (:data:`ROW_WISE`, a Linear through
-    its input) to parameters, to such a reshape, or to the output of a call proved so
-    before it. A ``(B, B, d)`` tensor flattened, whose rows could be time-major, proves
-    nothing. A row-wise layer's per-datum gradients are then those of a chunk of whole
-    datums (:func:`chunk_as_datums`); the datum check verifies them at the first step, as
-    for every layout."""
+    to ``(B*T, d)`` before its feed-forward layers), else None. Read from the graph: the
+    input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from it
+    crosses only row-wise ops (:data:`ROW_WISE`, a Linear through its input) to parameters,
+    to such a reshape, or to the output of a call found so before it. That the first
+    dimension of size B is the batch is taken from sizes, as everywhere in this backend
+    (a ``(B, B, d)`` tensor, whose rows could be time-major, is not taken), so the layout
+    is trusted only once a datum check passed on it (:class:`RowLayouts`). A row-wise
+    layer's per-datum gradients are then those of a chunk of whole datums
+    (:func:`chunk_as_datums`)."""
     x = call.args[0] if call.args else None
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= B or x.shape[0] % B:
         return None
