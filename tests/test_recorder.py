@@ -506,6 +506,27 @@ def test_a_probe_batch_the_model_does_not_take_is_named(tmp_path: Any) -> None:
     assert gradlog.open(tmp_path / "r.gradlog").steps.num_rows == 0
 
 
+def test_records_of_an_unused_parameter_must_each_be_zero(tmp_path: Any) -> None:
+    """p.grad None: every record must be zero, not only their sum (+v and -v passed)."""
+    model = _TwoHeads()
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1)
+    rec.open()
+    assert rec._backend is not None
+    original = rec._backend.backward
+
+    def broken(losses: torch.Tensor, batch_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = original(losses, batch_loss)
+        grads["h2.bias"] = grads["h2.bias"].clone()
+        grads["h2.bias"][0, 0], grads["h2.bias"][1, 0] = 1.0, -1.0  # sums to 0
+        return grads
+
+    rec._backend.backward = broken  # type: ignore[method-assign]
+    with pytest.raises(GradientCheckError, match=r"'h2\.bias'.*not zero"):
+        rec.backward(F.cross_entropy(model(x, 1), y, reduction="none"))
+    rec.close()
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_spot_check_fails_records_not_finite_where_the_gradient_is(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch, value: float) -> None:

@@ -20,7 +20,7 @@ from gradlog.backends import PerDatumGrads
 from gradlog.backends.base import check_tolerance
 from gradlog.distributed import Distributed, dense
 from gradlog.errors import GradientCheckError
-from gradlog.grads import Factors, Material, batch_size, batch_sum
+from gradlog.grads import Factors, Material, batch_size, batch_sum, sqnorms
 
 __all__ = ["SelfCheck", "weighted_sum"]
 
@@ -112,8 +112,14 @@ class SelfCheck:
         for name, p, total in zip(self.params, self.params.values(), totals):
             prior = before[name]
             if p.grad is None:  # the loss did not depend on it at this batch (a task head
-                # another batch uses, a mask token): autograd's gradient is 0, the records'
-                # sum must be too
+                # another batch uses, a mask token): autograd's gradient is 0, and so must
+                # every record be (not only their sum)
+                if bool((sqnorms(grads[name]) != 0).any()):
+                    raise GradientCheckError(
+                        f"self-check failed for {name!r}: it has no .grad after the backward "
+                        "(the loss did not use it at this batch), yet some of its per-datum "
+                        "gradients are not zero (a backend bug: compare with "
+                        "backend='loop'). Nothing of this batch was written.")
                 delta = torch.zeros_like(total)
             else:  # FSDP2: p.grad is this rank's shard (a DTensor); compare whole tensors
                 delta = dense(p.grad.detach()) - (0 if prior is None else dense(prior))
