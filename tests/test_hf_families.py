@@ -89,8 +89,20 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
                                     max_position_embeddings=32, word_embed_proj_dim=16,
                                     dropout=DROP, attention_dropout=DROP),
                 t.OPTForCausalLM),
+        # mixtures of experts: a router and experts re-run per datum on the flattened tokens
+        "mixtral": (lambda: t.MixtralConfig(**common, num_local_experts=4,
+                                            num_experts_per_tok=2), t.MixtralForCausalLM),
+        "qwen2_moe": (lambda: t.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=16,
+                                               shared_expert_intermediate_size=16),
+                      t.Qwen2MoeForCausalLM),
+        "olmoe": (lambda: t.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                        eos_token_id=None, pad_token_id=None),
+                  t.OlmoeForCausalLM),
     }[kind]
-    model = _built(config(), cls, attn)
+    made = config()
+    made._experts_implementation = "eager"  # (grouped_mm, the default, has no float64)
+    model = _built(made, cls, attn)
     return model, _causal(model)
 
 
@@ -148,7 +160,8 @@ def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Call
 
 
 def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt"):
+    if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
+                "olmoe"):
         return _decoder(kind, attn)
     if kind in ("bert", "distilbert", "t5"):
         return _encoder(kind, attn)
@@ -162,12 +175,12 @@ _T5_SDPA = pytest.mark.xfail(
     "shared output",
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
-            ("t5", "eager"), ("opt", "eager")]
+            ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
-    for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "bert", "distilbert",
-                 "t5", "vit", "convnext")
+    for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
+                 "olmoe", "bert", "distilbert", "t5", "vit", "convnext")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]

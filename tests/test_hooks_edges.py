@@ -1027,3 +1027,43 @@ def test_flattened_rows_that_only_look_datum_major_are_never_recorded_unverified
             per_datum(block, lambda: squares(block(h)), "hooks")
     finally:
         handle.remove()
+
+
+class _Experts(nn.Module):
+    """Experts as raw parameters (no rule: re-run per datum), each row through the expert its
+    routing picks, scaled by the router's weight (transformers' MixtralExperts' layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.weight = nn.Parameter(torch.randn(3, 4, 4, dtype=D64) * 0.5)
+
+    def forward(self, rows: torch.Tensor, pick: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:  # (N, 4), (N,), (N,)
+        out = torch.zeros_like(rows)
+        for e in range(3):
+            at = torch.where(pick == e)[0]
+            out = out.index_add(0, at, rows[at] @ self.weight[e] * weights[at, None])
+        return out
+
+
+class _Mixture(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3).double()
+        self.experts = _Experts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        rows = h.reshape(-1, h.shape[-1])  # (B*T, 4)
+        weights, pick = torch.softmax(self.gate(rows), -1).max(-1)  # (B*T,) each
+        return self.experts(rows, pick, weights).view(h.shape)
+
+
+def test_a_module_re_run_per_datum_on_the_flattened_tokens_records_like_the_loop() -> None:
+    """A module without a rule that routes the batch's flattened tokens (a mixture of
+    experts): re-run per datum on that datum's rows (its (T, ...) slice of every argument
+    and output gradient with B*T rows). It was refused ("no batch dimension")."""
+    model = _Mixture()
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(h) + h))

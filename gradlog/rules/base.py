@@ -66,6 +66,9 @@ class Capture:
         batch_dim: Where the call had its batch before the backend moved it first in
             ``args``, ``kwargs`` and ``grads`` (0 for most calls; 1 for a sequence-first
             ``(T, B, D)`` tensor). Rules that re-run the call use it to put it back.
+        flattened: The call ran on the batch's tokens flattened to rows (``(B*T, ...)``);
+            the backend laid its row tensors out as ``(B, T, ...)``, so a re-run takes each
+            datum's ``(T, ...)`` slice as the module's rows, not as a batch of one.
     """
 
     args: tuple[Any, ...]
@@ -78,6 +81,7 @@ class Capture:
         default=None, repr=False, compare=False)
     factored: frozenset[str] = frozenset()
     batch_dim: int = 0
+    flattened: bool = False
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:

@@ -60,10 +60,12 @@ def active_randomness(module: nn.Module) -> list[str]:
     return unreplayed(module)
 
 
-def infer_specs(leaves: Sequence[Any], batch_size: int) -> list[LeafSpec | None]:
-    """Generic split: a tensor whose first dimension is B is batched at 0; others are shared."""
+def infer_specs(leaves: Sequence[Any], batch_size: int,
+                unsqueeze: bool = True) -> list[LeafSpec | None]:
+    """Generic split: a tensor whose first dimension is B is batched at 0; others are shared.
+    ``unsqueeze=False``: each datum's slice is passed as it is (``Capture.flattened``)."""
     return [
-        LeafSpec(0)
+        LeafSpec(0, unsqueeze)
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch_size
         else None
         for t in leaves
@@ -104,7 +106,8 @@ def func_grads(
     # so the per-datum products accumulate in float32 (and mixed-dtype matmuls cannot fail).
     wide = _widest(params.values())
     leaves = [widen(t.detach(), wide) if isinstance(t, torch.Tensor) else t for t in leaves]
-    specs = list(in_specs) if in_specs is not None else infer_specs(leaves, B)
+    specs = (list(in_specs) if in_specs is not None
+             else infer_specs(leaves, B, unsqueeze=not cap.flattened))
     if len(specs) != len(leaves):
         raise BackendError(f"in_specs has {len(specs)} entries for {len(leaves)} argument leaves")
     batched = [(i, s) for i, s in enumerate(specs) if s is not None and s.dim is not None]

@@ -42,12 +42,11 @@ broadcast over the batch by the op consuming it, its own gradient summed over da
 that op adds, subtracts or expands, each datum's gradient is taken from its output gradient
 (found by a walk of the graph before the backward); other consumers are refused first.
 
-Chunked heads (:func:`gradlog.memory.chunked_linear_loss`): a chunk adds into its datums'.
+Chunked heads and layers on the batch's tokens flattened to ``(B*T, d)``: :mod:`.layout`.
 
-Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured
-per op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
-:mod:`gradlog.rules.ops`) on the forwards that may hold one (``watch_ops``); a
-``torch.compile``'d forward runs eagerly.
+Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured per
+op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
+:mod:`gradlog.rules.ops`) when ``watch_ops`` says; a ``torch.compile``'d forward runs eagerly.
 
 Checks. A parameter that received a gradient without any hooked call or op seeing its use
 is an error (used outside the model's forward, e.g. in the loss code). On every backward a
@@ -58,9 +57,8 @@ Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint
 recomputes a segment in the backward. With ``use_reentrant=False`` the original call is
 captured and the recomputed one (told apart by torch's recomputation saved-tensor hooks) is
 not; with ``use_reentrant=True`` the original ran without grad and the recomputed call is the
-one that counts. Per-datum gradients equal those without checkpointing; the captured inputs
-of recorded modules live until their layer's backward (~5 MiB per layer of a 24-layer GPT,
-``bench_memory.py --sections layers``).
+one that counts. Per-datum gradients equal those without checkpointing; recorded modules'
+captured inputs live until their layer's backward (``bench_memory.py --sections layers``).
 """
 
 from __future__ import annotations
@@ -94,9 +92,9 @@ from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, ho
 from gradlog.backends.hooks.layout import (
     RowLayouts,
     batch_first,
-    chunk_as_datums,
     consumer_inputs,
     locate_batch,
+    rows_by_datum,
     shared_outputs,
 )
 from gradlog.backends.hooks.operations import WATCH, OpCapture
@@ -511,8 +509,9 @@ class HooksBackend(Backend):
             args = call.args if args is None else args
             kwargs = call.kwargs if kwargs is None else kwargs
             rows: slice | None = None  # the datums a chunk of rows belongs to
+            flat = False  # a module re-run per datum on the batch's tokens, (B*T, ...) rows
             if call.chunk is not None:
-                batch, rows, args, kwargs, grads = chunk_as_datums(
+                batch, rows, args, kwargs, grads, flat = rows_by_datum(
                     call.chunk, entry, self._batch, args, kwargs, grads)
             elif call.lead is None and not expanded:  # a call captured during the backward
                 locate_batch(call, self._batch, self._sequence_first)
@@ -529,6 +528,7 @@ class HooksBackend(Backend):
                 factored=frozenset() if rows is not None else self._results.factored(
                     entry, fused=call.fused is not None),
                 batch_dim=call.bd,
+                flattened=flat,
             )
             self._recomputing = True
             grad_mode = torch.is_grad_enabled()  # off already in a backward without create_graph

@@ -46,6 +46,8 @@ __all__ = [
     "consumer_inputs",
     "flattened_rows",
     "locate_batch",
+    "rows_as_datums",
+    "rows_by_datum",
     "shared_outputs",
 ]
 
@@ -144,8 +146,11 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
     consumers = graph.consumers({id(c) for c in candidates})
     for call in candidates:
         found = consumers.get(id(call))
-        if not found:
-            continue  # not part of this graph (an earlier forward)
+        if not found:  # not part of this graph (an earlier forward), or its first output
+            if call.lead is None:  # unused (a router's logits without an auxiliary loss)
+                locate_batch(call, B, sequence_first)
+            _flatten_rows(call, B, shared=False)
+            continue
         entry = call.entry
         if call.refusal is not None:
             raise UnsupportedLayerError(
@@ -177,13 +182,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 call.via_consumers = True
                 yield call, chained
                 continue
-        if not shared and call.lead != B and call.hooked == 1 and (
-                entry.rule.feature_dims is not None):
-            lead = flattened_rows(call, B)
-            if lead is not None:  # (B*T, d) rows of (B, T, d) datums: laid out as a chunk's
-                call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True)
-                call.bd, call.lead = 0, B
-                continue
+        if _flatten_rows(call, B, shared):
+            continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
             beyond = (consumers_through_views(root, found)
@@ -219,6 +219,22 @@ ROW_WISE = frozenset({
 _FLATTENING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 _MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot (not weight's)
 _MAX_NODES = 64
+
+
+def _flatten_rows(call: Call, B: int, shared: bool) -> bool:
+    """Lay out a row-wise layer's or a re-run module's call on the batch's tokens flattened
+    to ``(B*T, ...)`` rows (:func:`flattened_rows`) as a chunk of whole datums; True if so."""
+    entry = call.entry
+    if shared or call.lead == B or not (
+            (entry.rule.feature_dims is not None and call.hooked == 1)
+            or (entry.fallback and not entry.op)):
+        return False
+    lead = flattened_rows(call, B)
+    if lead is None:
+        return False
+    call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True)
+    call.bd, call.lead = 0, B
+    return True
 
 
 def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
@@ -314,6 +330,37 @@ class RowLayouts:
     def passed(self) -> None:
         self.verified |= self.pending
         self.pending = set()
+
+
+def rows_by_datum(chunk: Any, entry: Entry, B: int, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], grads: list[torch.Tensor | None]) -> tuple[
+        int, slice | None, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None], bool]:
+    """A call that saw rows of ``(B, T)`` flattened, laid out by datum: a chunked head's or a
+    row-wise layer's (:func:`chunk_as_datums`), or a module re-run per datum on the batch's
+    flattened tokens (:func:`rows_as_datums`, the last item True)."""
+    if chunk.flattened and entry.fallback:
+        return (B, None, *rows_as_datums(chunk, B, args, kwargs, grads), True)
+    return (*chunk_as_datums(chunk, entry, B, args, kwargs, grads), False)
+
+
+def rows_as_datums(chunk: Any, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   grads: list[torch.Tensor | None]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
+    """A module re-run per datum on the batch's flattened tokens (``chunk.flattened``):
+    every tensor with the call's ``N = B*T`` rows first, in its arguments (the routing of a
+    mixture of experts: indices and weights per row) and output gradients, viewed as
+    ``(B, T, ...)``; the datum's ``(T, ...)`` slice is the rows the module re-runs on."""
+    n = math.prod(chunk.lead_shape)
+    per = n // B
+
+    def rows(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n:
+            return t.reshape(B, per, *t.shape[1:])
+        return t
+
+    flat, rebuild = flatten((args, kwargs))
+    args, kwargs = rebuild([rows(t) for t in flat])
+    return args, kwargs, [rows(g) for g in grads]
 
 
 def _flattened(sizes: tuple[int, ...], B: int, n: int, features: int) -> tuple[int, ...] | None:
