@@ -370,12 +370,8 @@ def _one_nan(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-@pytest.mark.parametrize(("damage", "message"),
-                         [(_scaled, r"'2\.bias'"), (_one_nan, r"'2\.bias'.*NaN or inf")])
-def test_self_check_catches_wrong_gradients(tmp_path: Any, damage: Any, message: str) -> None:
-    """A backend whose per-datum gradients do not sum to p.grad, or hold a NaN where p.grad
-    is finite, is caught loudly."""
-    model = mlp()
+def _damaged(model: nn.Module, tmp_path: Any, name: str, damage: Any) -> gradlog.GradRecorder:
+    """An open recorder (check_every=1) whose backend hands ``damage(records)`` of ``name``."""
     rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1)
     rec.open()
     assert rec._backend is not None
@@ -383,10 +379,20 @@ def test_self_check_catches_wrong_gradients(tmp_path: Any, damage: Any, message:
 
     def broken(losses: torch.Tensor, batch_loss: torch.Tensor) -> dict[str, torch.Tensor]:
         grads = original(losses, batch_loss)
-        grads["2.bias"] = damage(grads["2.bias"])
+        grads[name] = damage(grads[name])
         return grads
 
     rec._backend.backward = broken  # type: ignore[method-assign]
+    return rec
+
+
+@pytest.mark.parametrize(("damage", "message"),
+                         [(_scaled, r"'2\.bias'"), (_one_nan, r"'2\.bias'.*NaN or inf")])
+def test_self_check_catches_wrong_gradients(tmp_path: Any, damage: Any, message: str) -> None:
+    """A backend whose per-datum gradients do not sum to p.grad, or hold a NaN where p.grad
+    is finite, is caught loudly."""
+    model = mlp()
+    rec = _damaged(model, tmp_path, "2.bias", damage)
     with pytest.raises(GradientCheckError, match=message):
         rec.backward(_losses(model))
     rec.close()
@@ -510,18 +516,13 @@ def test_records_of_an_unused_parameter_must_each_be_zero(tmp_path: Any) -> None
     """p.grad None: every record must be zero, not only their sum (+v and -v passed)."""
     model = _TwoHeads()
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
-    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog", check_every=1)
-    rec.open()
-    assert rec._backend is not None
-    original = rec._backend.backward
 
-    def broken(losses: torch.Tensor, batch_loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        grads = original(losses, batch_loss)
-        grads["h2.bias"] = grads["h2.bias"].clone()
-        grads["h2.bias"][0, 0], grads["h2.bias"][1, 0] = 1.0, -1.0  # sums to 0
-        return grads
+    def opposite(records: torch.Tensor) -> torch.Tensor:
+        records = records.clone()
+        records[0, 0], records[1, 0] = 1.0, -1.0  # sums to 0
+        return records
 
-    rec._backend.backward = broken  # type: ignore[method-assign]
+    rec = _damaged(model, tmp_path, "h2.bias", opposite)
     with pytest.raises(GradientCheckError, match=r"'h2\.bias'.*not zero"):
         rec.backward(F.cross_entropy(model(x, 1), y, reduction="none"))
     rec.close()
