@@ -99,6 +99,9 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
         "olmoe": (lambda: t.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                         eos_token_id=None, pad_token_id=None),
                   t.OlmoeForCausalLM),
+        "granitemoe": (lambda: t.GraniteMoeConfig(**common, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+                       t.GraniteMoeForCausalLM),
     }[kind]
     made = config()
     made._experts_implementation = "eager"  # (grouped_mm, the default, has no float64)
@@ -161,7 +164,7 @@ def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Call
 
 def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                "olmoe"):
+                "olmoe", "granitemoe"):
         return _decoder(kind, attn)
     if kind in ("bert", "distilbert", "t5"):
         return _encoder(kind, attn)
@@ -180,7 +183,7 @@ _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
     for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                 "olmoe", "bert", "distilbert", "t5", "vit", "convnext")
+                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]
