@@ -255,3 +255,22 @@ def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop() 
         backend_grads(model, forward())
     assert_like_loop(model, forward(use_cache=False), reductions=("mean",), rtol=1e-4,
                      atol=1e-6)
+
+
+# peft 0.21 reads transformers' deprecated is_gradient_checkpointing (transformers 5)
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_lora_on_opts_feed_forward_layers_alone_records_like_the_loop_oracle() -> None:
+    """PEFT LoRA on OPT's fc1 and fc2 only: the frozen layer norm before them leaves their
+    (B*T, d) input without a graph, so its rows are read from where the adapters' outputs
+    go (a reshape back to (B, T, d)); it was refused."""
+    peft = pytest.importorskip("peft")
+    t = transformers
+    config = t.OPTConfig(vocab_size=V, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=32,
+                         word_embed_proj_dim=16, dropout=0.0)
+    base = _built(config, t.OPTForCausalLM, "eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=2, target_modules=["fc1", "fc2"], lora_dropout=0.0, init_lora_weights=False))
+    described = assert_like_loop(model, _causal(model), reductions=("mean",), rtol=1e-4,
+                                 atol=1e-6)
+    assert any("lora_A" in m["module"] for m in described["modules"])

@@ -1067,3 +1067,26 @@ def test_a_module_re_run_per_datum_on_the_flattened_tokens_records_like_the_loop
     model = _Mixture()
     h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     assert_hooks_match_loop(model, lambda: squares(model(h) + h))
+
+
+@pytest.mark.parametrize("after", ["datums", "mixed"])
+def test_flattened_rows_behind_a_frozen_layer_are_read_from_where_they_go(after: str) -> None:
+    """A frozen norm between the reshape and the recorded layers (LoRA on OPT's fc1/fc2
+    alone): the layers' input has no graph, so its rows are read from where the output goes,
+    a reshape back to (B, T, d) through row-wise ops (it was refused). Rows mixed on the way
+    prove nothing: refused."""
+    block = _FlatFFN("datums").double()
+    block.norm.requires_grad_(False)
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        d = h.shape[-1]
+        rows = block.norm(h.reshape(-1, d))  # (B*T, d), no graph: the norm is frozen
+        out = block.down(F.gelu(block.up(rows)))
+        return squares((out.flip(0) if after == "mixed" else out).view(h.shape))
+
+    if after == "mixed":
+        with pytest.raises(BackendError, match="no batch dimension"):
+            per_datum(block, losses, "hooks")
+    else:
+        assert_hooks_match_loop(block, losses)

@@ -143,6 +143,8 @@ class GraphSurvey:
 
     def __init__(self, root: Any) -> None:
         self.root = root
+        self._parents: dict[int, list[tuple[Any, int]]] | None = None
+        self._held: list[Any] = []
         self._walked = False
         self._accumulators: Mapping[int, str] | None = None
         self._edges: dict[str, int] = {}
@@ -155,6 +157,19 @@ class GraphSurvey:
         if not self._walked:
             self._walk(self._accumulators or {})
         return {k: v for k, v in self._consumers.items() if k in wanted}
+
+    def parents(self, node: Any) -> list[tuple[Any, int]]:
+        """The (node, input slot) pairs taking ``node``'s output in this graph: the ops
+        after it in the forward. A walk of its own, made at the first question (only for
+        what the usual walk does not answer: rare layouts, see ``layout.flattened_rows``)."""
+        if self._parents is None:
+            self._parents, self._held = {}, []
+            for parent in graph_nodes(self.root):
+                self._held.append(parent)  # (wrappers alive while their ids are keys)
+                for slot, (child, _) in enumerate(parent.next_functions):
+                    if child is not None:
+                        self._parents.setdefault(id(child), []).append((parent, slot))
+        return self._parents.get(id(node), [])
 
     def uses(self, accumulators: Mapping[int, str]) -> tuple[dict[str, int], dict[int, int]]:
         """For each parameter (its gradient accumulator's id -> its name,

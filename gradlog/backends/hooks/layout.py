@@ -149,7 +149,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if not found:  # not part of this graph (an earlier forward), or its first output
             if call.lead is None:  # unused (a router's logits without an auxiliary loss)
                 locate_batch(call, B, sequence_first)
-            _flatten_rows(call, B, shared=False)
+            _flatten_rows(call, B, False, graph)
             continue
         entry = call.entry
         if call.refusal is not None:
@@ -182,7 +182,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 call.via_consumers = True
                 yield call, chained
                 continue
-        if _flatten_rows(call, B, shared):
+        if _flatten_rows(call, B, shared, graph):
             continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
@@ -211,6 +211,7 @@ ROW_WISE = frozenset({
     "GeluBackward0", "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0",
     "ThresholdBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
     "NegBackward0", "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0",
+    "AddBackward1", "SubBackward1", "MulBackward1", "DivBackward1",  # (with a scalar)
 })
 """Autograd nodes of ops whose output row ``r`` is computed from their inputs' row ``r``
 (and tensors broadcast over the rows) alone, as :func:`flattened_rows` walks them; a Linear
@@ -221,7 +222,7 @@ _MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot 
 _MAX_NODES = 64
 
 
-def _flatten_rows(call: Call, B: int, shared: bool) -> bool:
+def _flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey) -> bool:
     """Lay out a row-wise layer's or a re-run module's call on the batch's tokens flattened
     to ``(B*T, ...)`` rows (:func:`flattened_rows`) as a chunk of whole datums; True if so."""
     entry = call.entry
@@ -229,7 +230,7 @@ def _flatten_rows(call: Call, B: int, shared: bool) -> bool:
             (entry.rule.feature_dims is not None and call.hooked == 1)
             or (entry.fallback and not entry.op)):
         return False
-    lead = flattened_rows(call, B)
+    lead = flattened_rows(call, B, graph)
     if lead is None:
         return False
     call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True)
@@ -237,7 +238,8 @@ def _flatten_rows(call: Call, B: int, shared: bool) -> bool:
     return True
 
 
-def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
+def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
+                   ) -> tuple[int, ...] | None:
     """``(B, T, ...)`` when the rows of the call's ``(N, ..., d)`` input are the tokens of B
     datums flattened in order, each datum's rows together (OPT flattens its hidden states
     to ``(B*T, d)`` before its feed-forward layers), else None. Read from the graph: the
@@ -253,11 +255,11 @@ def flattened_rows(call: Call, B: int) -> tuple[int, ...] | None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= B or x.shape[0] % B:
         return None
     n, features = int(x.shape[0]), x.dim() - 1
-    if x.grad_fn is None:  # (data without a graph: only a view can prove its rows)
+    if x.grad_fn is None:  # (data without a graph: a view, or where its rows go, tells)
         base = view_base(x)
         if (base is None or not (base.is_contiguous() and x.is_contiguous())
                 or x.data_ptr() != base.data_ptr() or x.numel() != base.numel()):
-            return None  # (x is then base's elements in order, reshaped)
+            return _rows_going_back(call, B, n, graph)  # (a frozen layer made x)
         return _flattened(tuple(base.shape), B, n, features)
     leads: set[tuple[int, ...]] = set()
     stack, seen = [(x.grad_fn, x.output_nr)], {id(x.grad_fn)}
@@ -361,6 +363,44 @@ def rows_as_datums(chunk: Any, B: int, args: tuple[Any, ...], kwargs: dict[str, 
     flat, rebuild = flatten((args, kwargs))
     args, kwargs = rebuild([rows(t) for t in flat])
     return args, kwargs, [rows(g) for g in grads]
+
+
+def _rows_going_back(call: Call, B: int, n: int,
+                     graph: GraphSurvey | None) -> tuple[int, ...] | None:
+    """For a call whose input has no graph (a frozen layer made it: LoRA on OPT's ``fc1``
+    alone): ``(B, T, ...)`` when every path from its output onward crosses only row-wise
+    ops (:data:`ROW_WISE`, a Linear through its input) to a reshape of its ``n`` rows into
+    ``(B, T, ..., d)``: the layout the rows had, read forward. Else None."""
+    out = call.entry.rule.feature_dims
+    if graph is None or out is None or not autograd_node_shapes_known(graph.root):
+        return None
+    features = out(call.entry.module)
+    start = graph.consumers({id(call)}).get(id(call), [])
+    stack = list(start)
+    seen = {(id(node), slot) for node, slot in start}
+    leads: set[tuple[int, ...]] = set()
+    while stack:
+        node, slot = stack.pop()
+        kind = type(node).__name__
+        if kind in _FLATTENING:  # (n, ..., d) -> (B, T, ..., d)
+            lead = _flattened(autograd_node_output_shape(node), B, n, features)
+            if lead is None:
+                return None
+            leads.add(lead)
+            continue
+        if (kind in _MATMUL_INPUT and slot != _MATMUL_INPUT[kind]) or (
+                kind not in _MATMUL_INPUT and kind not in ROW_WISE):
+            return None  # (taken as a weight, or by an op that mixes rows)
+        after = graph.parents(node)
+        if not after:
+            return None  # (reached the loss with no reshape to datums)
+        for parent in after:
+            if (id(parent[0]), parent[1]) not in seen:
+                if len(seen) >= _MAX_NODES:
+                    return None
+                seen.add((id(parent[0]), parent[1]))
+                stack.append(parent)
+    return leads.pop() if len(leads) == 1 else None
 
 
 def _flattened(sizes: tuple[int, ...], B: int, n: int, features: int) -> tuple[int, ...] | None:
