@@ -14,6 +14,7 @@ from gradlog.rules import (
     conv,
     embedding,
     embedding_bag,
+    experts,
     group_norm,
     layer_norm,
     linear,
@@ -49,4 +50,5 @@ __all__ = [
 ]
 
 # The family modules register their rules on import.
-del adapters, attention, conv, embedding, embedding_bag, group_norm, layer_norm, linear, rnn
+del (adapters, attention, conv, embedding, embedding_bag, experts, group_norm, layer_norm, linear,
+     rnn)

@@ -223,6 +223,10 @@ class Rule:
 RULES: dict[type[nn.Module] | str, Rule] = {}
 """Module type (or class name, for libraries gradlog does not import) -> rule."""
 
+MATCHED: list[Rule] = []
+"""Rules found by their ``accepts`` predicate alone, for a family of classes with no common
+base or name (transformers' ``@use_experts_implementation`` experts), tried last."""
+
 
 def register_rule(
     *keys: type[nn.Module] | str,
@@ -243,6 +247,9 @@ def register_rule(
     name is ambiguous. Registering a key again replaces its rule (so third parties can
     override a built-in one).
 
+    With no keys, the rule is found by ``accepts`` alone (:data:`MATCHED`), after every
+    keyed lookup.
+
     Args:
         *keys: Module classes or class names.
         name: Rule name for ``describe()``; default: the function's name.
@@ -254,8 +261,8 @@ def register_rule(
         views_own_result: See :class:`Rule`.
         accepts: See :class:`Rule`.
     """
-    if not keys:
-        raise TypeError("register_rule needs at least one module type or class name")
+    if not keys and accepts is None:
+        raise TypeError("register_rule needs a module type, a class name or accepts=")
 
     def decorate(compute: RuleFn) -> RuleFn:
         rule = Rule(
@@ -273,6 +280,8 @@ def register_rule(
             if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
                 raise TypeError(f"rule keys are nn.Module subclasses or class names, got {key!r}")
             RULES[key] = rule
+        if not keys:
+            MATCHED[:] = [r for r in MATCHED if r.name != rule.name] + [rule]
         return compute
 
     return decorate
@@ -282,7 +291,8 @@ def find_rule(module: nn.Module) -> Rule | None:
     """The rule for ``module``: its exact type, then its qualified class name
     (``"peft.tuners.ia3.layer.Linear"``), then its class name, then a base class whose
     ``forward`` it does not override (a subclass with its own forward gets no rule, so the
-    backend falls back to ``torch.func`` rather than trust a formula for another function).
+    backend falls back to ``torch.func`` rather than trust a formula for another function),
+    then the first rule of :data:`MATCHED` that accepts it.
     An instance whose ``forward`` was replaced (``layer.forward = ...``) gets none either."""
     if "forward" in vars(module):
         return None
@@ -296,7 +306,7 @@ def find_rule(module: nn.Module) -> Rule | None:
     for base in _bases(cls):
         if base in RULES and cls.forward is base.forward:
             return RULES[base]
-    return None
+    return next((r for r in MATCHED if r.accepts is not None and r.accepts(module)), None)
 
 
 def _bases(cls: type) -> Iterable[type]:
