@@ -20,9 +20,6 @@ fallback.
 
 from __future__ import annotations
 
-import logging
-import math
-import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -32,13 +29,11 @@ from torch import nn
 
 from gradlog.rules.base import Capture, RuleResult, one_feature_dim, own_params, register_rule
 from gradlog.rules.func import generic
+from gradlog.rules.replay import replays
 
 __all__ = ["experts", "is_transformers_experts"]
 
-log = logging.getLogger("gradlog")
-
 _INTERFACE = ("transformers", "integrations", "moe.py")  # where the dispatching forward lives
-_REPLAYED: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _up(module: nn.Module) -> str:
@@ -140,31 +135,6 @@ class _Pairs:
         return out
 
 
-def _replays(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-             formula: Callable[[], torch.Tensor]) -> bool:
-    """Whether the module's forward gives the ``formula``'s output on this call; once per
-    module and implementation."""
-    impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
-    seen = _REPLAYED.setdefault(module, {})
-    if impl not in seen:
-        try:
-            ours = formula()
-            with torch.no_grad():
-                theirs = module(x, index, weights).to(ours.dtype)
-            # (rounding of sums of H terms; at most 10% of the largest output in 16 bits,
-            # where a formula that differs still differs by more)
-            tol = min(64 * torch.finfo(ours.dtype).eps * math.sqrt(x.shape[-1]), 0.1)
-            scale = theirs.abs().amax().clamp_min(1e-30)
-            seen[impl] = bool(((theirs - ours).abs() <= tol * scale).all())
-        except Exception as e:  # (a forward that takes other arguments)
-            log.debug("gradlog: experts replay of %s failed (%s)", type(module).__name__, e)
-            seen[impl] = False
-        if not seen[impl]:
-            log.info("gradlog: %s computes something other than transformers' experts "
-                     "interface; its experts are re-run per datum", type(module).__name__)
-    return seen[impl]
-
-
 @register_rule(name="experts", accepts=is_transformers_experts, feature_dims=one_feature_dim)
 def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """Per-datum gradients of every expert's weights, grouped by expert (module doc)."""
@@ -213,8 +183,9 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
         z = _gate(module, u_)
         (gu,) = torch.autograd.grad(z, u_, gz)
     z = z.detach()
-    if not _replays(module, x, index, weights, lambda: _output(
-            pairs, hit, z, W_down, b_down, w, transposed, N)):
+    impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
+    if not replays(module, impl, lambda: module(x, index, weights), lambda: [_output(
+            pairs, hit, z, W_down, b_down, w, transposed, N)], H):
         return re_run()
     out = {name: cap.empty((B, *p.shape), dtype, p.device)
            for name, p in params.items() if name in wanted}

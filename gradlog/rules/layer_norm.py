@@ -1,4 +1,5 @@
-"""``nn.LayerNorm`` and ``nn.RMSNorm`` over the trailing ``normalized_shape``, any leading dims.
+"""``nn.LayerNorm`` and ``nn.RMSNorm`` over the trailing ``normalized_shape``, any leading dims,
+and the RMSNorm classes of libraries (transformers' ``LlamaRMSNorm`` and its kin).
 
 The affine weight multiplies the normalised input ``x_hat``, so datum b's weight gradient is
 ``sum_n g_{b,n} * x_hat_{b,n}`` and its bias gradient ``sum_n g_{b,n}``. ``x_hat`` is recomputed
@@ -16,7 +17,7 @@ from torch import nn
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, RuleResult, attributes, register_rule, widen
 
-__all__ = ["layer_norm", "per_datum_sum", "rms_norm"]
+__all__ = ["is_rms_norm_like", "layer_norm", "per_datum_sum", "rms_norm", "rms_norm_like"]
 
 _WEIGHT_BIAS = attributes("weight", "bias")  # not e.g. prune's weight_orig
 
@@ -76,3 +77,53 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
         x = widen(cap.input, dtype)  # autocast: normalise in the parameters' precision
         x_hat = F.rms_norm(x, shape, None, module.eps)  # (B, ..., *shape)
         return _affine(x_hat, cap, wanted, len(shape), dtype)
+
+
+_EPSILON = ("variance_epsilon", "eps", "epsilon")  # (transformers: Llama's, Gemma's, ...)
+
+
+def _epsilon(module: nn.Module) -> float | None:
+    for name in _EPSILON:
+        value = getattr(module, name, None)
+        if isinstance(value, (float, int)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def is_rms_norm_like(module: nn.Module) -> bool:
+    """An RMSNorm class of a library's or the user's own (transformers' ``LlamaRMSNorm``,
+    ``GemmaRMSNorm``, ``T5LayerNorm``, ...: no common base, so matched by name): one weight
+    over the last dimension and an epsilon. Its forward is replayed before it is trusted."""
+    if not type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"weight"} or params["weight"].dim() != 1:
+        return False
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False
+    return _epsilon(module) is not None
+
+
+@register_rule(name="rms_norm_like", accepts=is_rms_norm_like, feature_dims=lambda m: 1,
+               covers=attributes("weight"))
+def rms_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """``w * x_hat`` or ``(1 + w) * x_hat`` (Gemma), ``x_hat = x / sqrt(mean(x^2) + eps)``
+    in float32 at least, as transformers computes it: either way datum b's weight gradient is
+    ``sum_n g * x_hat``. Another forward (a gate argument, another normalisation) fails the
+    replay and is re-run per datum."""
+    from gradlog.rules.func import generic
+    from gradlog.rules.replay import replays
+
+    tensors = [t for t in (*cap.args, *cap.kwargs.values()) if isinstance(t, torch.Tensor)]
+    weight, eps = module.weight, _epsilon(module)
+    if len(tensors) != 1 or eps is None or not isinstance(weight, torch.Tensor):
+        return generic(module, cap, wanted)
+    dtype = _param_dtype(module)
+    wide = torch.promote_types(dtype, torch.float32)
+    x = tensors[0].to(wide)
+    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (B, ..., d)
+    w = weight.to(wide)
+    if not replays(module, "", lambda: module(*cap.args, **cap.kwargs),
+                   lambda: (w * x_hat, (1 + w) * x_hat), x.shape[-1], torch.float32):
+        return generic(module, cap, wanted)
+    return _affine(x_hat, cap, wanted, 1, dtype)

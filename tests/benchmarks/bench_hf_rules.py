@@ -1,19 +1,21 @@
-"""What does recording a mixture of experts cost? transformers' Mixtral from a config.
+"""What do the rules found by what a module looks like save? transformers' models from configs.
 
-Times a training step (forward, ``rec.backward``, SGD step, ``rec.flush()``) of a float32
-Mixtral built from a config with random weights, in these variants:
+transformers' experts classes (``gradlog/rules/experts.py``) and RMSNorm classes
+(``rms_norm_like`` in ``gradlog/rules/layer_norm.py``) share no base class; without those
+rules they are re-run per datum by the ``torch.func`` fallback. This script times a training
+step (forward, ``rec.backward``, SGD step, ``rec.flush()``) of a float32 Mixtral or Llama
+built from a config with random weights, in these variants:
 
 - ``plain``: no recorder;
-- ``rule``: recorded; the experts by the closed-form experts rule
-  (``gradlog/rules/experts.py``);
-- ``re-run``: recorded; the experts re-run once per datum by the ``torch.func`` fallback
-  (the rule taken out of the registry: what every experts module cost before it);
+- ``rule``: recorded, with the rules;
+- ``re-run``: recorded, the rules taken out of the registry (what those modules cost before);
 
 for each form and experts implementation asked, variants alternated within each repetition
 (paired), medians of the per-repetition ratios to ``plain``. Usage::
 
-    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_experts.py --reps 7 --steps 3
-    python tests/benchmarks/bench_experts.py --shape tiny --reps 2 --steps 1   # (smoke)
+    OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_hf_rules.py --reps 7 --steps 3
+    python tests/benchmarks/bench_hf_rules.py --model llama --impl eager
+    python tests/benchmarks/bench_hf_rules.py --shape tiny --reps 2 --steps 1   # (smoke)
 """
 
 from __future__ import annotations
@@ -40,18 +42,24 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def build(shape: dict[str, int], impl: str) -> tuple[torch.nn.Module, torch.Tensor]:
+def build(shape: dict[str, int], impl: str,
+          kind: str = "mixtral") -> tuple[torch.nn.Module, torch.Tensor]:
     import transformers
 
-    cfg = transformers.MixtralConfig(
-        vocab_size=256, hidden_size=shape["hidden"], intermediate_size=shape["inner"],
-        num_hidden_layers=shape["layers"], num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max(64, shape["T"]), num_local_experts=shape["experts"],
-        num_experts_per_tok=shape["k"])
-    cfg._experts_implementation = impl
+    common = dict(vocab_size=256, hidden_size=shape["hidden"],
+                  intermediate_size=shape["inner"], num_hidden_layers=shape["layers"],
+                  num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max(64, shape["T"]))
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=shape["experts"],
+                                         num_experts_per_tok=shape["k"])
+        cfg._experts_implementation = impl
+    else:
+        cfg = transformers.LlamaConfig(**common)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg).train()
+    model = (transformers.MixtralForCausalLM if kind == "mixtral"
+             else transformers.LlamaForCausalLM)(cfg).train()
     ids = torch.randint(0, 256, (shape["B"], shape["T"]),
                         generator=torch.Generator().manual_seed(1))
     return model, ids
@@ -63,19 +71,20 @@ def losses(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def without_experts_rule() -> Iterator[None]:
-    """The registry without the experts rule: those modules get the per-datum re-run."""
+def without_matched_rules() -> Iterator[None]:
+    """The registry without the rules found by ``accepts`` alone: those modules get the
+    per-datum re-run."""
     kept = list(base.MATCHED)
-    base.MATCHED[:] = [r for r in kept if r.name != "experts"]
+    base.MATCHED[:] = []
     try:
         yield
     finally:
         base.MATCHED[:] = kept
 
 
-def variant(name: str, shape: dict[str, int], impl: str, form: str,
+def variant(name: str, kind: str, shape: dict[str, int], impl: str, form: str,
             tmp: Path) -> Callable[[int], float]:
-    model, ids = build(shape, impl)
+    model, ids = build(shape, impl, kind)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if name == "plain":
         def plain(steps: int) -> float:
@@ -86,14 +95,16 @@ def variant(name: str, shape: dict[str, int], impl: str, form: str,
                 opt.zero_grad()
             return (time.perf_counter() - t0) / steps
         return plain
-    with without_experts_rule() if name == "re-run" else contextlib.nullcontext():
+    with without_matched_rules() if name == "re-run" else contextlib.nullcontext():
         rec = gradlog.GradRecorder(model, tmp / f"{name}-{impl}-{form}.gradlog", form=form,
                                    overwrite=True, durable=False)
         rec.open()  # (hooks and rules are planned here)
     backend = rec._pipeline.backend  # type: ignore[union-attr]  (which rule each module got)
-    used = {m["rule"] for m in backend.describe()["modules"] if m["module"].endswith("experts")}
-    if used != {"experts" if name == "rule" else "torch.func"}:
-        raise SystemExit(f"{name}: the experts got {used}")
+    used = {m["rule"] for m in backend.describe()["modules"]
+            if m["module"].endswith(("experts", "layernorm"))}
+    if used != ({"experts", "rms_norm_like"} - ({"experts"} if kind == "llama" else set())
+                if name == "rule" else {"torch.func"}):
+        raise SystemExit(f"{name}: the experts and norms got {used}")
 
     def recorded(steps: int) -> float:
         t0 = time.perf_counter()
@@ -107,12 +118,13 @@ def variant(name: str, shape: dict[str, int], impl: str, form: str,
     return recorded
 
 
-def run(shape_name: str, impl: str, form: str, reps: int, steps: int) -> list[str]:
+def run(kind: str, shape_name: str, impl: str, form: str, reps: int,
+        steps: int) -> list[str]:
     shape = SHAPES[shape_name]
     names = ["plain", "rule", "re-run"]
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        variants = {n: variant(n, shape, impl, form, Path(d)) for n in names}
+        variants = {n: variant(n, kind, shape, impl, form, Path(d)) for n in names}
         for fn in variants.values():
             fn(1)  # warm-up (the first backward's datum check, the replay, allocations)
         times: dict[str, list[float]] = {n: [] for n in names}
@@ -122,13 +134,14 @@ def run(shape_name: str, impl: str, form: str, reps: int, steps: int) -> list[st
     plain = times["plain"]
     for n in names:
         ratio = statistics.median(t / p for t, p in zip(times[n], plain))
-        rows.append(f"| {shape_name} | {impl} | {form} | {n} | "
+        rows.append(f"| {kind} {shape_name} | {impl} | {form} | {n} | "
                     f"{1e3 * statistics.median(times[n]):.1f} | {ratio:.2f} |")
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["mixtral", "llama"], default="mixtral")
     parser.add_argument("--shape", choices=list(SHAPES), nargs="+", default=["small", "wide"])
     parser.add_argument("--impl", nargs="+", default=["eager", "grouped_mm"],
                         help="transformers' experts implementations")
@@ -138,15 +151,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"float32 Mixtral from a config, CPU, {args.threads} thread(s), {args.reps} paired "
+    print(f"float32 {args.model} from a config, CPU, {args.threads} thread(s), {args.reps} paired "
           f"repetitions of {args.steps} steps; medians. Shapes: "
           + "; ".join(f"{s} {SHAPES[s]}" for s in args.shape))
-    print("| shape | experts impl | form | variant | ms/step | x plain |")
+    if args.model == "llama":
+        args.impl = ["-"]  # (no experts)
+    print("| model, shape | experts impl | form | variant | ms/step | x plain |")
     print("|---|---|---|---|---|---|")
     for s in args.shape:
         for impl in args.impl:
             for form in args.form:
-                for row in run(s, impl, form, args.reps, args.steps):
+                for row in run(args.model, s, impl, form, args.reps, args.steps):
                     print(row, flush=True)
 
 

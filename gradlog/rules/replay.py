@@ -1,0 +1,60 @@
+"""Replay: whether a module found by what it looks like computes what a rule's formula assumes.
+
+Rules matched by a predicate (transformers' experts and RMSNorm classes, which share no base
+class) take a family's forward on trust only after running it once: the first call of each
+module (and variant, such as transformers' experts implementation) is run again and its
+output compared with the formula's. A module whose output differs keeps the ``torch.func``
+re-run, which is right for any forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["replays"]
+
+log = logging.getLogger("gradlog")
+
+_SEEN: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+
+
+def replays(module: nn.Module, variant: str, theirs: Callable[[], torch.Tensor],
+            ours: Callable[[], Iterable[torch.Tensor]], width: int,
+            computed_in: torch.dtype = torch.float64) -> bool:
+    """Whether the module's forward (``theirs()``, run without grad) gives one of the
+    formula's outputs (``ours()``: the candidates, e.g. ``w * x_hat`` and ``(1 + w) *
+    x_hat``), to rounding of sums of ``width`` terms in the coarsest of their dtypes and
+    ``computed_in`` (transformers' norms compute in float32 whatever their inputs); decided
+    once per module and ``variant``."""
+    seen = _SEEN.setdefault(module, {})
+    if variant not in seen:
+        try:
+            with torch.no_grad():
+                got = theirs()
+                seen[variant] = any(_close(got, c, width, computed_in) for c in ours())
+        except Exception as e:  # (a forward that takes other arguments)
+            log.debug("gradlog: replay of %s failed (%s)", type(module).__name__, e)
+            seen[variant] = False
+        if not seen[variant]:
+            log.info("gradlog: %s computes something other than its rule's formula; it is "
+                     "re-run per datum", type(module).__name__)
+    return seen[variant]
+
+
+def _close(theirs: torch.Tensor, ours: torch.Tensor, width: int,
+           computed_in: torch.dtype) -> bool:
+    if theirs.shape != ours.shape or not theirs.is_floating_point():
+        return False
+    coarse = max(theirs.dtype, ours.dtype, computed_in, key=lambda d: torch.finfo(d).eps)
+    # at most 10% of the largest output in 16 bits, where a formula that differs still
+    # differs by more
+    tol = min(64 * torch.finfo(coarse).eps * math.sqrt(max(width, 1)), 0.1)
+    a, b = theirs.to(torch.float64), ours.to(torch.float64)
+    scale = a.abs().amax().clamp_min(1e-30) if a.numel() else a.new_ones(())
+    return bool(((a - b).abs() <= tol * scale).all())
