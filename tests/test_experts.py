@@ -198,3 +198,30 @@ def test_mixtral_recorded_end_to_end_with_every_check(tmp_path: Any) -> None:
     for name, grads in want.items():
         stored = torch.as_tensor(run.grads(name, step=0))  # (float32, the store's default)
         torch.testing.assert_close(stored, grads.float(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_mixtral_under_bf16_autocast_passes_every_check(impl: str, tmp_path: Any) -> None:
+    """Under autocast the experts' matmuls and the router's logits run in bf16 while their
+    outputs are float32. The self-check refused both (checked at float32's tolerance, and
+    the router re-run per datum in float32 picked other experts on near-ties): now the
+    experts' p.grad counts as rounded in bf16, and a module re-run per datum runs under the
+    autocast its forward ran under."""
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, max_position_embeddings=32,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).train()
+    ids = torch.randint(1, 64, (4, 12), generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradlog.GradRecorder(model, tmp_path / "run.gradlog", check_every=1) as rec:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=ids).logits[:, :-1]
+            rec.backward(nn.functional.cross_entropy(
+                logits.float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1))
+            opt.step()
+            opt.zero_grad()
+    assert len(gradlog.open(tmp_path / "run.gradlog").steps) == 3

@@ -99,7 +99,7 @@ from gradlog.backends.hooks.layout import (
 )
 from gradlog.backends.hooks.operations import WATCH, OpCapture
 from gradlog.backends.hooks.pool import _BASELINE, BufferPool
-from gradlog.backends.hooks.precision import autocast_dtype, narrow_dtype, no_autocast
+from gradlog.backends.hooks.precision import autocast_dtype, call_precision, rule_precision
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
 from gradlog.params import check_differentiable
@@ -300,8 +300,8 @@ class HooksBackend(Backend):
         if call is None:
             return output if replaced else None
         call.fused = link
-        narrow = autocast_dtype(entry.params[0].device.type)
-        if narrow is not None:  # (the datum check's tolerance)
+        call.autocast = narrow = autocast_dtype(entry.params[0].device.type)
+        if narrow is not None:  # (the datum check's tolerance; the call's, call_precision)
             self._autocast.add(narrow)
         if self._saved_tensor_hooks != "other":  # (when the datum check runs)
             kind = saved_tensor_hooks_kind()
@@ -538,7 +538,7 @@ class HooksBackend(Backend):
                 rule = entry.rule
                 if entry.fallback and not entry.op and call.bd and not expanded:
                     rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
-                with no_autocast(entry.params[0].device.type):
+                with rule_precision(call, rule):
                     result = rule.compute(entry.module, cap, entry.wanted)
             finally:
                 self._recomputing = False
@@ -550,7 +550,7 @@ class HooksBackend(Backend):
                 # this handler returns; taken before _add, which may add into the tensor.
                 call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
-            narrow = narrow_dtype(grads, entry.params)
+            narrow = call_precision(call, grads)
             if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded
                 for name in entry.names.values():
                     self.low_precision[name] = narrow

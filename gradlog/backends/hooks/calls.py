@@ -60,6 +60,7 @@ class Call:
     __slots__ = (
         "__weakref__",
         "args",
+        "autocast",
         "bd",
         "chunk",
         "done",
@@ -102,6 +103,7 @@ class Call:
         self.refusal: str | None = None  # why the rule cannot compute this call
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
+        self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
 
     def release(self) -> None:
         """Drop captured tensors and make the output hooks inert."""

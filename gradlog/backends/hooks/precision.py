@@ -8,12 +8,12 @@ the tolerance of the checks (:func:`gradlog.backends.base.check_tolerance`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-__all__ = ["autocast_dtype", "narrow_dtype", "no_autocast"]
+__all__ = ["autocast_dtype", "call_precision", "narrow_dtype", "no_autocast", "rule_precision"]
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -53,3 +53,30 @@ def narrow_dtype(grads: list[torch.Tensor | None],
         if g is not None and g.is_floating_point() and torch.finfo(g.dtype).bits < bits:
             return g.dtype
     return None
+
+
+def call_precision(call: Any, grads: list[torch.Tensor | None]) -> torch.dtype | None:
+    """The narrow dtype ``p.grad`` of the call's parameters was rounded in: its gradients'
+    (:func:`narrow_dtype`), or, for a module re-run per datum or matched by what it looks
+    like (a mixture's experts and router: their matmuls ran in autocast's dtype, their
+    outputs widened back to float32), the autocast dtype its forward ran under. The
+    closed-form layers' own dtypes tell (Linear's output gradients are autocast's)."""
+    from gradlog.rules.base import MATCHED
+
+    entry = call.entry
+    narrow = narrow_dtype(grads, entry.params)
+    if narrow is None and call.autocast is not None and (
+            entry.fallback or entry.rule in MATCHED):
+        return cast(torch.dtype, call.autocast)
+    return narrow
+
+
+def rule_precision(call: Any, rule: Any) -> contextlib.AbstractContextManager[Any]:
+    """How a call's rule runs: a closed form in the parameters' dtype (:func:`no_autocast`);
+    a re-run of the module (``uses_torch_func``) under the autocast its forward ran under, so
+    it computes the same function, data-dependent choices included (a router's top-k on
+    16-bit logits: re-run in float32, ties and near-ties picked other experts)."""
+    device = call.entry.params[0].device.type
+    if rule.uses_torch_func and call.autocast is not None:
+        return torch.autocast(device_type=device, dtype=call.autocast)
+    return no_autocast(device)
