@@ -84,16 +84,25 @@ def test_library_rms_norms_use_the_formula_and_equal_the_loop(
     assert not calls
 
 
-class ScaledRMSNorm(nn.Module):
-    """Named like an RMSNorm, but normalises by the mean absolute value."""
+class OtherRMSNorm(nn.Module):
+    """Named like an RMSNorm, computing something else: normalised by the mean absolute
+    value; 5% off (which 16-bit rounding could hide); or the input scaled by ``1 + w``
+    before the normalisation, from a zero weight (transformers' MuseSpark input norm: at
+    ``w = 0`` it equals ``x_hat``, and ``(1 + w) * x_hat`` too)."""
 
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, kind: str) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(d))
+        self.weight = nn.Parameter(torch.zeros(d) if kind == "before" else torch.randn(d))
         self.eps = 1e-6
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x / (x.abs().mean(-1, keepdim=True) + self.eps)
+        if self.kind == "mean_abs":
+            return self.weight * x / (x.abs().mean(-1, keepdim=True) + self.eps)
+        if self.kind == "before":
+            x = x * (1 + self.weight)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y if self.kind == "before" else 1.05 * self.weight * y
 
 
 class GatedRMSNorm(nn.Module):
@@ -109,9 +118,11 @@ class GatedRMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def test_a_forward_other_than_the_formula_is_re_run(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["mean_abs", "scaled", "before"])
+def test_a_forward_other_than_the_formula_is_re_run(kind: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    model = _Block(ScaledRMSNorm(6)).double()
+    model = _Block(OtherRMSNorm(6, kind)).double()
     assert find_rule(model.norm).name == "rms_norm_like"
     calls = _counting_fallback(monkeypatch)
     assert_like_loop(model, _losses(model), reductions=("mean",))
@@ -149,3 +160,20 @@ def test_what_is_not_an_rms_norm_gets_no_such_rule() -> None:
 
     assert find_rule(RMSNorm()) is None
     assert find_rule(NormLayer()) is None
+
+
+def test_the_replay_compares_element_by_element_and_never_trusts_16_bits() -> None:
+    """Rounding passes; a formula 5% off, or off where outputs cancel, does not; nothing in
+    16 bits does (a correct bf16 forward rounds as much as a formula a few percent off)."""
+    from gradlog.rules.replay import _close
+
+    g = torch.Generator().manual_seed(0)
+    ours = torch.randn(64, 512, dtype=D64, generator=g)
+    rounded = ours.float().double()
+    assert _close(rounded, ours, 512, torch.float32)
+    assert not _close(1.05 * ours, ours, 512, torch.float32)
+    shifted = ours.clone()
+    shifted[0, 0] += 1e-2 * ours.abs().max()  # (one element off)
+    assert not _close(shifted, ours, 512, torch.float32)
+    assert not _close(ours.bfloat16(), ours, 512, torch.float32)
+    assert not _close(ours, ours, 512, torch.bfloat16)

@@ -8,6 +8,7 @@ from the captured input with the same functional op as the forward (one elementw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -119,11 +120,30 @@ def rms_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> Ru
     if len(tensors) != 1 or eps is None or not isinstance(weight, torch.Tensor):
         return generic(module, cap, wanted)
     dtype = _param_dtype(module)
-    wide = torch.promote_types(dtype, torch.float32)
-    x = tensors[0].to(wide)
+    x = tensors[0].to(torch.promote_types(dtype, torch.float32))
     x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (B, ..., d)
-    w = weight.to(wide)
-    if not replays(module, "", lambda: module(*cap.args, **cap.kwargs),
-                   lambda: (w * x_hat, (1 + w) * x_hat), x.shape[-1], torch.float32):
+    if not replays(module, "", *_probes(module, tensors[0], eps), x.shape[-1], torch.float32):
         return generic(module, cap, wanted)
     return _affine(x_hat, cap, wanted, 1, dtype)
+
+
+def _probes(module: nn.Module, x: torch.Tensor, eps: float) -> tuple[
+        Callable[[], torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]:
+    """The module's forward and the formula's candidates on the call's input, in float64,
+    at two random weights: a weight at its initial value (0 for Gemma's, 1 for Llama's) would
+    not tell ``w * x_hat`` from ``(1 + w) * x_hat`` from a norm of ``x * (1 + w)``, and
+    float64 leaves only the module's own rounding (transformers' float32) to allow for."""
+    from torch.func import functional_call
+
+    x = x.detach().to(torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(2, x.shape[-1], dtype=torch.float64, generator=generator).to(x.device)
+    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def theirs() -> torch.Tensor:
+        return torch.stack([functional_call(module, {"weight": w_}, (x,)) for w_ in w])
+
+    def ours() -> tuple[torch.Tensor, ...]:
+        return torch.stack([w_ * x_hat for w_ in w]), torch.stack([(1 + w_) * x_hat for w_ in w])
+
+    return theirs, ours
