@@ -225,3 +225,36 @@ def test_mixtral_under_bf16_autocast_passes_every_check(impl: str, tmp_path: Any
             opt.step()
             opt.zero_grad()
     assert len(gradlog.open(tmp_path / "run.gradlog").steps) == 3
+
+
+@pytest.mark.skipif(not hasattr(transformers, "DeepseekV3Config"), reason="no DeepSeek-V3")
+def test_deepseek_v3_records_like_the_loop_oracle() -> None:
+    """DeepSeek-V3: its router takes (B, T, d) and flattens it itself (re-run per datum,
+    the inputs split as a batch, the outputs as rows: it was refused), group-limited top-k
+    routing, shared experts, the experts by the rule; padded batch, float64."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32)
+    cfg._experts_implementation = "eager"
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).double().train()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0, 0.5)  # (zeros at init)
+    ids = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    keep = mask[:, 1:].double()
+
+    def losses() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        per_token = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
+                                                reduction="none")
+        return (per_token * keep).sum(1) / keep.sum(1)
+
+    described = assert_like_loop(model, losses, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    rules = {m["module"]: m["rule"] for m in described["modules"]}
+    assert rules["model.layers.1.mlp.experts"] == "experts"

@@ -308,14 +308,14 @@ class _FlattenedExperts(nn.Module):
 
 
 @pytest.mark.parametrize("d", [3, B])
-def test_a_flattened_output_of_a_module_without_a_rule_is_refused(d: int) -> None:
-    """(B*T, d) has no batch axis, also when d == B: its feature axis is never taken for
-    the batch (it was, then the fallback failed inside torch.func)."""
+def test_a_module_without_a_rule_that_flattens_its_input_records_like_the_loop(d: int) -> None:
+    """(B, T, d) in, (B*T, d) rows out: re-run per datum, its output gradients split as
+    each datum's rows (it was refused: no batch axis). Also when d == B: the feature axis
+    is never taken for the batch (it was, then the fallback failed inside torch.func)."""
     torch.manual_seed(0)
     experts = _FlattenedExperts(d).double()
     x = torch.randn(B, 5, d, dtype=D64)
-    with pytest.raises(BackendError, match=rf"shape \({B * 5}, {d}\), with no batch dimension"):
-        per_datum(experts, lambda: squares(experts(x).reshape(B, 5, d)), "hooks")
+    assert_hooks_match_loop(experts, lambda: squares(experts(x).reshape(B, 5, d)))
 
 
 class _SharedPrompt(nn.Module):
@@ -1067,6 +1067,45 @@ def test_a_module_re_run_per_datum_on_the_flattened_tokens_records_like_the_loop
     model = _Mixture()
     h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     assert_hooks_match_loop(model, lambda: squares(model(h) + h))
+
+
+class _Router(nn.Module):
+    """DeepSeek's router: takes the batch first and flattens it to rows itself
+    (time-major with ``order="time"``: rows of no datum)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4, dtype=D64))
+        self.order = order
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, 4)
+        if self.order == "time":
+            h = h.transpose(0, 1)
+        rows = h.reshape(-1, h.shape[-1])  # (B*T, 4)
+        weights, pick = torch.softmax(F.linear(rows, self.weight), -1).max(-1)
+        return weights, pick
+
+
+@pytest.mark.parametrize("order", ["datum", "time"])
+def test_a_re_run_module_that_flattens_its_batch_itself(order: str) -> None:
+    """Batch-first input, outputs on the batch's rows (DeepSeek's router): the inputs split
+    as a batch, the output gradients as each datum's rows (it was refused: "its gradient
+    mixes datums"). Rows flattened time-major are no datum's: refused by the checks."""
+    model = _Mixture()
+    model.router = _Router(order)
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        weights, pick = model.router(h)
+        if order == "time":  # (the router alone: its rows read back by datum)
+            return (weights.view(5, B).T ** 2).sum(1)
+        return squares(model.experts(h.reshape(-1, 4), pick, weights).view(h.shape))
+
+    if order == "time":
+        with pytest.raises(BackendError, match="datum check|do not add up"):
+            per_datum(model, losses, "hooks")
+    else:
+        assert_hooks_match_loop(model, losses)
 
 
 @pytest.mark.parametrize("after", ["datums", "mixed"])

@@ -28,6 +28,8 @@ class ChunkInfo:
         flattened: Not a chunked head's rows: a layer run on the batch's tokens flattened
             (the hooks backend's ``layout.flattened_rows``), trusted once a datum check
             passed on its layout.
+        inside: Of a flattened call: the module took the batch first and flattened it
+            itself (only its outputs are rows).
     """
 
     lead_shape: tuple[int, ...]
@@ -35,6 +37,7 @@ class ChunkInfo:
     stop: int
     differentiated: bool
     flattened: bool = False
+    inside: bool = False
 
 
 _CURRENT_CHUNK: contextvars.ContextVar[ChunkInfo | None] = contextvars.ContextVar(

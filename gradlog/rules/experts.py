@@ -185,8 +185,8 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
     z = z.detach()
     impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
     if not replays(module, impl, lambda: module(x, index, weights), lambda: [_output(
-            pairs, hit, z, W_down, b_down, w, transposed, N)], H):
-        return re_run()
+            pairs, hit, z, W_down, b_down, w, transposed, N)], H, torch.float32):
+        return re_run()  # (float32: some classes compute their gate or sums in it)
     out = {name: cap.empty((B, *p.shape), dtype, p.device)
            for name, p in params.items() if name in wanted}
     for b in range(B):  # (every expert's gradient of datum b written in place)

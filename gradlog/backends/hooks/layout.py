@@ -231,9 +231,15 @@ def _flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey) -> bool:
             or (entry.fallback and not entry.op)):
         return False
     lead = flattened_rows(call, B, graph)
+    x = call.args[0] if call.args else None
+    inside = False
+    if lead is None and entry.fallback and isinstance(x, torch.Tensor) and call.lead:
+        # a re-run module that flattens its batch-first input itself (DeepSeek's router:
+        # (B, T, d) in, (B*T, ...) rows out): inputs split as a batch, outputs as rows
+        lead, inside = _flattened(tuple(x.shape), B, call.lead, 1), True
     if lead is None:
         return False
-    call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True)
+    call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True, inside=inside)
     call.bd, call.lead = 0, B
     return True
 
@@ -341,7 +347,7 @@ def rows_by_datum(chunk: Any, entry: Entry, B: int, args: tuple[Any, ...],
     row-wise layer's (:func:`chunk_as_datums`), or a module re-run per datum on the batch's
     flattened tokens (:func:`rows_as_datums`, the last item True)."""
     if chunk.flattened and entry.fallback:
-        return (B, None, *rows_as_datums(chunk, B, args, kwargs, grads), True)
+        return (B, None, *rows_as_datums(chunk, B, args, kwargs, grads), not chunk.inside)
     return (*chunk_as_datums(chunk, entry, B, args, kwargs, grads), False)
 
 
