@@ -15,12 +15,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradlog
+import gradlog.rules.experts as experts_rule
 from gradlog.testing.oracle import assert_like_loop, backend_grads
 
 transformers = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
 
 D64 = torch.float64
+Counter = Callable[[Any, str], list[int]]  # (conftest's calls_to)
 
 
 def _experts_class(*, bias: bool, transposed: bool, gate: bool,
@@ -102,21 +104,6 @@ def _losses(model: nn.Module, B: int, T: int, seed: int = 1) -> Callable[[], tor
     return lambda: ((model(h) + h) ** 2).flatten(1).sum(1)  # (B,)
 
 
-def _counting_fallback(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How often the rule handed a call to the per-datum re-run."""
-    import gradlog.rules.experts as rule
-
-    calls: list[int] = []
-    original = rule.generic
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(rule, "generic", counted)
-    return calls
-
-
 @given(B=st.integers(1, 4), T=st.integers(1, 5), E=st.integers(1, 5), K=st.integers(1, 3),
        bias=st.booleans(), transposed=st.booleans(), gate=st.booleans(),
        impl=st.sampled_from(["batched_mm", "eager"]), seed=st.integers(0, 2**16))
@@ -137,20 +124,20 @@ def test_experts_rule_equals_the_loop_oracle(B: int, T: int, E: int, K: int, bia
 
 @pytest.mark.parametrize("impl", ["eager", "batched_mm"])
 def test_the_rule_uses_its_formula_and_not_the_re_run(impl: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _counting_fallback(monkeypatch)
+                                                      calls_to: Counter) -> None:
+    calls = calls_to(experts_rule, "generic")
     model = _mixture(impl, bias=True, transposed=False, gate=True)
     assert_like_loop(model, _losses(model, 3, 4), reductions=("mean", "sum"))
     assert not calls
 
 
 def test_a_forward_other_than_the_interface_keeps_the_re_run(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        calls_to: Counter) -> None:
     """A class's own forward that weights the routing inside the activation: the formula
     would be wrong; the replay sees the outputs differ and the module is re-run per datum,
     equal to the loop oracle. The interface's implementation of the same module uses the
     formula."""
-    calls = _counting_fallback(monkeypatch)
+    calls = calls_to(experts_rule, "generic")
     model = _mixture("eager", bias=False, transposed=False, gate=True, eager="other")
     assert_like_loop(model, _losses(model, 3, 4), reductions=("mean",))
     assert calls

@@ -11,12 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+import gradlog.rules.func as func
 from gradlog.rules import find_rule
 from gradlog.testing.oracle import assert_like_loop
 
 transformers = pytest.importorskip("transformers")
 
 D64 = torch.float64
+Counter = Callable[[Any, str], list[int]]  # (conftest's calls_to)
 
 
 def _norm(kind: str, d: int) -> nn.Module:
@@ -53,30 +55,16 @@ def _losses(model: nn.Module, B: int = 3, T: int = 5) -> Callable[[], torch.Tens
     return lambda: (model(x) ** 3).flatten(1).sum(1)  # (B,)
 
 
-def _counting_fallback(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    import gradlog.rules.func as func
-
-    calls: list[int] = []
-    original = func.generic
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(func, "generic", counted)
-    return calls
-
-
 @pytest.mark.parametrize(("kind", "heads"), [("llama", 1), ("gemma", 1), ("t5", 1),
                                              ("llama", 2)])
 def test_library_rms_norms_use_the_formula_and_equal_the_loop(
-        kind: str, heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        kind: str, heads: int, calls_to: Counter) -> None:
     torch.manual_seed(0)
     norm = _norm(kind, 6 // heads)
     with torch.no_grad():
         norm.weight.normal_()  # (Gemma's starts at 0, Llama's at 1: neither tells w from 1 + w)
     model = _Block(norm, heads).double()
-    calls = _counting_fallback(monkeypatch)
+    calls = calls_to(func, "generic")
     # (transformers normalises in float32 whatever the model's dtype: float32 tolerances)
     described = assert_like_loop(model, _losses(model), reductions=("mean", "sum"),
                                  rtol=1e-4, atol=1e-7)
@@ -120,16 +108,16 @@ class GatedRMSNorm(nn.Module):
 
 @pytest.mark.parametrize("kind", ["mean_abs", "scaled", "before"])
 def test_a_forward_other_than_the_formula_is_re_run(kind: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    calls_to: Counter) -> None:
     torch.manual_seed(0)
     model = _Block(OtherRMSNorm(6, kind)).double()
     assert find_rule(model.norm).name == "rms_norm_like"
-    calls = _counting_fallback(monkeypatch)
+    calls = calls_to(func, "generic")
     assert_like_loop(model, _losses(model), reductions=("mean",))
     assert calls
 
 
-def test_a_gated_norm_is_re_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gated_norm_is_re_run(calls_to: Counter) -> None:
     torch.manual_seed(0)
     norm, up = GatedRMSNorm(6).double(), nn.Linear(4, 12).double()
     model = nn.ModuleDict({"norm": norm, "up": up})
@@ -139,7 +127,7 @@ def test_a_gated_norm_is_re_run(monkeypatch: pytest.MonkeyPatch) -> None:
         h, gate = up(x).chunk(2, -1)
         return (norm(h, gate) ** 3).flatten(1).sum(1)
 
-    calls = _counting_fallback(monkeypatch)
+    calls = calls_to(func, "generic")
     assert_like_loop(model, losses, reductions=("mean",))
     assert calls
 
