@@ -1069,6 +1069,38 @@ def test_a_module_re_run_per_datum_on_the_flattened_tokens_records_like_the_loop
     assert_hooks_match_loop(model, lambda: squares(model(h) + h))
 
 
+class _NormedRows(nn.Module):
+    """Gemma 4's router: an RMSNorm written out by hand on the flattened rows, a scale of its
+    own, then a Linear (``over="rows"``: normalised over the rows instead, which mixes
+    them)."""
+
+    def __init__(self, over: str) -> None:
+        super().__init__()
+        self.pre, self.proj = nn.Linear(4, 4).double(), nn.Linear(4, 3).double()
+        self.scale = nn.Parameter(torch.rand(4, dtype=D64) + 0.5)
+        self.over = over
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        h = self.pre(x)
+        rows = h.reshape(-1, h.shape[-1])
+        dim = -1 if self.over == "features" else 0
+        rows = rows * torch.rsqrt(rows.pow(2).mean(dim, keepdim=True) + 1e-6) * self.scale
+        return self.proj(rows).view(*h.shape[:-1], 3)
+
+
+@pytest.mark.parametrize("over", ["features", "rows"])
+def test_flattened_rows_through_a_norm_written_out(over: str) -> None:
+    """pow, a mean over the last dimension and rsqrt keep rows apart: the Linear's rows are
+    laid out by datum (it was refused). A mean over the rows mixes them: refused."""
+    model = _NormedRows(over)
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    if over == "rows":
+        with pytest.raises(BackendError, match=r"no batch dimension|datum check|do not add up"):
+            per_datum(model, lambda: squares(model(h)), "hooks")
+    else:
+        assert_hooks_match_loop(model, lambda: squares(model(h)))
+
+
 class _Router(nn.Module):
     """DeepSeek's router: takes the batch first and flattens it to rows itself
     (time-major with ``order="time"``: rows of no datum)."""

@@ -35,10 +35,40 @@ __all__ = [
     "consumers_through_views",
     "foreign_functions",
     "hook_target",
+    "row_wise",
     "through_views",
 ]
 
 TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
+_ROW_WISE = frozenset({
+    "NativeLayerNormBackward0", "NativeDropoutBackward0", "ToCopyBackward0", "CloneBackward0",
+    "GeluBackward0", "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0",
+    "ThresholdBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
+    "NegBackward0", "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0",
+    "AddBackward1", "SubBackward1", "MulBackward1", "DivBackward1",  # (with a scalar)
+    "PowBackward0", "RsqrtBackward0", "SqrtBackward0",  # (an RMSNorm written out by hand)
+})
+_LAST_DIM_REDUCTIONS = frozenset({"MeanBackward1", "SumBackward1"})
+
+
+def row_wise(node: Any) -> bool:
+    """Whether the op of autograd ``node`` computes its output row ``r`` from its inputs' row
+    ``r`` (and tensors broadcast over the rows) alone: elementwise ops, a LayerNorm, and a
+    mean or sum over the last dimension only (an RMSNorm written out by hand, Gemma 4's
+    router), as the flattened-rows walks cross them; a Linear (``addmm``/``mm``) is one
+    through its input, not its weight (they handle it)."""
+    kind = type(node).__name__
+    if kind in _ROW_WISE:
+        return True
+    if kind not in _LAST_DIM_REDUCTIONS:
+        return False
+    dims, sizes = getattr(node, "_saved_dim", None), getattr(node, "_saved_self_sym_sizes", None)
+    if not dims or not sizes:
+        return False
+    last = len(sizes) - 1
+    return all((d - 2**64 if d >= 2**63 else d) % len(sizes) == last for d in dims)
+
+
 PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
 """Autograd nodes through which a shared output's per-datum gradient is the consumer's."""
 VIEW_NODES = frozenset({

@@ -34,6 +34,7 @@ from gradlog.backends.hooks.graph import (
     Chain,
     GraphSurvey,
     consumers_through_views,
+    row_wise,
     through_views,
 )
 from gradlog.errors import BackendError, UnsupportedLayerError
@@ -206,17 +207,6 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
             )
 
 
-ROW_WISE = frozenset({
-    "NativeLayerNormBackward0", "NativeDropoutBackward0", "ToCopyBackward0", "CloneBackward0",
-    "GeluBackward0", "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0",
-    "ThresholdBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
-    "NegBackward0", "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0",
-    "AddBackward1", "SubBackward1", "MulBackward1", "DivBackward1",  # (with a scalar)
-})
-"""Autograd nodes of ops whose output row ``r`` is computed from their inputs' row ``r``
-(and tensors broadcast over the rows) alone, as :func:`flattened_rows` walks them; a Linear
-(``addmm``/``mm``) is one through its input, not its weight."""
-
 _FLATTENING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 _MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot (not weight's)
 _MAX_NODES = 64
@@ -250,7 +240,7 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
     datums flattened in order, each datum's rows together (OPT flattens its hidden states
     to ``(B*T, d)`` before its feed-forward layers), else None. Read from the graph: the
     input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from it
-    crosses only row-wise ops (:data:`ROW_WISE`, a Linear through its input) to parameters,
+    crosses only row-wise ops (:func:`.graph.row_wise`, a Linear through its input) to parameters,
     to such a reshape, or to the output of a call found so before it. That the first
     dimension of size B is the batch is taken from sizes, as everywhere in this backend
     (a ``(B, B, d)`` tensor, whose rows could be time-major, is not taken), so the layout
@@ -289,7 +279,7 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
             continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
         if kind in _MATMUL_INPUT:
             children = [node.next_functions[_MATMUL_INPUT[kind]]]
-        elif kind in ROW_WISE:
+        elif row_wise(node):
             children = list(node.next_functions)
         else:
             return None
@@ -375,7 +365,7 @@ def _rows_going_back(call: Call, B: int, n: int,
                      graph: GraphSurvey | None) -> tuple[int, ...] | None:
     """For a call whose input has no graph (a frozen layer made it: LoRA on OPT's ``fc1``
     alone): ``(B, T, ...)`` when every path from its output onward crosses only row-wise
-    ops (:data:`ROW_WISE`, a Linear through its input) to a reshape of its ``n`` rows into
+    ops (:func:`.graph.row_wise`, a Linear through its input) to a reshape of its ``n`` rows into
     ``(B, T, ..., d)``: the layout the rows had, read forward. Else None."""
     out = call.entry.rule.feature_dims
     if graph is None or out is None or not autograd_node_shapes_known(graph.root):
@@ -395,7 +385,7 @@ def _rows_going_back(call: Call, B: int, n: int,
             leads.add(lead)
             continue
         if (kind in _MATMUL_INPUT and slot != _MATMUL_INPUT[kind]) or (
-                kind not in _MATMUL_INPUT and kind not in ROW_WISE):
+                kind not in _MATMUL_INPUT and not row_wise(node)):
             return None  # (taken as a weight, or by an op that mixes rows)
         after = graph.parents(node)
         if not after:
