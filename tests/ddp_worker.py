@@ -1,6 +1,7 @@
 """One rank of the distributed-recording tests (tests/test_distributed.py): run as a script.
 
-Usage: python ddp_worker.py RANK WORLD PORT STORE STEPS [crash_at_step|-] [resume|mismatch|sum]
+Usage: python ddp_worker.py RANK WORLD PORT STORE STEPS [crash_at_step|-]
+[resume|mismatch|sum|rows]
 Trains the shared tiny model under DDP (gloo, CPU) on rank RANK's share of a fixed global
 batch per step, recording into STORE. With crash_at_step, rank 1 dies (os._exit) inside that
 step, after its backward and before the step ends.
@@ -18,9 +19,24 @@ import torch.distributed as dist
 from torch import nn
 
 
-def model_and_data(steps: int, global_batch: int = 8) -> tuple[nn.Module, list]:
+class Rows(nn.Module):
+    """A Linear on the batch's tokens flattened to ``(B*T, d)`` rows, as OPT's feed-forward
+    layers run: laid out by datum only once the datum check passed on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.mid, self.out = nn.Linear(5, 12), nn.Linear(4, 4), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 5)
+        h = self.up(x).view(len(x), 3, 4)  # (B, T 3, 4)
+        rows = torch.tanh(self.mid(h.reshape(-1, 4)))  # (B*T, 4)
+        return self.out(rows.view(len(x), 12))
+
+
+def model_and_data(steps: int, global_batch: int = 8,
+                   rows: bool = False) -> tuple[nn.Module, list]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    model = Rows() if rows else nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
     g = torch.Generator().manual_seed(1)
     data = []
     for s in range(steps):
@@ -50,6 +66,7 @@ def main() -> None:
     dtype = "bfloat16" if sys.argv[7:8] == ["mismatch"] and rank == 1 else "float32"
     # "sum": Linear weight gradients from the per-datum sum (gradlog.backends.fused)
     batch_grad = "sum" if sys.argv[7:8] == ["sum"] else "autograd"
+    rows = sys.argv[7:8] == ["rows"]  # a Linear on flattened rows (the datum check under DDP)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
@@ -58,7 +75,7 @@ def main() -> None:
     import gradlog.store.writer as writer
 
     writer.RANK_COMMIT_TIMEOUT_S = 5.0  # a crashed rank fails the commit quickly
-    model, data = model_and_data(steps)
+    model, data = model_and_data(steps, rows=rows)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     first = 0

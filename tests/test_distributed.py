@@ -64,9 +64,9 @@ def _run_ranks(store: Path, steps: int, *extra: str, world: int = 2,
     return codes
 
 
-def _single_process(path: Path, steps: int) -> gradlog.Run:
+def _single_process(path: Path, steps: int, rows: bool = False) -> gradlog.Run:
     """The oracle: one process, the whole global batch, plain SGD."""
-    model, data = model_and_data(steps)
+    model, data = model_and_data(steps, rows=rows)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradlog.GradRecorder(model, path, check_every=1) as rec:
         for step, batch in enumerate(data):
@@ -131,6 +131,17 @@ def test_two_ranks_record_what_one_process_records(tmp_path: Path, batch_grad: s
     assert run.steps.column("n_micro").to_pylist() == [2, 4, 2]
     assert sorted(set(run.records(step=1).column("micro").to_pylist())) == [0, 1, 2, 3]
     _assert_same_records(run, _single_process(tmp_path / "one.gradlog", 3))
+
+
+def test_flattened_rows_under_ddp_record_what_one_process_records(tmp_path: Path) -> None:
+    """A Linear on the tokens flattened to (B*T, d) (OPT) is trusted once a datum check
+    passed on its layout; under DDP no datum check ran, so it was refused. The check's own
+    autograd.grad does not run DDP's reducer hooks: now it runs, and the records and
+    p.grad are as one process's."""
+    store = tmp_path / "ddp.gradlog"
+    assert _run_ranks(store, 3, "-", "rows") == [0, 0]
+    _assert_same_records(gradlog.open(store),
+                         _single_process(tmp_path / "one.gradlog", 3, rows=True))
 
 
 @pytest.mark.slow
@@ -225,3 +236,24 @@ def test_a_rank_that_cannot_join_fails_every_rank(tmp_path: Path) -> None:
     assert codes[0] != 0 and codes[1] != 0  # nobody waits for the other
     assert "another rank could not join the store" in logs[0]
     assert "StoreResumeError" in logs[1] and "config_hash" in logs[1]
+
+
+def test_where_the_datum_check_runs_under_torch_distributed() -> None:
+    """Everywhere in one process; in a process group only for DDP without static_graph
+    (whose first backward would have the check's autograd.grad run its all-reduce; FSDP
+    and a bare model per rank are not checked)."""
+    import torch.distributed as dist
+
+    from gradlog.backends.hooks.checks import datum_check_possible
+
+    model = nn.Linear(3, 2)
+    assert datum_check_possible(model)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        assert datum_check_possible(nn.parallel.DistributedDataParallel(model))
+        assert not datum_check_possible(
+            nn.parallel.DistributedDataParallel(nn.Linear(3, 2), static_graph=True))
+        assert not datum_check_possible(model)
+    finally:
+        dist.destroy_process_group()

@@ -400,10 +400,11 @@ class HooksBackend(Backend):
 
     def _wants_datum_check(self, B: int) -> bool:
         """:func:`checks.wants_datum_check`, or a self-checked batch, or a new flattened
-        layout (:class:`.layout.RowLayouts`); never for B 1 or DDP."""
+        layout (:class:`.layout.RowLayouts`); never for B 1 (nor where
+        :func:`checks.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B)
-        if B < 2 or _distributed():  # (DDP's reducer expects one backward per forward)
+        if B < 2 or not checks.datum_check_possible(self.model):
             return False
         return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params,
                                         self.datum_check_due or rows)
@@ -594,7 +595,3 @@ class HooksBackend(Backend):
         grads: list[torch.Tensor | None] = [None] * len(call.grads)
         grads[call.primary] = per
         self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)
-
-
-def _distributed() -> bool:
-    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())

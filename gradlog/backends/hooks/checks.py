@@ -41,6 +41,7 @@ __all__ = [
     "check_datum",
     "check_versions",
     "datum_check_mode",
+    "datum_check_possible",
     "raise_kept_error",
     "refuse_double_backward",
     "sample_entries",
@@ -367,6 +368,19 @@ HOOK_KINDS = ("none", "checkpoint", "selective", "other")
 saved_tensor_hooks_kind`), from harmless to unknown; a forward counts as its last kind."""
 
 
+def datum_check_possible(model: nn.Module) -> bool:
+    """Whether the datum check's extra ``autograd.grad`` leaves training as it was: always
+    in one process; under torch.distributed only for a DDP model without ``static_graph``.
+    DDP's reducer hooks the parameters' gradient accumulators, which ``autograd.grad`` does
+    not run (measured: p.grad then equals the ranks' mean, as without the check); with
+    ``static_graph`` its first backward queues an all-reduce that the check's would run, and
+    FSDP gathers and reduce-scatters in every backward."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return True
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return isinstance(model, ddp) and not getattr(model, "static_graph", False)
+
+
 def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
                      params: Mapping[str, nn.Parameter],
                      saved_tensor_hooks: str) -> tuple[str | None, bool]:
@@ -388,8 +402,9 @@ def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
     if losses.grad_fn is None or not any(p.numel() for p in params.values()):
         return None, False
     foreign = foreign_functions(batch_loss.grad_fn)
-    if foreign is None:
-        return None, False
+    if foreign is None or (foreign and torch.distributed.is_available()
+                           and torch.distributed.is_initialized()):
+        return None, False  # (an unknown Function may talk to the other ranks: no check)
     late = foreign or saved_tensor_hooks in ("selective", "other")
     return ("after" if late else "before"), foreign
 

@@ -140,8 +140,10 @@ def foreign_functions(root: Any) -> bool | None:
             return None
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             owner = getattr(autograd_node_forward_class(node), "__module__", "")
-            # (torch's own, e.g. torch.compile's compiled regions, are trusted as gradlog's)
-            foreign = foreign or not owner.startswith(("gradlog.", "torch."))
+            # (torch's own, e.g. torch.compile's compiled regions, are trusted as gradlog's;
+            # not torch.distributed's, whose backward talks to the other ranks)
+            foreign = foreign or not owner.startswith(("gradlog.", "torch.")) or (
+                owner.startswith("torch.distributed"))
     return foreign
 
 
