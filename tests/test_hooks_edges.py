@@ -1161,3 +1161,20 @@ def test_flattened_rows_behind_a_frozen_layer_are_read_from_where_they_go(after:
             per_datum(block, losses, "hooks")
     else:
         assert_hooks_match_loop(block, losses)
+
+
+@pytest.mark.parametrize("off", [1e-6, 1e-2])
+def test_a_float64_datum_check_failure_within_float32_rounding_says_so(off: float) -> None:
+    """transformers computes softmax, routers and norms in float32 whatever the model's
+    dtype, so a float64 model's datum check can fail by float32's rounding: the refusal
+    says so (and what to do) only when every deviation is that small."""
+    from gradlog.backends.hooks.checks import check_datum, sample_entries
+
+    params = {"w": nn.Parameter(torch.randn(3, 4, dtype=D64))}
+    records = torch.randn(B, 3, 4, dtype=D64)
+    v = torch.randn(B, dtype=D64)
+    theirs = torch.einsum("b,bij->ij", v, records) * (1 + off)  # autograd's, rounded apart
+    sampled = sample_entries(["w"], [theirs], params, torch.Generator().manual_seed(0))
+    with pytest.raises(BackendError, match="datums' own gradients") as caught:
+        check_datum((v, sampled), {"w": records}, params, ())
+    assert ("float32's rounding" in str(caught.value)) == (off < 1e-4)

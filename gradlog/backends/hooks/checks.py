@@ -5,10 +5,8 @@ Four checks, cheapest first: inputs modified in place after a call used them
 (:func:`check_coverage`); on every backward, ``sum_b w_b g_b`` against autograd's gradient at a
 few random entries per parameter (:class:`SpotCheck`); and on the first backward of each new
 layout and batch size, the records weighted by random ``v_b`` against ``autograd.grad`` of
-``sum_b v_b losses[b]`` (the datum check:
-:func:`wants_datum_check`, :func:`datum_check_mode`, :func:`sample_entries`,
-:func:`check_datum`). Tolerances come from :func:`gradlog.backends.base.check_tolerance`.
-"""
+``sum_b v_b losses[b]`` (the datum check: :func:`wants_datum_check`, :func:`datum_check_mode`,
+:func:`sample_entries`, :func:`check_datum`). Tolerances: :func:`.base.check_tolerance`."""
 
 from __future__ import annotations
 
@@ -369,11 +367,10 @@ saved_tensor_hooks_kind`), from harmless to unknown; a forward counts as its las
 
 
 def datum_check_possible(model: nn.Module) -> bool:
-    """Whether the datum check's extra ``autograd.grad`` leaves training as it was: always
-    in one process; under torch.distributed only for a DDP model without ``static_graph``.
-    DDP's reducer hooks the parameters' gradient accumulators, which ``autograd.grad`` does
-    not run (measured: p.grad then equals the ranks' mean, as without the check); with
-    ``static_graph`` its first backward queues an all-reduce that the check's would run, and
+    """Whether the datum check's ``autograd.grad`` leaves training as it was: in one process;
+    under torch.distributed for DDP without ``static_graph`` (its reducer hooks gradient
+    accumulators, which ``autograd.grad`` does not run: p.grad stays the ranks' mean, as
+    measured); ``static_graph``'s first backward queues an all-reduce the check would run,
     FSDP gathers and reduce-scatters in every backward."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return True
@@ -492,8 +489,21 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
             "called once per datum by hand); (3) a rule that assigns gradient to the wrong "
             "datum (please report it). p.grad is complete; nothing of this step was "
             "recorded. Use backend='loop', or for (2) a batch size different from the "
-            "sequence length." + rerun_hint(bad, rerun or {})
+            "sequence length." + rerun_hint(bad, rerun or {}) + _float32_hint(
+                names, a, c, scale, params)
         )
+
+
+def _float32_hint(names: list[str], a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
+                  params: Mapping[str, nn.Parameter]) -> str:
+    """Why a float64 model's deviations that float32's tolerance allows occur."""
+    rtol, atol = check_tolerance([torch.float32])
+    if any(params[n].dtype != torch.float64 for n in names) or _over_tolerance(
+            names, a, c, scale, rtol, atol, "").bad():
+        return ""
+    return (" Here every deviation is within float32's rounding: a float64 model computing "
+            "steps in float32 (transformers' softmax, routers, norms) rounds its gradients "
+            "so; train it in float32, or pass check_every=0.")
 
 
 def refuse_double_backward(calls: Iterable[Call]) -> None:
