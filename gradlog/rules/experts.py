@@ -50,7 +50,7 @@ def is_transformers_experts(module: nn.Module) -> bool:
     if getattr(module, "has_post_expert_norm", True) or getattr(
             module, "_is_expert_parallel", True):
         return False
-    if any(True for _ in module.children() for _ in _.parameters()):
+    if any(True for child in module.children() for _ in child.parameters()):
         return False
     up = _up(module)
     names = {up, "down_proj"} | ({f"{up}_bias", "down_proj_bias"}
@@ -82,8 +82,7 @@ def _gate(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
     without a gate, ``act_fn``."""
     gate: Callable[[torch.Tensor], torch.Tensor] = getattr(
         module, "_apply_gate" if getattr(module, "has_gate", True) else "act_fn")
-    out = gate(u)
-    return out
+    return gate(u)
 
 
 class _Pairs:
@@ -137,7 +136,7 @@ class _Pairs:
 
 @register_rule(name="experts", accepts=is_transformers_experts, feature_dims=one_feature_dim)
 def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
-    """Per-datum gradients of every expert's weights, grouped by expert (module doc)."""
+    """Per-datum gradients of every expert's weights (the module's doc says how)."""
     tensors = [t for t in (*cap.args, *cap.kwargs.values()) if isinstance(t, torch.Tensor)]
     # (the batch's flattened tokens, laid out (B, T, ...) by datum; the interface takes rows)
     laid_out = bool(tensors) and tensors[0].dim() > 2
