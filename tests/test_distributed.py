@@ -244,7 +244,7 @@ def test_where_the_datum_check_runs_under_torch_distributed() -> None:
     and a bare model per rank are not checked)."""
     import torch.distributed as dist
 
-    from gradlog.backends.hooks.checks import datum_check_possible
+    from gradlog.backends.hooks.datum_check import datum_check_possible
 
     model = nn.Linear(3, 2)
     assert datum_check_possible(model)

@@ -1029,6 +1029,32 @@ def test_flattened_rows_that_only_look_datum_major_are_never_recorded_unverified
         handle.remove()
 
 
+class _Doubled(torch.autograd.Function):
+    """An autograd Function gradlog does not know (PhiMoE's router has one)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return 2 * g
+
+
+def test_flattened_rows_beside_an_unknown_autograd_function() -> None:
+    """Such a Function makes the datum check a warning (its second backward may differ), so
+    layers on flattened rows were refused outright (PhiMoE's experts). The check now runs
+    and must pass: rows that are each datum's record like the loop; rows that only look so
+    are refused by it, an error and not the warning."""
+    block = _FlatFFN("datums").double()
+    h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(block, lambda: squares(_Doubled.apply(block(h))))
+    model = _FoldedTimeMajor().double()
+    x = torch.randn(B, B, 5, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="may be a false alarm; but layers ran on the"):
+        per_datum(model, lambda: squares(_Doubled.apply(model(x))), "hooks")
+
+
 class _Experts(nn.Module):
     """Experts as raw parameters (no rule: re-run per datum), each row through the expert its
     routing picks, scaled by the router's weight (transformers' MixtralExperts' layout)."""
@@ -1168,7 +1194,7 @@ def test_a_float64_datum_check_failure_within_float32_rounding_says_so(off: floa
     """transformers computes softmax, routers and norms in float32 whatever the model's
     dtype, so a float64 model's datum check can fail by float32's rounding: the refusal
     says so (and what to do) only when every deviation is that small."""
-    from gradlog.backends.hooks.checks import check_datum, sample_entries
+    from gradlog.backends.hooks.datum_check import check_datum, sample_entries
 
     params = {"w": nn.Parameter(torch.randn(3, 4, dtype=D64))}
     records = torch.randn(B, 3, 4, dtype=D64)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_compute import build, token_losses
 
 import gradlog
-from gradlog.backends.hooks import checks
+from gradlog.backends.hooks import datum_check
 
 
 def _variant(name: str, tmp: Path) -> Callable[[int], float]:
@@ -55,9 +55,9 @@ def _variant(name: str, tmp: Path) -> Callable[[int], float]:
     forced = name == "datum-every-step"
 
     def recorded(steps: int) -> float:
-        real = checks.wants_datum_check
+        real = datum_check.wants_datum_check
         if forced:
-            checks.wants_datum_check = lambda *a, **k: True
+            datum_check.wants_datum_check = lambda *a, **k: True
         try:
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -67,7 +67,7 @@ def _variant(name: str, tmp: Path) -> Callable[[int], float]:
             rec.flush()
             return (time.perf_counter() - t0) / steps
         finally:
-            checks.wants_datum_check = real
+            datum_check.wants_datum_check = real
 
     return recorded
 

@@ -85,9 +85,10 @@ from gradlog._tree import leaves
 from gradlog.backends.base import Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fuse_output
 from gradlog.backends.heap import keep_heap_resident
-from gradlog.backends.hooks import checks, graph
+from gradlog.backends.hooks import checks, datum_check, graph
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
+from gradlog.backends.hooks.datum_check import HOOK_KINDS
 from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, hook_target
 from gradlog.backends.hooks.layout import (
     RowLayouts,
@@ -150,11 +151,11 @@ class HooksBackend(Backend):
         self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
         self._spot = checks.SpotCheck(self.params, self._spot_rng)
         self._pool = BufferPool()
-        self._datum_checked: set[checks.Layout] = set()  # layouts checked
+        self._datum_checked: set[datum_check.Layout] = set()  # layouts checked
         self._rows = RowLayouts()
         self._probing = False  # inside the datum check's backward (_datum_probe)
         self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
-        self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (checks.HOOK_KINDS)
+        self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (HOOK_KINDS)
         self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
         self._ops: OpCapture | None = None
         self._reset(0)
@@ -305,7 +306,7 @@ class HooksBackend(Backend):
             self._autocast.add(narrow)
         if self._saved_tensor_hooks != "other":  # (when the datum check runs)
             kind = saved_tensor_hooks_kind()
-            if checks.HOOK_KINDS.index(kind) > checks.HOOK_KINDS.index(self._saved_tensor_hooks):
+            if HOOK_KINDS.index(kind) > HOOK_KINDS.index(self._saved_tensor_hooks):
                 self._saved_tensor_hooks = kind
         chunk = current_chunk()
         if chunk is not None and chunk.differentiated:
@@ -344,16 +345,16 @@ class HooksBackend(Backend):
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
             self._route_shared_outputs(survey, B)  # may refuse, before p.grad is touched
-            when, foreign = checks.datum_check_mode(
+            when, foreign = datum_check.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
             ) if self._wants_datum_check(B) else (None, False)
-            self._rows.require(when is not None and not foreign)
+            self._rows.require(when is not None)
             rng = rng_states(cuda_devices(self.model)) if when is not None else None
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
             try:
                 # the ordinary backward: p.grad exactly as without gradlog (its graph kept for
-                # a datum check after it, see checks.datum_check_mode)
+                # a datum check after it, see datum_check.datum_check_mode)
                 batch_loss.backward(retain_graph=True if when == "after" else None)
             finally:
                 self._armed = False
@@ -382,8 +383,10 @@ class HooksBackend(Backend):
             if datum is not None:
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
-                checks.check_datum(datum, out, self.params, narrow, trusted=not foreign,
-                                   loss_scaled=self.seed_scale != 1, rerun=self._spot.rerun)
+                datum_check.check_datum(datum, out, self.params, narrow, trusted=not foreign,
+                                        required=bool(self._rows.pending),
+                                        loss_scaled=self.seed_scale != 1,
+                                        rerun=self._spot.rerun)
                 self._rows.passed()
             return out
         finally:
@@ -399,20 +402,20 @@ class HooksBackend(Backend):
             self._ops.checked()
 
     def _wants_datum_check(self, B: int) -> bool:
-        """:func:`checks.wants_datum_check`, or a self-checked batch, or a new flattened
+        """:func:`datum_check.wants_datum_check`, or a self-checked batch, or a new flattened
         layout (:class:`.layout.RowLayouts`); never for B 1 (nor where
-        :func:`checks.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
+        :func:`datum_check.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B)
-        if B < 2 or not checks.datum_check_possible(self.model):
+        if B < 2 or not datum_check.datum_check_possible(self.model):
             return False
-        return checks.wants_datum_check(calls, B, self._datum_checked, self.model, self.params,
-                                        self.datum_check_due or rows)
+        return datum_check.wants_datum_check(calls, B, self._datum_checked, self.model,
+                                             self.params, self.datum_check_due or rows)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries
-        per parameter (None: autograd refused; no check); see :func:`checks.check_datum`.
+        per parameter (None: autograd refused; no check); see :func:`datum_check.check_datum`.
         The global RNG is forked and set to ``rng``: the backward's random draws repeat."""
         names = [n for n, p in self.params.items() if p.numel()]
         v = torch.randn(losses.shape[0], generator=self._spot_rng, dtype=torch.float64)
@@ -429,7 +432,7 @@ class HooksBackend(Backend):
             return None
         finally:
             self._probing = False
-        return v, checks.sample_entries(names, got, self.params, self._spot_rng)
+        return v, datum_check.sample_entries(names, got, self.params, self._spot_rng)
 
     def _reset(self, batch_size: int, survey: graph.GraphSurvey | None = None) -> None:
         if batch_size:

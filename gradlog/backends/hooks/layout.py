@@ -296,11 +296,11 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
 class RowLayouts:
     """Layers run on the batch's tokens flattened (:func:`.layout.flattened_rows`): each
     datum's rows are inferred from the graph and the sizes, so such a layout is trusted only
-    once a datum check passed on it (:attr:`verified`), and refused where none can run
-    (under FSDP or DDP with ``static_graph``, with backward hooks of the user's, a reentrant
-    checkpoint, autograd Functions gradlog does not know, whose check is not trusted): rows
-    read time-major
-    where sizes allow it would sum to p.grad and pass every other check."""
+    once a datum check passed on it (:attr:`verified`; beside autograd Functions gradlog
+    does not know, whose check is otherwise a warning, a failure is then an error), and
+    refused where none can run (under FSDP or DDP with ``static_graph``, with backward hooks
+    of the user's, a reentrant checkpoint): rows read time-major where sizes allow it would
+    sum to p.grad and pass every other check."""
 
     def __init__(self) -> None:
         self.verified: set[tuple[str, tuple[int, ...]]] = set()
@@ -322,9 +322,9 @@ class RowLayouts:
                 f"{names[:3]} ran on the batch's tokens flattened to rows, whose datums "
                 "gradlog verifies with a datum check at the layout's first step, and that "
                 "check cannot run here (under FSDP or DDP(static_graph=True), with backward "
-                "hooks of your own, a reentrant activation checkpoint, or autograd Functions "
-                "gradlog does not know). Keep the batch as its own dimension ((B, T, d) into the "
-                "layer), run one step without those, or use backend='loop'.")
+                "hooks of your own, or a reentrant activation checkpoint). Keep the batch as "
+                "its own dimension ((B, T, d) into the layer), run one step without those, or "
+                "use backend='loop'.")
 
     def passed(self) -> None:
         self.verified |= self.pending

@@ -1,0 +1,240 @@
+"""The datum check: on the first backward of each new layout and batch size, the records
+weighted by random ``v_b`` against ``autograd.grad`` of ``sum_b v_b losses[b]``.
+
+A wrong split between datums (two datums' gradients swapped, a share moved, a loss that
+couples the datums) still sums to ``p.grad`` and passes the spot check
+(:class:`.checks.SpotCheck`); the weighted sum sees it. When it runs
+(:func:`wants_datum_check`, :func:`datum_check_possible`), on which backward
+(:func:`datum_check_mode`), what it compares (:func:`sample_entries`, :func:`check_datum`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradlog._torch_private import (
+    global_module_backward_hooks_on,
+    module_has_backward_hooks,
+    tensor_hook_count,
+)
+from gradlog.backends.base import check_tolerance
+from gradlog.backends.hooks.calls import Call
+from gradlog.backends.hooks.checks import over_tolerance, rerun_hint
+from gradlog.backends.hooks.graph import foreign_functions
+from gradlog.errors import BackendError
+from gradlog.grads import entries
+
+__all__ = [
+    "HOOK_KINDS",
+    "Layout",
+    "check_datum",
+    "datum_check_mode",
+    "datum_check_possible",
+    "sample_entries",
+    "wants_datum_check",
+]
+
+_DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
+
+Layout = tuple[str, int, tuple[int, ...]]  # (module, calls of it, dims of size B): checked
+
+
+def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
+                      model: nn.Module, params: Mapping[str, nn.Parameter],
+                      due: bool = False) -> bool:
+    """Check the datums (:func:`check_datum`) on the first backward, and again at each
+    batch size not checked yet (a short last batch) and whenever a forward has a layout
+    not checked yet that shapes alone cannot settle: a layer output with several leading
+    dimensions of size B (a sequence-first tensor whose length equals the batch size), or
+    a module called more than once (reuse, or once per datum by hand). A wrong split
+    between datums still sums to ``p.grad``; the weighted check sees it. ``checked``
+    (the layouts checked so far) is updated. ``due``: the recorder self-checks this batch
+    (``check_every``): check a datum too, so a loss that starts coupling data is caught."""
+    uses: dict[int, int] = {}
+    for c in calls:
+        uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
+    unsure: set[Layout] = {("<batch size>", B, ())}
+    for c in calls:
+        shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
+        lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
+        at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
+        if len(at) > 1 or uses[id(c.entry)] > 1:
+            unsure.add((c.entry.name, uses[id(c.entry)], at if len(at) > 1 else ()))
+    if checked and unsure <= checked and not due:
+        return False
+    checked |= unsure | {("", 0, ())}
+    return not foreign_backward_hooks(model, params)
+
+
+def foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
+    """Backward hooks of the user's own (on parameters or modules) would fire again in
+    the datum check's extra backward, with side effects (gradient statistics): then no
+    check. (Hooks on activations cannot be seen; README says so.)"""
+    recorded = {id(p) for p in params.values()}
+    for p in model.parameters():
+        if tensor_hook_count(p) > (1 if id(p) in recorded else 0):
+            return True
+    if global_module_backward_hooks_on():
+        return True
+    return any(module_has_backward_hooks(m) for m in model.modules())
+
+
+HOOK_KINDS = ("none", "checkpoint", "selective", "other")
+"""Saved-tensor hooks a forward's calls ran under (:func:`gradlog._torch_private.
+saved_tensor_hooks_kind`), from harmless to unknown; a forward counts as its last kind."""
+
+
+def datum_check_possible(model: nn.Module) -> bool:
+    """Whether the datum check's ``autograd.grad`` leaves training as it was: in one process;
+    under torch.distributed for DDP without ``static_graph`` (its reducer hooks gradient
+    accumulators, which ``autograd.grad`` does not run: p.grad stays the ranks' mean, as
+    measured); ``static_graph``'s first backward queues an all-reduce the check would run,
+    FSDP gathers and reduce-scatters in every backward."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return True
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return isinstance(model, ddp) and not getattr(model, "static_graph", False)
+
+
+def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
+                     params: Mapping[str, nn.Parameter],
+                     saved_tensor_hooks: str) -> tuple[str | None, bool]:
+    """When the datum's own backward runs, and whether the graph holds autograd Functions
+    gradlog does not know.
+
+    ``"before"`` the batch's (then freed before the batch's backward allocates its per-datum
+    gradients: no extra peak memory), or ``"after"`` it, on the kept graph, when a backward
+    may use up state or draw random numbers (an autograd Function of the user's or a
+    library's, selective activation checkpointing, saved-tensor hooks gradlog does not
+    know): the batch's backward then runs first, exactly as without gradlog, and the check
+    is skipped if autograd refuses the second backward. The datum's backward then runs
+    while the per-datum gradients are held, so its own peak adds to the step's. Plain
+    non-reentrant checkpointing (``saved_tensor_hooks == "checkpoint"``) recomputes its
+    segments for every backward and restores their random state, so its check runs
+    before (issue 20: it ran after, and step 1 peaked at 2.9x a plain step). None: no
+    check (a reentrant checkpoint refuses ``autograd.grad``); the flag is then False.
+    """
+    if losses.grad_fn is None or not any(p.numel() for p in params.values()):
+        return None, False
+    foreign = foreign_functions(batch_loss.grad_fn)
+    if foreign is None or (foreign and torch.distributed.is_available()
+                           and torch.distributed.is_initialized()):
+        return None, False  # (an unknown Function may talk to the other ranks: no check)
+    late = foreign or saved_tensor_hooks in ("selective", "other")
+    return ("after" if late else "before"), foreign
+
+
+def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
+                   params: Mapping[str, nn.Parameter],
+                   generator: torch.Generator) -> dict[str, tuple[Any, Any]]:
+    """The datum's own gradients ``got`` (one per name; None: unused) at a few random entries
+    per parameter: name -> (flat indices, values or None)."""
+    sampled: dict[str, tuple[Any, Any]] = {}
+    for name, grad in zip(names, got):
+        p = params[name]
+        index = torch.randint(p.numel(), (_DATUM_ENTRIES,), generator=generator)
+        index = index.to(p.device)
+        sampled[name] = (index, None if grad is None else torch.take(grad, index))
+    return sampled
+
+
+def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
+                records: Mapping[str, Any], params: Mapping[str, nn.Parameter],
+                narrow: Iterable[torch.dtype], *, trusted: bool = True,
+                required: bool = False, loss_scaled: bool = False,
+                rerun: Mapping[str, str] | None = None) -> None:
+    """The records weighted by random ``v`` (``sum_b v_b g_b``) against autograd's gradient
+    of ``sum_b v_b losses[b]`` at the sampled entries. Every datum is checked at once: a
+    split between datums that keeps their sum (the spot check's blind spot: two datums'
+    gradients swapped, a share moved) changes the weighted sum, and so does a loss that
+    couples the datums. Not ``trusted`` (the graph holds autograd Functions gradlog does
+    not know, whose second backward may differ: state used up, gradients scaled in
+    place): a warning, not an error.
+
+    Args:
+        datum: ``v`` ``(B,)`` float64 and :func:`sample_entries`' result.
+        records: The backward's per-datum gradients or materials, by name.
+        params: The recorded parameters, by name.
+        narrow: Autocast dtypes the backward ran in. Under autocast the check's own
+            backward runs in the narrow dtype through every layer it crosses, recorded or
+            not: one tolerance for all.
+        trusted: Whether a mismatch is an error (else a warning).
+        required: A mismatch is an error even if not ``trusted``: layers on the batch's
+            tokens flattened to rows (:class:`.layout.RowLayouts`) are recorded only once
+            this check passes.
+        loss_scaled: Whether the batch's backward carried a loss scale (a GradScaler's) that
+            the check's own unscaled backward does not: records that overflowed under it
+            (a step the scaler skips) are not compared.
+    """
+    v, sampled = datum
+    names, ours, theirs, scales = list(sampled), [], [], []
+    if not names:
+        return  # (every recorded parameter has size 0)
+    for name in names:
+        index, theirs_k = sampled[name]
+        rows = entries(records[name], index).to(torch.float64)  # (B, k)
+        w = v.to(rows.device)[:, None]  # (B, 1)
+        ours.append((w * rows).sum(0))  # (k,)
+        scales.append((w.abs() * rows.abs()).sum(0))  # (k,)
+        theirs.append(torch.zeros_like(ours[-1]) if theirs_k is None
+                      else theirs_k.to(rows.device, torch.float64))  # (k,)
+    narrow = list(narrow)
+    rtol, atol = check_tolerance((params[n].dtype for n in names),
+                                 [max(narrow, key=lambda d: torch.finfo(d).eps)]
+                                 if narrow else ())
+    device = ours[0].device
+    a, c = (torch.stack([t.to(device) for t in ts]).reshape(-1) for ts in (ours, theirs))
+    scale = torch.stack([t.to(device) for t in scales]).reshape(-1) + c.abs()
+    bad = over_tolerance(names, a, c, scale, rtol, atol, "datum check",
+                          compare_non_finite=not loss_scaled).bad()
+    if bad and not trusted and not required:
+        warnings.warn(
+            f"gradlog's datum check: the per-datum gradients of {bad[:6]}, weighted by random "
+            "v_b and summed, differ from autograd's gradient of sum_b v_b losses[b]. The "
+            "graph holds autograd Functions gradlog does not know, whose second backward "
+            "may differ from the first, so this may be a false alarm; if one datum's loss "
+            "depends on other datums, or a layer runs sequence-first with sequence length "
+            "equal to the batch size, the records are wrong: compare with backend='loop'.",
+            stacklevel=6,  # the caller of GradRecorder.backward
+        )
+        return
+    if bad:
+        raise BackendError(
+            f"the per-datum gradients of {bad[:6]} differ from the datums' own gradients "
+            "(weighted by random v_b and summed, against autograd.grad of sum_b v_b "
+            "losses[b]), though their plain sum may match p.grad. Likely causes: (1) one "
+            "datum's loss depends on the other datums of the batch (in-batch negatives of a "
+            "contrastive loss, a loss normalised over the batch): the hooks backend then "
+            "gives each datum's share of the batch gradient, not d losses[b] / d theta; (2) "
+            "a layer ran on a layout where gradlog mistook the batch dimension (a "
+            "sequence-first tensor whose sequence length equals the batch size, a layer "
+            "called once per datum by hand); (3) a rule that assigns gradient to the wrong "
+            "datum (please report it). p.grad is complete; nothing of this step was "
+            "recorded. Use backend='loop', or for (2) a batch size different from the "
+            "sequence length." + rerun_hint(bad, rerun or {}) + _float32_hint(
+                names, a, c, scale, params) + ("" if trusted else _UNTRUSTED_HINT)
+        )
+
+
+_UNTRUSTED_HINT = (
+    " The graph also holds autograd Functions gradlog does not know, whose second backward "
+    "(this check's) may differ from the first, so this may be a false alarm; but layers ran "
+    "on the batch's tokens flattened to rows, whose split into datums only this check "
+    "verifies, so the step is refused.")
+
+
+def _float32_hint(names: list[str], a: torch.Tensor, c: torch.Tensor, scale: torch.Tensor,
+                  params: Mapping[str, nn.Parameter]) -> str:
+    """Why a float64 model's deviations that float32's tolerance allows occur."""
+    rtol, atol = check_tolerance([torch.float32])
+    if any(params[n].dtype != torch.float64 for n in names) or over_tolerance(
+            names, a, c, scale, rtol, atol, "").bad():
+        return ""
+    return (" Here every deviation is within float32's rounding: a float64 model computing "
+            "steps in float32 (transformers' softmax, routers, norms) rounds its gradients "
+            "so; train it in float32, or pass check_every=0.")
