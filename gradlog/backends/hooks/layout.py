@@ -268,8 +268,8 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
         if proved:
             leads.add(tuple(proved[0]))
             continue
-        if kind in _FLATTENING:
-            sizes = autograd_node_view_input_sizes(node)
+        sizes = autograd_node_view_input_sizes(node) if kind in _FLATTENING else None
+        if kind in _FLATTENING and not (sizes and sizes[0] == n):
             lead = None if sizes is None else _flattened(sizes, B, n, features)
             if lead is None:
                 return None  # a reshape of something else: no proof
@@ -277,7 +277,9 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
             continue
         if kind == "AccumulateGrad":
             continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
-        if kind in _MATMUL_INPUT:
+        if kind in _FLATTENING:  # (a view that keeps the rows: a router's reshape(-1, d))
+            children = list(node.next_functions)
+        elif kind in _MATMUL_INPUT:
             children = [node.next_functions[_MATMUL_INPUT[kind]]]
         elif row_wise(node):
             children = list(node.next_functions)
