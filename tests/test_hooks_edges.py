@@ -945,8 +945,9 @@ def test_a_shared_table_of_b_rows_is_named_when_the_checks_refuse_it() -> None:
 class _FlatFFN(nn.Module):
     """A feed-forward block run on the batch's tokens flattened to (B*T, d), as OPT's
     decoder layers do; ``order`` flattens them datum-major (``"datums"``; ``"again"``: then
-    reshaped to rows once more, as HunYuan's router does with the rows its block made),
-    time-major (``"time"``), or mixes the rows before the layers (``"mixed"``)."""
+    reshaped to rows once more, as HunYuan's router does with the rows its block made;
+    ``"swiglu"``: a clamped gate chunked and sliced off the features, as MiniMax-M3's shared
+    experts do), time-major (``"time"``), or mixes the rows before the layers (``"mixed"``)."""
 
     def __init__(self, order: str) -> None:
         super().__init__()
@@ -963,23 +964,28 @@ class _FlatFFN(nn.Module):
             rows = rows.flip(0)  # another datum's row at each place
         if self.order == "again":
             rows = rows.reshape(-1, 2, d // 2).reshape(-1, d)  # (views that keep the rows)
-        out = rows + self.down(F.gelu(self.up(self.norm(rows))))
+        u = self.up(self.norm(rows))
+        if self.order == "swiglu":
+            gate, up = u.chunk(2, -1)
+            u = u.clamp(max=1.0) * torch.sigmoid(gate[:, :1] + up[:, 1:2])
+        out = rows + self.down(F.gelu(u))
         if self.order == "time":
             return out.view(T, B, d).transpose(0, 1)
         return (out.flip(0) if self.order == "mixed" else out).view(B, T, d)
 
 
-@pytest.mark.parametrize("order", ["datums", "again"])
+@pytest.mark.parametrize("order", ["datums", "again", "swiglu"])
 @pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
 def test_layers_on_the_batchs_tokens_flattened_record_like_the_loop(batch_grad: str,
                                                                     order: str) -> None:
     """Linear and LayerNorm on (B*T, d) rows that a reshape of (B, T, d) made, through
     row-wise ops and views that keep the rows only (OPT's feed-forward layers, HunYuan's
-    router): each datum's rows are proved from the graph and laid out as a chunk's. They
-    were refused ("do not flatten to (B*T, d)"; HunYuan's until the views were crossed)."""
+    router, MiniMax-M3's shared experts): each datum's rows are proved from the graph and
+    laid out as a chunk's. They were refused ("do not flatten to (B*T, d)"; HunYuan's and
+    MiniMax-M3's until such views, chunks, slices and clamps were crossed)."""
     block = _FlatFFN(order).double()
     h = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
-    h.requires_grad_(order == "again")  # (rows from a graph, as from an earlier layer's)
+    h.requires_grad_(order != "datums")  # (rows from a graph, as from an earlier layer's)
     assert_hooks_match_loop(block, lambda: squares(block(h)), batch_grad=batch_grad)
 
 

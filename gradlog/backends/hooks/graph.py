@@ -47,26 +47,32 @@ _ROW_WISE = frozenset({
     "NegBackward0", "AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0",
     "AddBackward1", "SubBackward1", "MulBackward1", "DivBackward1",  # (with a scalar)
     "PowBackward0", "RsqrtBackward0", "SqrtBackward0",  # (an RMSNorm written out by hand)
+    "ClampBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
+    "ExpBackward0", "SoftplusBackward0", "MishBackward0", "HardswishBackward0",
 })
 _LAST_DIM_REDUCTIONS = frozenset({"MeanBackward1", "SumBackward1"})
+_NOT_FIRST_DIM = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"})
 
 
 def row_wise(node: Any) -> bool:
     """Whether the op of autograd ``node`` computes its output row ``r`` from its inputs' row
-    ``r`` (and tensors broadcast over the rows) alone: elementwise ops, a LayerNorm, and a
-    mean or sum over the last dimension only (an RMSNorm written out by hand, Gemma 4's
-    router), as the flattened-rows walks cross them; a Linear (``addmm``/``mm``) is one
-    through its input, not its weight (they handle it)."""
+    ``r`` (and tensors broadcast over the rows) alone: elementwise ops, a LayerNorm, a mean
+    or sum over the last dimension only (an RMSNorm written out by hand, Gemma 4's router),
+    and chunks or slices along any dimension but the rows' (a SwiGLU's ``chunk(2, -1)``), as
+    the flattened-rows walks cross them; a Linear (``addmm``/``mm``) is one through its
+    input, not its weight (they handle it)."""
     kind = type(node).__name__
     if kind in _ROW_WISE:
         return True
-    if kind not in _LAST_DIM_REDUCTIONS:
+    if kind not in _LAST_DIM_REDUCTIONS and kind not in _NOT_FIRST_DIM:
         return False
     dims, sizes = getattr(node, "_saved_dim", None), getattr(node, "_saved_self_sym_sizes", None)
-    if not dims or not sizes:
+    if dims is None or not sizes:
         return False
-    last = len(sizes) - 1
-    return all((d - 2**64 if d >= 2**63 else d) % len(sizes) == last for d in dims)
+    signed = [d - 2**64 if d >= 2**63 else d for d in (dims if isinstance(dims, tuple) else [dims])]
+    if kind in _NOT_FIRST_DIM:
+        return all(d % len(sizes) != 0 for d in signed)
+    return bool(signed) and all(d % len(sizes) == len(sizes) - 1 for d in signed)
 
 
 PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
