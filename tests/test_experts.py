@@ -28,8 +28,10 @@ Counter = Callable[[Any, str], list[int]]  # (conftest's calls_to)
 def _experts_class(*, bias: bool, transposed: bool, gate: bool,
                    eager: str = "interface") -> type[nn.Module]:
     """An experts class of transformers' interface; its own (eager) forward loops over
-    (row, choice) pairs: the interface's formula, or with ``eager="other"`` another function
-    (the routing weight inside the activation) that the replay must catch."""
+    (row, choice) pairs: the interface's formula, or another function that the replay must
+    catch: ``eager="other"`` (the routing weight inside the activation), and outputs 3% off
+    only for experts from 2 on (``"high experts"``), for calls of more than 8 rows (``"many
+    rows"``) or in 16 bits (``"in 16 bits"``)."""
 
     @moe.use_experts_implementation(is_transposed=transposed, has_bias=bias, has_gate=gate)
     class Experts(nn.Module):
@@ -68,6 +70,10 @@ def _experts_class(*, bias: bool, transposed: bool, gate: bool,
                     y = z @ self.down_proj[e] if transposed else self.down_proj[e] @ z
                     if bias:
                         y = y + self.down_proj_bias[e]
+                    if (eager == "high experts" and e >= 2) or (
+                            eager == "many rows" and x.shape[0] > 8) or (
+                            eager == "in 16 bits" and torch.finfo(x.dtype).bits <= 16):
+                        y = 1.03 * y
                     out[n] = out[n] + (y if eager == "other" else weights[n, k] * y)
             return out
 
@@ -145,6 +151,34 @@ def test_a_forward_other_than_the_interface_keeps_the_re_run(
     model.experts.config._experts_implementation = "batched_mm"
     assert_like_loop(model, _losses(model, 3, 4), reductions=("mean",))
     assert not calls
+
+
+@pytest.mark.parametrize("eager", ["interface", "other", "high experts", "many rows",
+                                   "in 16 bits"])
+def test_bf16_experts_are_replayed_in_float32(eager: str, calls_to: Counter) -> None:
+    """bf16 experts: in 16 bits a correct forward rounds as much as a wrong formula, so the
+    replay runs a float32 copy of the module on the call (every expert, every row), and the
+    module as it is in aggregate. The interface's forward uses the formula (within bf16
+    rounding of the loop's records); a forward that computes something else, even 3% off
+    for some experts, some calls or only in 16 bits (a campaign's hunts: a copy of a few
+    experts on a few rows let the first two through), is caught and re-run per datum."""
+    calls = calls_to(experts_rule, "generic")
+    model = _mixture("eager", E=5, K=2, H=8, inner=6, bias=True, transposed=False, gate=True,
+                     eager=eager).bfloat16()
+    h = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def losses() -> torch.Tensor:
+        return ((model(h) + h) ** 2).flatten(1).float().sum(1)
+
+    want, _, _ = backend_grads(model, losses, "loop", "sum", params="experts.*")
+    assert not calls
+    got, _, _ = backend_grads(model, losses, "hooks", "sum", params="experts.*")
+    assert bool(calls) == (eager != "interface")
+    if eager == "many rows":
+        return  # (a function of the batch's size: the re-run on one datum's rows differs too)
+    for name, loop in want.items():
+        err = (got[name].double() - loop.double()).norm() / loop.double().norm()
+        assert err < 0.02, (name, float(err))
 
 
 def test_a_post_expert_norm_or_expert_parallelism_is_not_taken() -> None:

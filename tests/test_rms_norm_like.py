@@ -13,7 +13,7 @@ from torch import nn
 
 import gradlog.rules.func as func
 from gradlog.rules import find_rule
-from gradlog.testing.oracle import assert_like_loop
+from gradlog.testing.oracle import assert_like_loop, backend_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,6 +90,8 @@ class OtherRMSNorm(nn.Module):
         if self.kind == "before":
             x = x * (1 + self.weight)
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind == "in 16 bits":  # (3% off only there: a float64 replay cannot see it)
+            return (1.03 if torch.finfo(x.dtype).bits <= 16 else 1.0) * self.weight * y
         return y if self.kind == "before" else 1.05 * self.weight * y
 
 
@@ -115,6 +117,20 @@ def test_a_forward_other_than_the_formula_is_re_run(kind: str,
     calls = calls_to(func, "generic")
     assert_like_loop(model, _losses(model), reductions=("mean",))
     assert calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "in 16 bits"])
+def test_bf16_norms_are_also_compared_as_they_run(kind: str, calls_to: Counter) -> None:
+    """A bf16 norm passes the float64 replay whatever it does in 16 bits; it is also run
+    as it is, on the call, and compared with the formula in aggregate: a norm 3% off only
+    in bf16 is re-run per datum, transformers' LlamaRMSNorm uses the formula."""
+    torch.manual_seed(0)
+    norm = _norm("llama", 6) if kind == "llama" else OtherRMSNorm(6, kind)
+    model = _Block(norm).bfloat16()
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    calls = calls_to(func, "generic")
+    backend_grads(model, lambda: (model(x).float() ** 3).flatten(1).sum(1), "hooks", "mean")
+    assert bool(calls) == (kind != "llama")
 
 
 def test_a_gated_norm_is_re_run(calls_to: Counter) -> None:

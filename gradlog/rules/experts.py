@@ -15,14 +15,18 @@ written in place. The ``torch.func`` fallback re-ran the experts once per datum 
 The formula is the interface's (its ``batched_mm`` and ``grouped_mm`` implementations); a
 class's own eager forward could compute something else, so the first call of each module and
 implementation is replayed against the formula, and a module whose output differs keeps the
-fallback.
+fallback. The replay runs a float32 copy of a few experts (:func:`_probes`): in bf16 a
+correct forward rounds as much as a formula a few percent off, and 16-bit experts are the
+common case in training.
 """
 
 from __future__ import annotations
 
+import copy as _copy
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,8 +92,8 @@ def _gate(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
 class _Pairs:
     """A call's (row, choice) pairs, grouped by expert for the projections it recomputes
     (each expert's rows one matmul with its weights) and by datum for the per-datum
-    gradients (each datum's pairs padded per expert: one batched matmul over experts that
-    writes the datum's ``(E, ...)`` gradient in place)."""
+    gradients (a group of datums' pairs padded per datum and expert: one batched matmul
+    over (datum, expert) that writes the group's ``(g, E, ...)`` gradients in place)."""
 
     def __init__(self, index: torch.Tensor, B: int, E: int) -> None:
         N, K = index.shape
@@ -108,7 +112,7 @@ class _Pairs:
         self.row = by_expert // K  # (S,) the token row of each expert-major pair
         self.order = by_expert
         self.rows_of_datum = place  # pairs are datum-major already: datum b's S // B
-        self.expert, self.position = clamped, position
+        self.datum, self.expert, self.position = datum, clamped, position
         outside = ((expert < 0) | (expert >= E)).any().reshape(1)
         host = torch.cat([counts, outside.to(counts.dtype)]).tolist()  # (one sync)
         self.outside = bool(host[-1])
@@ -121,16 +125,29 @@ class _Pairs:
         self.most = [max((c[b] for c in counts_), default=0) for b in range(B)]  # per datum
         self.per, self.E = S // B, E
 
-    def of_datum(self, b: int, *ts: torch.Tensor) -> list[torch.Tensor]:
-        """Datum ``b``'s pairs of each expert-major tensor ``(S, f)`` laid out ``(E, C, f)``,
-        zero rows after each expert's (C: the most pairs b sends to one expert)."""
-        sl, C = slice(b * self.per, (b + 1) * self.per), self.most[b]
+    def of_datums(self, lo: int, hi: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Datums ``lo..hi-1``'s pairs of each expert-major tensor ``(S, f)`` laid out
+        ``(g * E, C, f)`` by (datum, expert), zero rows after each one's (C: the most pairs
+        one of these datums sends to one expert)."""
+        sl, C = slice(lo * self.per, hi * self.per), max(self.most[lo:hi])
         rows = self.rows_of_datum[sl]
-        at = self.expert[sl] * C + self.position[sl]
+        at = ((self.datum[sl] - lo) * self.E + self.expert[sl]) * C + self.position[sl]
         out = []
         for t in ts:
-            full = t.new_zeros((self.E * C, t.shape[1]))
-            out.append(full.index_copy_(0, at, t[rows]).view(self.E, C, t.shape[1]))
+            full = t.new_zeros(((hi - lo) * self.E * C, t.shape[1]))
+            out.append(full.index_copy_(0, at, t[rows]).view((hi - lo) * self.E, C, -1))
+        return out
+
+    def groups(self, padded: int, budget: int) -> list[tuple[int, int]]:
+        """Datums in consecutive groups whose padded layout (``padded`` elements per pair
+        slot of a datum and expert) stays within ``budget`` elements, one datum at least."""
+        B, out, lo = len(self.most), [], 0
+        while lo < B:
+            hi = lo + 1
+            while hi < B and (hi + 1 - lo) * self.E * max(self.most[lo:hi + 1]) * padded <= budget:
+                hi += 1
+            out.append((lo, hi))
+            lo = hi
         return out
 
 
@@ -151,7 +168,7 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
     up = _up(module)
     params = own_params(module)
     W_up, W_down = params[up], params["down_proj"]
-    b_up, b_down = params.get(f"{up}_bias"), params.get("down_proj_bias")
+    b_up = params.get(f"{up}_bias")
     transposed = bool(getattr(module, "is_transposed", False))
     dtype, B, E = W_down.dtype, cap.batch_size, W_down.shape[0]
     H, K = x.shape[-1], index.shape[-1]
@@ -163,54 +180,115 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
     pairs = _Pairs(index, B, E)
     if pairs.outside:  # (an expert id outside the module's: not the interface's routing)
         return re_run()
+    impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
+    theirs, ours = _probes(module, x, index, weights)
+    own = (lambda: module.forward(x, index, weights), ours)  # (16 bits: as it runs)
+    if not replays(module, impl, theirs, ours, H, torch.float32, own):
+        return re_run()  # (float32: some classes compute their gate or sums in it)
     g = cap.grad_output.reshape(N, H).to(dtype) * cap.scale  # (every result is linear in g)
     xs = x[pairs.row]  # (S, H)
     w = weights.reshape(-1)[pairs.order, None]  # (S, 1)
     gy = g[pairs.row] * w  # (S, H): the (scaled) gradient of each pair's down projection
-    U = W_up.shape[-1] if transposed else W_up.shape[1]
-    u = xs.new_empty((xs.shape[0], U))
-    gz = xs.new_empty((xs.shape[0], W_down.shape[1] if transposed else W_down.shape[-1]))
     hit = [e for e in range(E) if pairs.slices[e].stop > pairs.slices[e].start]
-    for e in hit:
-        sl = pairs.slices[e]
-        torch.mm(xs[sl], W_up[e] if transposed else W_up[e].T, out=u[sl])
-        if b_up is not None:
-            u[sl] += b_up[e]
-        torch.mm(gy[sl], W_down[e].T if transposed else W_down[e], out=gz[sl])
+    u = _up_projections(pairs, hit, xs, W_up, b_up, transposed)
+    gz = _down_input_grads(pairs, hit, gy, W_down, transposed)
     with torch.enable_grad():
         u_ = u.requires_grad_(True)
         z = _gate(module, u_)
         (gu,) = torch.autograd.grad(z, u_, gz)
     z = z.detach()
-    impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
-    if not replays(module, impl, lambda: module(x, index, weights), lambda: [_output(
-            pairs, hit, z, W_down, b_down, w, transposed, N)], H, torch.float32):
-        return re_run()  # (float32: some classes compute their gate or sums in it)
     out = {name: cap.empty((B, *p.shape), dtype, p.device)
            for name, p in params.items() if name in wanted}
-    for b in range(B):  # (every expert's gradient of datum b written in place)
-        X, Gy, Z, Gu = pairs.of_datum(b, xs, gy, z, gu)  # (E, C, .)
-        if up in out:
-            torch.bmm(*((X.mT, Gu) if transposed else (Gu.mT, X)), out=out[up][b])
-        if "down_proj" in out:
-            torch.bmm(*((Z.mT, Gy) if transposed else (Gy.mT, Z)), out=out["down_proj"][b])
-        if f"{up}_bias" in out:
-            torch.sum(Gu, 1, out=out[f"{up}_bias"][b])
-        if "down_proj_bias" in out:
-            torch.sum(Gy, 1, out=out["down_proj_bias"][b])
+    # (datums in groups: one batched matmul a group; the padded copies within a quarter of
+    # the gradients' own size, so they add little to the rule's peak memory)
+    padded = xs.shape[1] + gy.shape[1] + z.shape[1] + gu.shape[1]
+    for lo, hi in pairs.groups(padded, sum(o.numel() for o in out.values()) // 4):
+        X, Gy, Z, Gu = pairs.of_datums(lo, hi, xs, gy, z, gu)  # (g*E, C, .)
+        o = {name: t[lo:hi].view(-1, *t.shape[2:]) for name, t in out.items()}  # (g*E, ...)
+        if up in o:
+            torch.bmm(*((X.mT, Gu) if transposed else (Gu.mT, X)), out=o[up])
+        if "down_proj" in o:
+            torch.bmm(*((Z.mT, Gy) if transposed else (Gy.mT, Z)), out=o["down_proj"])
+        if f"{up}_bias" in o:
+            torch.sum(Gu, 1, out=o[f"{up}_bias"])
+        if "down_proj_bias" in o:
+            torch.sum(Gy, 1, out=o["down_proj_bias"])
     return out
 
 
-def _output(pairs: _Pairs, hit: list[int], z: torch.Tensor, W_down: torch.Tensor,
-            b_down: torch.Tensor | None, w: torch.Tensor, transposed: bool,
-            N: int) -> torch.Tensor:
-    """The formula's output ``(N, H)``, for the replay: ``sum_k w down_e(z)`` per row."""
+def _up_projections(pairs: _Pairs, hit: list[int], xs: torch.Tensor, W_up: torch.Tensor,
+                    b_up: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """Each pair's up projection ``u = up_e(x)`` ``(S, U)``, one matmul per expert hit."""
+    u = xs.new_empty((xs.shape[0], W_up.shape[-1] if transposed else W_up.shape[1]))
+    for e in hit:
+        sl = pairs.slices[e]
+        torch.mm(xs[sl], W_up[e] if transposed else W_up[e].T, out=u[sl])
+        if b_up is not None:
+            u[sl] += b_up[e]
+    return u
+
+
+def _down_input_grads(pairs: _Pairs, hit: list[int], gy: torch.Tensor, W_down: torch.Tensor,
+                      transposed: bool) -> torch.Tensor:
+    """Each pair's ``g_z = g_y W_down_e`` ``(S, I)``, one matmul per expert hit."""
+    gz = gy.new_empty((gy.shape[0], W_down.shape[1] if transposed else W_down.shape[-1]))
+    for e in hit:
+        sl = pairs.slices[e]
+        torch.mm(gy[sl], W_down[e].T if transposed else W_down[e], out=gz[sl])
+    return gz
+
+
+def _probes(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+            ) -> tuple[Callable[[], torch.Tensor], Callable[[], list[torch.Tensor]]]:
+    """The module's forward and the formula's output on the call, for the replay. 16-bit
+    experts run as a float32 copy (built on the first call only: replays caches): in 16 bits
+    a correct forward rounds as much as a formula a few percent off. The copy holds every
+    expert and takes every row, so a forward that treats some experts or some batch sizes
+    otherwise is seen as the real call would be."""
+    made: dict[str, Any] = {}
+
+    def probe() -> dict[str, Any]:
+        if not made:
+            params = own_params(module)
+            if torch.finfo(params["down_proj"].dtype).bits > 16:
+                made.update(module=module, x=x, weights=weights)
+            else:
+                copy = _copy.copy(module)  # (its own parameters; called without hooks)
+                copy._parameters = {n: nn.Parameter(p.detach().float(), requires_grad=False)
+                                    for n, p in params.items()}
+                made.update(module=copy, x=x.float(), weights=weights.float())
+        return made
+
+    def theirs() -> torch.Tensor:
+        m = probe()
+        out: torch.Tensor = m["module"].forward(m["x"], index, m["weights"])
+        return out
+
+    def ours() -> list[torch.Tensor]:
+        m = probe()
+        if "ours" not in m:
+            m["ours"] = [_formula(m["module"], m["x"], index, m["weights"])]
+        out: list[torch.Tensor] = m["ours"]
+        return out
+
+    return theirs, ours
+
+
+def _formula(module: nn.Module, x: torch.Tensor, index: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+    """The interface's output ``(N, H)``: ``sum_k w down_e(gate(up_e(x)))`` per row."""
+    params = own_params(module)
+    up, transposed = _up(module), bool(getattr(module, "is_transposed", False))
+    W_down, b_down = params["down_proj"], params.get("down_proj_bias")
+    pairs = _Pairs(index, 1, W_down.shape[0])
+    hit = [e for e in range(pairs.E) if pairs.slices[e].stop > pairs.slices[e].start]
+    z = _gate(module, _up_projections(pairs, hit, x[pairs.row], params[up],
+                                      params.get(f"{up}_bias"), transposed))
     y = z.new_empty((z.shape[0], W_down.shape[-1] if transposed else W_down.shape[1]))
     for e in hit:
         sl = pairs.slices[e]
         torch.mm(z[sl], W_down[e] if transposed else W_down[e].T, out=y[sl])
         if b_down is not None:
             y[sl] += b_down[e]
-    out = y.new_zeros((N, y.shape[1]))
-    return out.index_add_(0, pairs.row, y * w)
-
+    w = weights.reshape(-1)[pairs.order, None]
+    return y.new_zeros((x.shape[0], y.shape[1])).index_add_(0, pairs.row, y * w)

@@ -122,7 +122,10 @@ def rms_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> Ru
     dtype = _param_dtype(module)
     x = tensors[0].to(torch.promote_types(dtype, torch.float32))
     x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (B, ..., d)
-    if not replays(module, "", *_probes(module, tensors[0], eps), x.shape[-1], torch.float32):
+    w = weight.detach().to(x_hat.dtype)
+    own = (lambda: module.forward(tensors[0]), lambda: (w * x_hat, (1 + w) * x_hat))
+    if not replays(module, "", *_probes(module, tensors[0], eps), x.shape[-1], torch.float32,
+                   own):
         return generic(module, cap, wanted)
     return _affine(x_hat, cap, wanted, 1, dtype)
 

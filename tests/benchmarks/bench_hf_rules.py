@@ -3,8 +3,8 @@
 transformers' experts classes (``gradlog/rules/experts.py``) and RMSNorm classes
 (``rms_norm_like`` in ``gradlog/rules/layer_norm.py``) share no base class; without those
 rules they are re-run per datum by the ``torch.func`` fallback. This script times a training
-step (forward, ``rec.backward``, SGD step, ``rec.flush()``) of a float32 Mixtral or Llama
-built from a config with random weights, in these variants:
+step (forward, ``rec.backward``, SGD step, ``rec.flush()``) of a Mixtral or Llama built from
+a config with random weights (float32, or ``--dtype bfloat16`` weights), in these variants:
 
 - ``plain``: no recorder;
 - ``rule``: recorded, with the rules;
@@ -15,6 +15,7 @@ for each form and experts implementation asked, variants alternated within each 
 
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_hf_rules.py --reps 7 --steps 3
     python tests/benchmarks/bench_hf_rules.py --model llama --impl eager
+    python tests/benchmarks/bench_hf_rules.py --dtype bfloat16 --shape wide --form norm
     python tests/benchmarks/bench_hf_rules.py --shape tiny --reps 2 --steps 1   # (smoke)
 """
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 import gradlog
 from gradlog.rules import base
+from gradlog.rules.replay import _SEEN
 
 SHAPES: dict[str, dict[str, int]] = {
     # (d 64, 4 experts, B 8, T 32: the shape CHANGELOG quoted for the re-run, 3.4x)
@@ -42,8 +44,8 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def build(shape: dict[str, int], impl: str,
-          kind: str = "mixtral") -> tuple[torch.nn.Module, torch.Tensor]:
+def build(shape: dict[str, int], impl: str, kind: str = "mixtral",
+          dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
     import transformers
 
     common = dict(vocab_size=256, hidden_size=shape["hidden"],
@@ -59,14 +61,14 @@ def build(shape: dict[str, int], impl: str,
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = (transformers.MixtralForCausalLM if kind == "mixtral"
-             else transformers.LlamaForCausalLM)(cfg).train()
+             else transformers.LlamaForCausalLM)(cfg).to(dtype).train()
     ids = torch.randint(0, 256, (shape["B"], shape["T"]),
                         generator=torch.Generator().manual_seed(1))
     return model, ids
 
 
 def losses(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=ids).logits[:, :-1]  # (B, T-1, V)
+    logits = model(input_ids=ids).logits[:, :-1].float()  # (B, T-1, V)
     return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
@@ -83,8 +85,8 @@ def without_matched_rules() -> Iterator[None]:
 
 
 def variant(name: str, kind: str, shape: dict[str, int], impl: str, form: str,
-            tmp: Path) -> Callable[[int], float]:
-    model, ids = build(shape, impl, kind)
+            tmp: Path, dtype: torch.dtype) -> Callable[[int], float]:
+    model, ids = build(shape, impl, kind, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if name == "plain":
         def plain(steps: int) -> float:
@@ -113,18 +115,22 @@ def variant(name: str, kind: str, shape: dict[str, int], impl: str, form: str,
             opt.step()
             opt.zero_grad()
         rec.flush()
-        return (time.perf_counter() - t0) / steps
+        seconds = (time.perf_counter() - t0) / steps
+        replayed = [v for m in model.modules() for v in _SEEN.get(m, {}).values()]
+        if name == "rule" and not all(replayed):  # (the replay runs in the first backward)
+            raise SystemExit("rule: a module failed its replay and was re-run per datum")
+        return seconds
 
     return recorded
 
 
 def run(kind: str, shape_name: str, impl: str, form: str, reps: int,
-        steps: int) -> list[str]:
+        steps: int, dtype: torch.dtype) -> list[str]:
     shape = SHAPES[shape_name]
     names = ["plain", "rule", "re-run"]
     rows = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
-        variants = {n: variant(n, kind, shape, impl, form, Path(d)) for n in names}
+        variants = {n: variant(n, kind, shape, impl, form, Path(d), dtype) for n in names}
         for fn in variants.values():
             fn(1)  # warm-up (the first backward's datum check, the replay, allocations)
         times: dict[str, list[float]] = {n: [] for n in names}
@@ -149,10 +155,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the weights' dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"float32 {args.model} from a config, CPU, {args.threads} thread(s), {args.reps} paired "
-          f"repetitions of {args.steps} steps; medians. Shapes: "
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype} {args.model} from a config, CPU, {args.threads} thread(s), "
+          f"{args.reps} paired repetitions of {args.steps} steps; medians. Shapes: "
           + "; ".join(f"{s} {SHAPES[s]}" for s in args.shape))
     if args.model == "llama":
         args.impl = ["-"]  # (no experts)
@@ -161,7 +170,7 @@ def main() -> None:
     for s in args.shape:
         for impl in args.impl:
             for form in args.form:
-                for row in run(args.model, s, impl, form, args.reps, args.steps):
+                for row in run(args.model, s, impl, form, args.reps, args.steps, dtype):
                     print(row, flush=True)
 
 
