@@ -182,7 +182,8 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
         return re_run()
     impl = str(getattr(getattr(module, "config", None), "_experts_implementation", None))
     theirs, ours = _probes(module, x, index, weights)
-    own = (lambda: module.forward(x, index, weights), ours)  # (16 bits: as it runs)
+    own = ((lambda: module.forward(x, index, weights), ours)  # (as it runs)
+           if torch.finfo(dtype).bits <= 16 else None)
     if not replays(module, impl, theirs, ours, H, torch.float32, own):
         return re_run()  # (float32: some classes compute their gate or sums in it)
     g = cap.grad_output.reshape(N, H).to(dtype) * cap.scale  # (every result is linear in g)
@@ -190,8 +191,8 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
     w = weights.reshape(-1)[pairs.order, None]  # (S, 1)
     gy = g[pairs.row] * w  # (S, H): the (scaled) gradient of each pair's down projection
     hit = [e for e in range(E) if pairs.slices[e].stop > pairs.slices[e].start]
-    u = _up_projections(pairs, hit, xs, W_up, b_up, transposed)
-    gz = _down_input_grads(pairs, hit, gy, W_down, transposed)
+    u = _per_expert(pairs, hit, xs, W_up, b_up, transposed)
+    gz = _per_expert(pairs, hit, gy, W_down, None, not transposed)
     with torch.enable_grad():
         u_ = u.requires_grad_(True)
         z = _gate(module, u_)
@@ -216,26 +217,18 @@ def experts(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResu
     return out
 
 
-def _up_projections(pairs: _Pairs, hit: list[int], xs: torch.Tensor, W_up: torch.Tensor,
-                    b_up: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """Each pair's up projection ``u = up_e(x)`` ``(S, U)``, one matmul per expert hit."""
-    u = xs.new_empty((xs.shape[0], W_up.shape[-1] if transposed else W_up.shape[1]))
+def _per_expert(pairs: _Pairs, hit: list[int], rows: torch.Tensor, W: torch.Tensor,
+                b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """Each pair's row through its expert's weights, ``rows W_e^T + b_e`` (``rows W_e`` for
+    ``transposed`` weights), one matmul per expert hit: the up projection ``u = up_e(x)``,
+    the down one, and with ``transposed`` flipped ``g_z = g_y W_down_e``."""
+    out = rows.new_empty((rows.shape[0], W.shape[-1] if transposed else W.shape[1]))
     for e in hit:
         sl = pairs.slices[e]
-        torch.mm(xs[sl], W_up[e] if transposed else W_up[e].T, out=u[sl])
-        if b_up is not None:
-            u[sl] += b_up[e]
-    return u
-
-
-def _down_input_grads(pairs: _Pairs, hit: list[int], gy: torch.Tensor, W_down: torch.Tensor,
-                      transposed: bool) -> torch.Tensor:
-    """Each pair's ``g_z = g_y W_down_e`` ``(S, I)``, one matmul per expert hit."""
-    gz = gy.new_empty((gy.shape[0], W_down.shape[1] if transposed else W_down.shape[-1]))
-    for e in hit:
-        sl = pairs.slices[e]
-        torch.mm(gy[sl], W_down[e].T if transposed else W_down[e], out=gz[sl])
-    return gz
+        torch.mm(rows[sl], W[e] if transposed else W[e].T, out=out[sl])
+        if b is not None:
+            out[sl] += b[e]
+    return out
 
 
 def _probes(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
@@ -282,13 +275,8 @@ def _formula(module: nn.Module, x: torch.Tensor, index: torch.Tensor,
     W_down, b_down = params["down_proj"], params.get("down_proj_bias")
     pairs = _Pairs(index, 1, W_down.shape[0])
     hit = [e for e in range(pairs.E) if pairs.slices[e].stop > pairs.slices[e].start]
-    z = _gate(module, _up_projections(pairs, hit, x[pairs.row], params[up],
-                                      params.get(f"{up}_bias"), transposed))
-    y = z.new_empty((z.shape[0], W_down.shape[-1] if transposed else W_down.shape[1]))
-    for e in hit:
-        sl = pairs.slices[e]
-        torch.mm(z[sl], W_down[e] if transposed else W_down[e].T, out=y[sl])
-        if b_down is not None:
-            y[sl] += b_down[e]
+    z = _gate(module, _per_expert(pairs, hit, x[pairs.row], params[up],
+                                  params.get(f"{up}_bias"), transposed))
+    y = _per_expert(pairs, hit, z, W_down, b_down, transposed)
     w = weights.reshape(-1)[pairs.order, None]
     return y.new_zeros((x.shape[0], y.shape[1])).index_add_(0, pairs.row, y * w)
