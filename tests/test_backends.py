@@ -266,3 +266,61 @@ def test_a_functional_dropout_in_a_fallback_module_is_refused() -> None:
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(BackendError, match="random"):
         backend_grads(model, lambda: model(x).sum(1))
+
+
+class _DropPath(torch.nn.Module):
+    """timm's and transformers' drop path (one mask per datum), or with ``kind="noise"`` a
+    module named so whose output is not its input times a mask."""
+
+    def __init__(self, rate: float, kind: str = "mask") -> None:
+        super().__init__()
+        self.drop_prob, self.kind = rate, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0.0:
+            return x
+        if self.kind == "noise":
+            return x + torch.rand_like(x)
+        keep = 1 - self.drop_prob
+        mask = (keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype)).floor_()
+        return x.div(keep) * mask
+
+
+class _ScaledResidual(torch.nn.Module):
+    """BEiT's and ConvNeXt's layer: a layer-scale parameter (no rule: the torch.func
+    fallback re-runs the layer) and a drop path on the branch."""
+
+    def __init__(self, kind: str = "mask") -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.gamma = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.drop_path = _DropPath(0.5, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop_path(self.gamma * torch.tanh(self.fc(x)))
+
+
+def test_a_libraries_drop_path_is_replayed_in_the_torch_func_fallback() -> None:
+    """Drop paths (named ``...DropPath``, with a ``drop_prob``) were not replayed, so BEiT's
+    and ConvNeXt's layers were refused in training ("draws random numbers"); their masks
+    are now rebuilt and applied per datum, as nn.Dropout's."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_ScaledResidual(), _ScaledResidual()).double().train()
+    x = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    described = assert_like_loop(model, lambda: model(x).pow(2).sum((1, 2)))
+    assert sorted(described["fallback"]) == ["0", "1"]
+
+
+def test_a_drop_path_that_is_not_a_mask_is_refused() -> None:
+    """Matched by name, so each call is checked: a module named so that adds noise is
+    refused, never re-run with other draws."""
+    from gradlog.errors import BackendError
+    from gradlog.testing.oracle import backend_grads
+
+    model = _ScaledResidual("noise").double().train()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    with pytest.raises(BackendError, match="named like a drop path"):
+        backend_grads(model, lambda: model(x).pow(2).sum((1, 2)))

@@ -10,9 +10,14 @@ of one call are kept with that call's input tensors. :func:`masks_of` hands them
 :func:`gradlog.rules.func.func_grads`, which re-runs the module with its dropouts switched
 to eval mode and each output multiplied by that datum's row of its mask (:func:`replay`).
 
-Other random draws (``AlphaDropout``, a functional ``F.dropout`` or ``torch.rand`` in the
-module's own forward, drop-path, dropout inside ``nn.LSTM``/``MultiheadAttention``) are not
-replayed: those modules stay refused, never computed with other masks.
+Drop-path modules of libraries (transformers' ``BeitDropPath``, ``ConvNextDropPath`` and
+their kin, timm's ``DropPath``: named ``...DropPath``, a ``drop_prob``, no parameters) draw
+one multiplicative mask per datum the same way; as their forward is matched by name, each
+call's output is checked to be its input times the rebuilt mask, and a call that is not is
+refused (:func:`masks_of`). Other random draws (``AlphaDropout``, a functional
+``F.dropout`` or ``torch.rand`` in the module's own forward, dropout inside
+``nn.LSTM``/``MultiheadAttention``) are not replayed: those modules stay refused, never
+computed with other masks.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class _Frame:
     inputs: list[weakref.ref[torch.Tensor]]
     masks: list[torch.Tensor] = field(default_factory=list)
     ambiguous: bool = False  # another call on the same inputs drew other masks
+    unlike: str = ""  # a drop path whose output was not its input times the mask
 
     def alive(self) -> bool:
         return all(r() is not None for r in self.inputs)
@@ -63,7 +69,16 @@ class _Replay:
 
 
 def _replayable(m: nn.Module) -> bool:
-    return type(m) in REPLAYABLE
+    return type(m) in REPLAYABLE or _drop_path(m) is not None
+
+
+def _drop_path(m: nn.Module) -> float | None:
+    """A library's drop-path module's rate (see the module doc), else None."""
+    rate = getattr(m, "drop_prob", None)
+    if (not type(m).__name__.endswith("DropPath") or not isinstance(rate, float)
+            or any(True for _ in m.parameters())):
+        return None
+    return rate
 
 
 def _key(args: Any) -> tuple[int, ...]:
@@ -120,6 +135,9 @@ def track_dropout(module: nn.Module) -> list[Any]:
         x = args[0]
         with forked_rng(cuda_devices([x]), state), torch.no_grad():
             mask = m.forward(torch.ones_like(x))  # the draw the call made, scaled 1/(1-p)
+            if type(m) not in REPLAYABLE and not (isinstance(out, torch.Tensor) and torch.allclose(
+                    out, x * mask, rtol=8 * torch.finfo(x.dtype).eps, atol=0.0)):
+                frame.unlike = type(m).__name__  # (matched by name: not a mask on its input)
         frame.masks.append(mask)
         return None
 
@@ -149,6 +167,13 @@ def masks_of(module: nn.Module, args: Any) -> list[torch.Tensor] | None:
             "call's backward is which, to replay its masks. Set those dropouts to 0 or use "
             "backend='loop'."
         )
+    if frame is not None and frame.unlike:
+        raise BackendError(
+            f"{frame.unlike} inside {type(module).__name__} is named like a drop path, but "
+            "its output was not its input times a mask its forward drew, so gradlog cannot "
+            "replay it in the per-datum re-run. Set its rate to 0, put it in eval mode, or "
+            "use backend='loop'."
+        )
     return None if frame is None else frame.masks
 
 
@@ -160,6 +185,7 @@ def unreplayed(module: nn.Module) -> list[str]:
         if not m.training:
             continue
         rate = dropout_rate(m)
+        rate = _drop_path(m) if rate is None else rate
         if rate is not None:
             p = 0.0 if m in _TRACKED and _replayable(m) else rate
         elif isinstance(m, nn.RNNBase):
