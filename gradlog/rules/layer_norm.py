@@ -122,8 +122,11 @@ def rms_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> Ru
     dtype = _param_dtype(module)
     x = tensors[0].to(torch.promote_types(dtype, torch.float32))
     x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (B, ..., d)
-    w = weight.detach().to(x_hat.dtype)
-    own = (lambda: module.forward(tensors[0]), lambda: (w * x_hat, (1 + w) * x_hat))
+    def formula() -> tuple[torch.Tensor, torch.Tensor]:  # (at the module's weight)
+        w = weight.detach().to(x_hat.dtype)
+        return w * x_hat, (1 + w) * x_hat
+
+    own = (lambda: module.forward(tensors[0]), formula)  # (run on the first call only)
     if not replays(module, "", *_probes(module, tensors[0], eps), x.shape[-1], torch.float32,
                    own):
         return generic(module, cap, wanted)
