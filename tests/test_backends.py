@@ -248,24 +248,69 @@ def test_dropout_in_a_fallback_module_called_twice_on_one_input_is_refused() -> 
         backend_grads(block, lambda: (block(x) * block(x)).sum((1, 2, 3)))
 
 
-def test_a_functional_dropout_in_a_fallback_module_is_refused() -> None:
-    """F.dropout in the module's own forward cannot be replayed: refused, not recorded with
-    other masks."""
+class _Functional(torch.nn.Module):
+    """Own parameters (the torch.func fallback) around F.dropout calls, one in a child
+    module's forward (transformers' eager attention), beside an nn.Dropout layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.inner, self.drop = torch.nn.Tanh(), torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(x * self.scale, 0.5, self.training)
+        h = self.drop(torch.tanh(h))
+        return F.dropout(h * self.scale, p=0.2, training=self.training) + x
+
+
+def test_a_functional_dropout_in_a_fallback_module_is_replayed() -> None:
+    """F.dropout in the module's own forward was refused ("draws random numbers"); its
+    masks are now noted and replayed per datum, in call order with nn.Dropout's."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _Functional().double().train()
+    x = torch.randn(6, 5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    described = assert_like_loop(model, lambda: model(x).pow(2).sum((1, 2)))
+    assert described["fallback"] == [""]
+
+
+def test_functional_dropout_replay_leaves_the_training_rng_stream_unchanged(
+        tmp_path: Any) -> None:
+    def run(record: bool) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _Functional().double().train()
+            x = torch.randn(6, 5, 3, dtype=torch.float64)
+            if record:
+                with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+                    rec.backward(model(x).pow(2).sum((1, 2)))
+            else:
+                model(x).pow(2).sum().backward()
+            return torch.rand(3)
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_random_draws_that_are_not_dropout_in_a_fallback_module_are_refused() -> None:
+    """torch.rand in the module's own forward cannot be replayed: refused, not recorded
+    with other draws."""
     from gradlog.errors import BackendError
     from gradlog.testing.oracle import backend_grads
 
-    class Functional(torch.nn.Module):
+    class Noisy(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.scale = torch.nn.Parameter(torch.ones(3))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.dropout(x * self.scale, 0.5, self.training)
+            return x * self.scale + torch.rand_like(x)
 
-    model = Functional().double().train()
+    model = Noisy().double().train()
     x = torch.randn(4, 3, dtype=torch.float64)
     with pytest.raises(BackendError, match="random"):
-        backend_grads(model, lambda: model(x).sum(1))
+        backend_grads(model, lambda: (model(x) ** 2).sum(1))
 
 
 class _DropPath(torch.nn.Module):

@@ -10,12 +10,17 @@ of one call are kept with that call's input tensors. :func:`masks_of` hands them
 :func:`gradlog.rules.func.func_grads`, which re-runs the module with its dropouts switched
 to eval mode and each output multiplied by that datum's row of its mask (:func:`replay`).
 
+A functional ``F.dropout`` in the forward of the module or of its submodules (transformers'
+eager attention dropout) is noted and replayed the same way, seen by a
+:class:`~torch.overrides.TorchFunctionMode` pushed for the module's training forwards and
+its re-runs (:class:`_Functional`).
+
 Drop-path modules of libraries (transformers' ``BeitDropPath``, ``ConvNextDropPath`` and
 their kin, timm's ``DropPath``: named ``...DropPath``, a ``drop_prob``, no parameters) draw
 one multiplicative mask per datum the same way; as their forward is matched by name, each
 call's output is checked to be its input times the rebuilt mask, and a call that is not is
-refused (:func:`masks_of`). Other random draws (``AlphaDropout``, a functional
-``F.dropout`` or ``torch.rand`` in the module's own forward, dropout inside
+refused (:func:`masks_of`). Other random draws (``AlphaDropout``, ``torch.rand`` in the
+module's own forward, the dropout of ``F.scaled_dot_product_attention`` or inside
 ``nn.LSTM``/``MultiheadAttention``) are not replayed: those modules stay refused, never
 computed with other masks.
 """
@@ -29,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from gradlog._torch_private import cuda_devices, dropout_rate, forked_rng, rng_states
 from gradlog._tree import leaves
@@ -51,7 +58,8 @@ class _Frame:
 
     inputs: list[weakref.ref[torch.Tensor]]
     masks: list[torch.Tensor] = field(default_factory=list)
-    ambiguous: bool = False  # another call on the same inputs drew other masks
+    ambiguous: bool = False  # another call on the same inputs: whose masks are whose?
+    others_drew: bool = False  # and that call drew masks
     unlike: str = ""  # a drop path whose output was not its input times the mask
 
     def alive(self) -> bool:
@@ -90,17 +98,66 @@ def tracked(module: nn.Module) -> bool:
     return module in _TRACKED
 
 
+def _dropout_call(args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[torch.Tensor, float, bool]:
+    """``F.dropout``'s (input, p, training) from a call's arguments."""
+    names = ("input", "p", "training", "inplace")
+    given = {**dict(zip(names, args)), **kwargs}
+    return given["input"], float(given.get("p", 0.5)), bool(given.get("training", True))
+
+
+class _Functional(TorchFunctionMode):
+    """Notes the mask of each ``F.dropout`` call that draws one into the module's current
+    frame (in call order with its dropout layers'), or, in a re-run (:func:`replay`),
+    applies the next mask instead of drawing."""
+
+    def __init__(self, frame: _Frame | None) -> None:
+        super().__init__()
+        self.frame = frame
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.dropout or _Layer.inside:
+            return func(*args, **kwargs)
+        x, p, training = _dropout_call(args, kwargs)
+        if not training or p == 0.0:
+            return func(*args, **kwargs)
+        if _Replay.masks is not None:  # the re-run: this datum's row of the batch's mask
+            if not _Replay.masks:
+                raise RuntimeError("a dropout ran more often in the re-run than in the forward")
+            return x * _Replay.masks.pop(0)
+        state = rng_states(cuda_devices([x]))
+        out = func(*args, **kwargs)
+        if self.frame is not None:
+            with forked_rng(cuda_devices([x]), state), torch.no_grad():
+                self.frame.masks.append(F.dropout(torch.ones_like(x), p, True))
+        return out
+
+
+class _Layer:
+    """Whether a tracked dropout layer is running (its own ``F.dropout`` is noted by its
+    hooks, not by :class:`_Functional`)."""
+
+    inside = False
+
+
 def track_dropout(module: nn.Module) -> list[Any]:
-    """Note the masks drawn by ``module``'s dropout submodules in each of its forwards.
+    """Note the masks drawn by ``module``'s dropout submodules and functional dropouts in
+    each of its training forwards.
 
     Returns:
-        The hook handles (remove them to stop); none when it has no such dropout.
+        The hook handles (remove them to stop).
     """
     drops = [m for m in module.modules() if _replayable(m)]
-    if not drops:
-        return []
     current: list[_Frame | None] = [None]
     states: dict[int, dict[str, torch.Tensor]] = {}
+    modes: list[_Functional] = []
+
+    def leave(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              out: Any) -> None:
+        if modes:
+            modes.pop().__exit__(None, None, None)
 
     def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if _Replay.masks is not None or not torch.is_grad_enabled():
@@ -116,15 +173,26 @@ def track_dropout(module: nn.Module) -> list[Any]:
         key = _key((args, kwargs))
         if key in frames:  # called again on the same inputs: whose masks are whose is unknown
             frames[key].ambiguous = frame.ambiguous = True
+            frame.others_drew = bool(frames[key].masks) or frames[key].others_drew
         frames[key] = frame
         current[0] = frame
+        if module.training and not torch.compiler.is_compiling():
+            modes.append(_Functional(frame))
+            modes[-1].__enter__()
 
     def before(m: nn.Module, args: tuple[Any, ...]) -> None:
+        _Layer.inside = True
         if _Replay.masks is None and current[0] is not None and m.training:
             x = args[0]
             states[id(m)] = rng_states(cuda_devices([x]))
 
     def after(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return noted(m, args, out)
+        finally:
+            _Layer.inside = False  # (after the mask's rebuild, whose F.dropout is this layer's)
+
+    def noted(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
         if _Replay.masks is not None:  # the re-run: this datum's row of the batch's mask
             if not _Replay.masks:
                 raise RuntimeError("a dropout ran more often in the re-run than in the forward")
@@ -141,7 +209,8 @@ def track_dropout(module: nn.Module) -> list[Any]:
         frame.masks.append(mask)
         return None
 
-    handles = [module.register_forward_pre_hook(enter, with_kwargs=True)]
+    handles = [module.register_forward_pre_hook(enter, with_kwargs=True),
+               module.register_forward_hook(leave, with_kwargs=True, always_call=True)]
     for m in drops:
         handles.append(m.register_forward_pre_hook(before))
         handles.append(m.register_forward_hook(after))
@@ -160,7 +229,7 @@ def masks_of(module: nn.Module, args: Any) -> list[torch.Tensor] | None:
     if frame is not None and (len(frame.inputs) != len(tensors) or any(
             r() is not t for r, t in zip(frame.inputs, tensors))):
         frame = None  # (another call's, whose inputs' ids were reused: not this call's)
-    if frame is not None and frame.ambiguous:
+    if frame is not None and frame.ambiguous and (frame.masks or frame.others_drew):
         raise BackendError(
             f"{type(module).__name__} was called more than once on the same inputs in one "
             "forward and its dropouts drew masks in each call: gradlog cannot tell which "
@@ -208,7 +277,8 @@ def replay(module: nn.Module, masks: Sequence[torch.Tensor]) -> Iterator[None]:
         m.training = False  # (its forward is then the identity; the hook applies the mask)
     _Replay.masks = list(masks)
     try:
-        yield
+        with _Functional(None):
+            yield
         if _Replay.masks:
             raise RuntimeError("a dropout ran less often in the re-run than in the forward")
     finally:
