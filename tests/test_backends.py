@@ -345,6 +345,20 @@ class _ScaledResidual(torch.nn.Module):
         return x + self.drop_path(self.gamma * torch.tanh(self.fc(x)))
 
 
+def test_dropouts_at_rate_0_draw_nothing_to_replay(tmp_path: Any) -> None:
+    """A dropout layer at rate 0 (nn.TransformerEncoderLayer(dropout=0.0)) noted a mask of
+    ones on every call, so a second forward on the same batch (an extra evaluation under
+    the open recorder) made the next backward refuse: "called more than once on the same
+    inputs ... drew masks"."""
+    model = torch.nn.Sequential(_ScaledResidual(), torch.nn.Dropout(0.0)).double().train()
+    model[0].drop_path.drop_prob = 0.0
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        model(x).sum().backward()  # (not recorded)
+        rec.backward(model(x).pow(2).sum((1, 2)))
+    assert len(gradlog.open(tmp_path / "r.gradlog").steps) == 1
+
+
 def test_a_libraries_drop_path_is_replayed_in_the_torch_func_fallback() -> None:
     """Drop paths (named ``...DropPath``, with a ``drop_prob``) were not replayed, so BEiT's
     and ConvNeXt's layers were refused in training ("draws random numbers"); their masks

@@ -80,6 +80,12 @@ def _replayable(m: nn.Module) -> bool:
     return type(m) in REPLAYABLE or _drop_path(m) is not None
 
 
+def _rate(m: nn.Module) -> float:
+    """A tracked dropout layer's rate (0: it draws nothing)."""
+    rate = dropout_rate(m)
+    return float((_drop_path(m) if rate is None else rate) or 0.0)
+
+
 def _drop_path(m: nn.Module) -> float | None:
     """A library's drop-path module's rate (see the module doc), else None."""
     rate = getattr(m, "drop_prob", None)
@@ -182,7 +188,7 @@ def track_dropout(module: nn.Module) -> list[Any]:
 
     def before(m: nn.Module, args: tuple[Any, ...]) -> None:
         _Layer.inside = True
-        if _Replay.masks is None and current[0] is not None and m.training:
+        if _Replay.masks is None and current[0] is not None and m.training and _rate(m):
             x = args[0]
             states[id(m)] = rng_states(cuda_devices([x]))
 
@@ -194,6 +200,8 @@ def track_dropout(module: nn.Module) -> list[Any]:
 
     def noted(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
         if _Replay.masks is not None:  # the re-run: this datum's row of the batch's mask
+            if not _rate(m):
+                return None  # (drew nothing in the forward: a rate of 0)
             if not _Replay.masks:
                 raise RuntimeError("a dropout ran more often in the re-run than in the forward")
             return out * _Replay.masks.pop(0)
