@@ -379,7 +379,7 @@ def test_a_drop_path_that_is_not_a_mask_is_refused() -> None:
     from gradlog.errors import BackendError
     from gradlog.testing.oracle import backend_grads
 
-    model = _ScaledResidual("noise").double().train()
+    model = torch.nn.Sequential(_ScaledResidual("noise")).double().train()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
     with pytest.raises(BackendError, match="named like a drop path"):
         backend_grads(model, lambda: model(x).pow(2).sum((1, 2)))

@@ -264,8 +264,40 @@ def test_raw_parameters_in_the_parents_forward(tmp_path: Path) -> None:
     x = torch.randn(4, 4, 5, dtype=D64, generator=gen)
     y = torch.randint(0, 3, (4,), generator=gen)
     assert_zoo_model(
-        model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None), tmp_path, fallback=[""]
-    )  # the model itself owns cls and pos
+        model, lambda m: (F.cross_entropy(m(x), y, reduction="none"), None), tmp_path, fallback=[]
+    )  # the model itself owns cls and pos: captured op by op (it was re-run whole per datum)
+
+
+class _NoisyViT(TinyViT):
+    """TinyViT with dropout on the embeddings, a functional one and a layer, and a scale
+    parameter of the root's used after the norm (timm's and CLIP's own parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1) + self.pos
+        h = self.drop(F.dropout(h, 0.2, self.training))
+        return self.head(self.norm(h)[:, 0] * self.scale.exp())  # type: ignore[no-any-return]
+
+
+def test_a_roots_own_parameters_with_dropout_are_captured_op_by_op() -> None:
+    """The root's own parameters beside hooked layers were computed by re-running the whole
+    model per datum (its dropouts replayed); they are captured op by op, through the batch's
+    own masks, and equal the loop oracle's."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    model = seeded(_NoisyViT).train()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, 5, dtype=D64, generator=gen)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    described = assert_like_loop(model, lambda: F.cross_entropy(model(x), y, reduction="none"))
+    assert described["fallback"] == []
+    assert {op.split(": ")[0].split("(")[1].rstrip(")") for op in described["ops"]} == {
+        "cls", "pos", "scale"}
 
 
 class Reuse(nn.Module):

@@ -164,15 +164,34 @@ def test_ia3_records_like_the_loop_oracle() -> None:
 
 
 class _ByHand(nn.Module):
-    """An IA3-like scaling no rule knows: a ``ParameterDict`` vector used in the forward."""
+    """An IA3-like scaling no rule knows: ``ParameterDict`` vectors used in the forward,
+    one alone (``"one"``: a function of it, then a product with the data) or two combined
+    first (``"two"``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "two") -> None:
         super().__init__()
         self.lin = nn.Linear(5, 3)
-        self.vec = nn.ParameterDict({"a": nn.Parameter(torch.ones(3))})
+        self.vec = nn.ParameterDict({"a": nn.Parameter(torch.linspace(0.5, 1.5, 3)),
+                                     "b": nn.Parameter(torch.ones(3))})
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * (1 * self.vec["a"])  # type: ignore[no-any-return]
+        if self.kind == "one":
+            return self.lin(x) * torch.exp(2 * self.vec["a"])  # type: ignore[no-any-return]
+        return self.lin(x) * (self.vec["a"] * self.vec["b"])  # type: ignore[no-any-return]
+
+
+def test_a_scaling_made_from_one_parameter_is_captured_op_by_op() -> None:
+    """A function of one parameter alone (CLIP's ``logit_scale.exp()``) stays tracked as that
+    parameter's use, so the product with the data that follows is its op: recorded like
+    the loop (it was refused as an operation on parameters alone)."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    model = _ByHand("one").to(D64)
+    model.lin.requires_grad_(False)
+    x = torch.randn(4, 5, dtype=D64)
+    described = assert_like_loop(model, lambda: model(x).pow(2).sum(1), params="vec.a")
+    assert described["ops"] == ["mul(vec.a): op:vjp"]
 
 
 def test_an_unknown_adapter_scaling_is_refused_naming_the_fix(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -69,6 +70,22 @@ VIEWS: frozenset[Any] = frozenset({
 """Ops whose output is a linear, shape-only function of their first argument: a recorded
 parameter passed through them stays tracked (others, e.g. ``expand``/``repeat``, are ops of
 their own, with a per-op rule)."""
+
+_RANDOM = frozenset({F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d,
+                     F.dropout2d, F.dropout3d, torch.dropout, torch.bernoulli,
+                     _T.bernoulli, torch.rand_like, torch.randn_like})
+
+
+def _of_the_parameter(func: Any, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """An op of a tracked parameter alone that keeps its shape (``logit_scale.exp()``, a
+    softplus, a clamp, a scaling by a number): a deterministic function of the parameter,
+    so it stays tracked as a step of its use (:meth:`ParamUse.to_param` differentiates
+    through it) rather than becoming an op whose output no datum owns. Random ops, which a
+    replay would draw again, and ops that add dimensions (``expand``: ops of their own) are
+    not."""
+    return out.shape == x.shape and func not in _RANDOM and not (
+        isinstance(out, torch.Tensor) and out.data_ptr() == x.data_ptr())
+
 
 Signature = tuple[tuple[int, ...], int]
 """A parameter's uses in a backward's graph: calls of each module covering it, and the graph
@@ -231,8 +248,9 @@ class OpCapture(TorchFunctionMode):
         uses = self._uses(args, kwargs)
         if not uses or not self.active():
             return out
-        if func in VIEWS and len(uses) == 1 and args and id(args[0]) in uses and not any(
-                isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+        if (len(uses) == 1 and args and id(args[0]) in uses and not any(
+                isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
+                and (func in VIEWS or _of_the_parameter(func, args[0], out))):
             use = uses[id(args[0])]
             step: Step = (func, tuple(args[1:]), dict(kwargs))
             self._track(out, ParamUse(use.name, use.param, (*use.steps, step)))
