@@ -300,6 +300,47 @@ def test_a_roots_own_parameters_with_dropout_are_captured_op_by_op() -> None:
         "cls", "pos", "scale"}
 
 
+class _Temperature(nn.Module):
+    """A Linear and the root's own 0-d parameter used twice: as a scale of the outputs and
+    of their (B, 1) sums (a per-datum tensor broadcast over features, not over the batch),
+    or (``"gumbel"``) a parameter through a random function of it alone."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, self.kind = nn.Linear(4, 4), kind
+        self.temp = nn.Parameter(torch.tensor(0.3))
+        self.logits = nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.kind == "gumbel":
+            return h * F.gumbel_softmax(self.logits, tau=1.0)
+        return h * self.temp + self.temp * h.sum(-1, keepdim=True)  # type: ignore[no-any-return]
+
+
+def test_a_per_datum_op_output_broadcast_over_features_is_not_shared() -> None:
+    """``temp * h.sum(-1, keepdim=True)`` (B, 1), added to (B, 4): it was taken for an
+    output shared by the batch and broadcast to it, and the per-op rule failed ("shape
+    '[3, 3, 1]' is invalid", please report); its batch is its own."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    model = seeded(lambda: _Temperature("twice"))
+    x = torch.randn(3, 4, dtype=D64, generator=torch.Generator().manual_seed(0))
+    assert_like_loop(model, lambda: model(x).pow(2).sum(-1))
+
+
+def test_a_random_function_of_a_parameter_alone_is_not_replayed() -> None:
+    """A function of one parameter that draws random numbers (``gumbel_softmax``) is no step
+    of its use (a replay would draw again): an op on parameters alone, refused."""
+    from gradlog.errors import BackendError
+    from gradlog.testing.oracle import backend_grads
+
+    model = seeded(lambda: _Temperature("gumbel"))
+    x = torch.randn(3, 4, dtype=D64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(BackendError, match="operation on parameters alone"):
+        backend_grads(model, lambda: model(x).pow(2).sum(-1))
+
+
 class Reuse(nn.Module):
     """One Linear applied twice (weight reuse) and a tied embedding/head."""
 

@@ -163,7 +163,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         shape = tuple(call.out_shape)
         if exact:
             shared = any(type(node).__name__ in PASS_THROUGH
-                         and autograd_node_output_shape(node) != shape for node, _ in found)
+                         and _leading_broadcast(shape, autograd_node_output_shape(node))
+                         for node, _ in found)  # ((B, 1) + (B, d) is not: its own batch)
             if not shared and shape and shape[0] == 1 != B and not sequence_first:
                 shared = _replicated(found, root, shape, B)
         else:
@@ -439,6 +440,12 @@ def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
     return any((autograd_node_leading_copies(node, len(shape)) or 0) >= B for node in nodes)
 
 
+def _leading_broadcast(at: tuple[int, ...], wide: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape ``at`` is broadcast to ``wide`` over leading dimensions (a
+    new one, or one of size 1), where a batch would be."""
+    return len(at) < len(wide) or (len(at) == len(wide) and at[:1] == (1,) != wide[:1])
+
+
 def _through_views(found: list[tuple[Any, int]], root: Any,
                    shape: tuple[int, ...]) -> Consumers | None:
     """The consumers of a shared output past views and permutes, when every one of them
@@ -456,9 +463,8 @@ def _through_views(found: list[tuple[Any, int]], root: Any,
     out: Consumers = []
     for node, slot, chain in chained:
         at = autograd_node_output_shape(chain[-1]) if chain else shape  # what node received
-        wide = autograd_node_output_shape(node)
-        broadcast = len(at) < len(wide) or (len(at) == len(wide) and at[0] == 1 != wide[0])
-        if type(node).__name__ not in PASS_THROUGH or not broadcast:
+        if type(node).__name__ not in PASS_THROUGH or not _leading_broadcast(
+                at, autograd_node_output_shape(node)):
             return None
         out.append((node, slot, chain, at))
     return out

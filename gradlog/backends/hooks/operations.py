@@ -46,7 +46,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradlog._torch_private import InCompiledRegion, force_eager, gradient_accumulator
+from gradlog._torch_private import (
+    InCompiledRegion,
+    cuda_devices,
+    force_eager,
+    gradient_accumulator,
+    rng_states,
+)
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
 from gradlog.backends.hooks.graph import GraphSurvey
@@ -85,6 +91,13 @@ def _of_the_parameter(func: Any, x: torch.Tensor, out: torch.Tensor) -> bool:
     not."""
     return out.shape == x.shape and func not in _RANDOM and not (
         isinstance(out, torch.Tensor) and out.data_ptr() == x.data_ptr())
+
+
+def _drew_nothing(before: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
+    """Whether the random-number states are still ``before``'s: the op drew nothing (a
+    random op not in :data:`_RANDOM`, such as ``F.gumbel_softmax`` or ``F.rrelu``, did)."""
+    after = rng_states(cuda_devices([x]))
+    return all(torch.equal(before[k], after[k]) for k in before)
 
 
 Signature = tuple[tuple[int, ...], int]
@@ -242,6 +255,10 @@ class OpCapture(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        lone = (func not in VIEWS and func not in _RANDOM and bool(args)
+                and self._tracked(args[0]) and not any(
+                    isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())))
+        before = rng_states(cuda_devices([args[0]])) if lone else None  # (a random draw?)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return out
@@ -250,7 +267,8 @@ class OpCapture(TorchFunctionMode):
             return out
         if (len(uses) == 1 and args and id(args[0]) in uses and not any(
                 isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
-                and (func in VIEWS or _of_the_parameter(func, args[0], out))):
+                and (func in VIEWS or (before is not None and _of_the_parameter(
+                    func, args[0], out) and _drew_nothing(before, args[0])))):
             use = uses[id(args[0])]
             step: Step = (func, tuple(args[1:]), dict(kwargs))
             self._track(out, ParamUse(use.name, use.param, (*use.steps, step)))
@@ -260,6 +278,10 @@ class OpCapture(TorchFunctionMode):
             self.free += 1
             self.capture(self._entry(func, args, kwargs, free), self.model, args, kwargs, out)
         return out
+
+    def _tracked(self, t: Any) -> bool:
+        hit = self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return hit is not None and hit[0]() is t
 
     def _uses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, ParamUse]:
         """The tracked tensors among the arguments (one level of lists: ``torch.cat``)."""
