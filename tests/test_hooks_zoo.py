@@ -315,16 +315,20 @@ class _Temperature(nn.Module):
         h = self.lin(x)
         if self.kind == "gumbel":
             return h * F.gumbel_softmax(self.logits, tau=1.0)
+        if self.kind == "summed":  # (functions of it alone that make fewer elements)
+            return h * self.logits.cumsum(0).sum().tanh() + h.mean(-1, keepdim=True)
         return h * self.temp + self.temp * h.sum(-1, keepdim=True)  # type: ignore[no-any-return]
 
 
-def test_a_per_datum_op_output_broadcast_over_features_is_not_shared() -> None:
+@pytest.mark.parametrize("kind", ["twice", "summed"])
+def test_a_per_datum_op_output_broadcast_over_features_is_not_shared(kind: str) -> None:
     """``temp * h.sum(-1, keepdim=True)`` (B, 1), added to (B, 4): it was taken for an
     output shared by the batch and broadcast to it, and the per-op rule failed ("shape
-    '[3, 3, 1]' is invalid", please report); its batch is its own."""
+    '[3, 3, 1]' is invalid", please report); its batch is its own. And a sum of a parameter
+    alone (``"summed"``) is a step of its use, as its shape-keeping functions are."""
     from gradlog.testing.oracle import assert_like_loop
 
-    model = seeded(lambda: _Temperature("twice"))
+    model = seeded(lambda: _Temperature(kind))
     x = torch.randn(3, 4, dtype=D64, generator=torch.Generator().manual_seed(0))
     assert_like_loop(model, lambda: model(x).pow(2).sum(-1))
 

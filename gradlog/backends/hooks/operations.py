@@ -83,13 +83,13 @@ _RANDOM = frozenset({F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.drop
 
 
 def _of_the_parameter(func: Any, x: torch.Tensor, out: torch.Tensor) -> bool:
-    """An op of a tracked parameter alone that keeps its shape (``logit_scale.exp()``, a
-    softplus, a clamp, a scaling by a number): a deterministic function of the parameter,
-    so it stays tracked as a step of its use (:meth:`ParamUse.to_param` differentiates
-    through it) rather than becoming an op whose output no datum owns. Random ops, which a
-    replay would draw again, and ops that add dimensions (``expand``: ops of their own) are
-    not."""
-    return out.shape == x.shape and func not in _RANDOM and not (
+    """An op of a tracked parameter alone that makes no more elements than it has
+    (``logit_scale.exp()``, a softplus, a clamp, a scaling by a number, a sum): a
+    deterministic function of the parameter, so it stays tracked as a step of its use
+    (:meth:`ParamUse.to_param` differentiates through it) rather than becoming an op whose
+    output no datum owns. Random ops, which a replay would draw again, and ops that make
+    more (``expand``, ``repeat``: ops of their own, which may give the batch) are not."""
+    return out.numel() <= x.numel() and func not in _RANDOM and not (
         isinstance(out, torch.Tensor) and out.data_ptr() == x.data_ptr())
 
 
