@@ -2,11 +2,11 @@
 are the root module's own parameters, against the same parameters held by an embeddings
 submodule.
 
-gradlog captures the root's own parameters beside hooked layers op by op (the ``cat`` and the
-addition that use them); before 2026-11-26 it re-ran the whole model per datum
-with ``torch.func`` for them (run this script from an older tree to see that). An embeddings
-submodule owning them is re-run per datum alone. Paired repetitions (plain and recorded steps
-alternated), medians of the per-repetition ratios. Usage::
+The root's own parameters make it a ``torch.func`` fallback: the whole model is re-run per
+datum for them. An embeddings submodule owning them is re-run per datum alone. (An op-by-op
+capture of the root's own parameters was measured with this script and not kept: RESULTS.md.)
+Paired repetitions (plain and recorded steps alternated), medians of the per-repetition
+ratios. Usage::
 
     OMP_WAIT_POLICY=PASSIVE python tests/benchmarks/bench_root_params.py --reps 9
 """

@@ -132,7 +132,6 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
     by_id = {id(p): n for n, p in params.items()}
     entries: list[Entry] = []
     taken: set[tuple[int, str]] = set()  # (module, attr) computed by an ancestor's rule
-    root: Entry | None = None
     for mname, module in model.named_modules():
         _refuse_parametrization(mname, module, by_id)
         names: dict[str, str] = {}
@@ -161,16 +160,9 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
                      if "." in n}
             rest = {attr: name for attr, name in rest.items()
                     if id(module.get_parameter(attr)) not in below}
-        if rest and mname:
+        if rest:
             entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
                                   fallback=True))
-        elif rest:
-            root = _entry(params, batch_grad, module, mname, GENERIC, rest, fallback=True)
-    # The root's own parameters beside hooked layers (a ViT's cls_token and pos_embed, CLIP's
-    # logit_scale) are captured op by op (hooks/operations.py); a re-run would be the whole
-    # model's, per datum. A root with no hooked layer below (a layer recorded alone) is re-run.
-    if root is not None and not any(e.module is not model for e in entries):
-        entries.insert(0, root)
     return entries
 
 
