@@ -331,6 +331,31 @@ def test_a_per_datum_op_output_broadcast_over_features_is_not_shared(kind: str) 
     assert_like_loop(model, lambda: model(x).pow(2).sum(-1))
 
 
+class _ClassTable(nn.Module):
+    """A class-conditional scale: a table held by a submodule never called, indexed by each
+    datum's label inside a tuple (``W[y, :]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.held = nn.ParameterDict({"W": nn.Parameter(torch.randn(5, 4))})
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.held["W"][y, :]  # type: ignore[no-any-return]
+
+
+def test_a_parameter_indexed_by_data_inside_a_tuple_is_an_op_of_its_own() -> None:
+    """``W[y, :]``: the index tensor sits in a tuple, so the indexing was taken for a view
+    of the parameter alone, its value baked with this batch's labels; at B > 1 the per-op
+    rule failed (an internal error, please report)."""
+    from gradlog.testing.oracle import assert_like_loop
+
+    model = seeded(_ClassTable)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 4, dtype=D64, generator=gen), torch.tensor([0, 2, 2])
+    assert_like_loop(model, lambda: model(x, y).pow(2).sum(-1))
+
+
 def test_a_random_function_of_a_parameter_alone_is_not_replayed() -> None:
     """A function of one parameter that draws random numbers (``gumbel_softmax``) is no step
     of its use (a replay would draw again): an op on parameters alone, refused."""

@@ -255,9 +255,9 @@ class OpCapture(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        lone = (func not in VIEWS and func not in _RANDOM and bool(args)
-                and self._tracked(args[0]) and not any(
-                    isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())))
+        alone = bool(args) and not any(  # (W[y, :]: the index is data, inside a tuple)
+            isinstance(a, torch.Tensor) for a in flatten((args[1:], kwargs))[0])
+        lone = func not in VIEWS and func not in _RANDOM and alone and self._tracked(args[0])
         before = rng_states(cuda_devices([args[0]])) if lone else None  # (a random draw?)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
@@ -265,8 +265,7 @@ class OpCapture(TorchFunctionMode):
         uses = self._uses(args, kwargs)
         if not uses or not self.active():
             return out
-        if (len(uses) == 1 and args and id(args[0]) in uses and not any(
-                isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
+        if (len(uses) == 1 and alone and id(args[0]) in uses
                 and (func in VIEWS or (before is not None and _of_the_parameter(
                     func, args[0], out) and _drew_nothing(before, args[0])))):
             use = uses[id(args[0])]
