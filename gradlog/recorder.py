@@ -196,6 +196,14 @@ class GradRecorder:
         return 0 if self._pipeline is None else self._pipeline.lifecycle.records_written
 
     @property
+    def rules(self) -> dict[str, Any] | None:
+        """Which rule computes each recorded parameter: the modules hooked and their rules,
+        those re-run per datum (``"fallback"``) and the ops of the forwards so far that took a
+        parameter outside its modules (``"ops"``). The store's ``attrs["backend"]`` holds
+        this as it was when recording started, before any forward (None before that)."""
+        return None if self._backend is None else self._backend.describe()
+
+    @property
     def _backend(self) -> Backend | None:
         return None if self._pipeline is None else self._pipeline.backend
 

@@ -6,12 +6,14 @@ through views, layers whose batch is not the first dimension. And what is still 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gradlog
 from gradlog.backends import BACKENDS
 from gradlog.backends.hooks import HooksBackend
 from gradlog.errors import BackendError
@@ -283,3 +285,19 @@ def test_layers_whose_batch_is_not_first_are_exact(by_hand: bool) -> None:
     model = SequenceFirst(by_hand).to(D64)
     x = torch.randn(7, 5, 6, dtype=D64)  # (T, B, d)
     assert_like_loop(model, lambda: model(x).pow(2).sum((0, 2)))
+
+
+def test_the_recorder_names_the_ops_it_captured(tmp_path: Path) -> None:
+    """``rec.rules`` says which rule computes each parameter, ops included once a forward
+    used them; the store keeps the description made at the start (README says so)."""
+    torch.manual_seed(0)
+    model = TiedByHand("T").to(D64)
+    x, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 11, (5, 7))
+    rec = gradlog.GradRecorder(model, tmp_path / "r.gradlog")
+    assert rec.rules is None
+    with rec:
+        rec.backward(F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1))
+        rules = rec.rules
+    assert rules is not None and any("op:matmul" in op for op in rules["ops"])
+    assert {m["module"] for m in rules["modules"]} == {"wte", "mix"}
+    assert gradlog.open(tmp_path / "r.gradlog").attrs["backend"]["ops"] == []
