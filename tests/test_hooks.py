@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 import gradlog
 import gradlog.backends.hooks
 from gradlog.backends import BACKENDS
+from gradlog.backends.base import graph_nodes
 from gradlog.backends.hooks import HooksBackend
+from gradlog.backends.hooks.graph import TAG
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.losses import per_datum_losses
 from gradlog.params import select_params
@@ -213,6 +215,10 @@ def test_captures_are_released_after_each_backward() -> None:
                 be.backward(losses, losses.mean())
             live = [r() for r in be._live]
             assert all(c is None or c.args is None for c in live)  # no activations held
+            # nor the calls themselves: the graph's nodes live on with `losses` (in a loop,
+            # through the next forward) and must not keep them (nor their lists) alive
+            assert all(c is None for c in live)
+            assert not [n for n in graph_nodes(losses.grad_fn) if n.metadata.get(TAG)]
         with torch.no_grad():
             model(x)  # nothing captured without grad
         assert all(r() is None or r().args is None for r in be._live)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import traceback
 import warnings
 from typing import Any
@@ -207,6 +208,42 @@ def test_an_exception_leaves_the_step_in_progress_uncommitted(
     with gradlog.GradRecorder(model, path, resume=True) as rec:
         rec.backward(_losses(model), step=2)  # the failed step is recorded again
     assert gradlog.open(path).steps.column("step").to_pylist() == [0, 1, 2]
+
+
+def test_the_collector_waits_while_a_step_is_recorded_and_is_restored(tmp_path: Any) -> None:
+    """Python's cyclic collector is held off inside a recorded step (the hooks' thousands of
+    short-lived objects would be aged into its oldest generation) and is on again after it,
+    also after a step that raised; one the user turned off stays off."""
+    model = mlp()
+    during: list[bool] = []
+
+    def losses(fail: bool = False) -> torch.Tensor:
+        out = _losses(model)
+
+        def seen(g: torch.Tensor) -> torch.Tensor:
+            during.append(gc.isenabled())
+            if fail:
+                raise RuntimeError("a backward that fails")
+            return g
+
+        out.register_hook(seen)
+        return out
+
+    assert gc.isenabled()
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        rec.backward(losses())  # (its datum check runs a second backward: also held off)
+        assert set(during) == {False} and gc.isenabled()
+        during.clear()
+        with pytest.raises(RuntimeError, match="a backward that fails"):
+            rec.backward(losses(fail=True))
+        assert during == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            rec.backward(losses(), step=3)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [0, 3]
 
 
 def test_resuming_with_every_says_the_default_counters_may_not_match(tmp_path: Any) -> None:

@@ -33,6 +33,7 @@ import argparse
 import copy
 import cProfile
 import functools
+import gc
 import pstats
 import statistics
 import tempfile
@@ -79,8 +80,9 @@ def main() -> None:
           f"{'; bf16 autocast' if args.amp else ''}")
     print()
     print("| form | plain ms | recorded ms | added host ms | recorded / plain "
-          "| aten ops, plain | aten ops, recorded |")
-    print("|---|---|---|---|---|---|---|")
+          "| aten ops, plain | aten ops, recorded | mean ms, plain / recorded "
+          "| GC ms a step, plain / recorded | full collections a step, plain / recorded |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     forms = [f for f in args.forms.split(",") if f]
     with tempfile.TemporaryDirectory(prefix="bench_host_") as root:
         for form in forms:
@@ -231,8 +233,11 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
 
+    held: list[Any] = [None, None]  # each loop's last losses, alive until the next forward
+
     def plain_step() -> None:
-        _token_losses(plain, x, y).mean().backward()
+        held[0] = _token_losses(plain, x, y)
+        held[0].mean().backward()
         plain_opt.step()
         plain_opt.zero_grad()
 
@@ -240,7 +245,8 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
                               durable=False, check_every=0) as rec:
 
         def recorded_step() -> None:
-            rec.backward(_token_losses(model, x, y))
+            held[1] = _token_losses(model, x, y)
+            rec.backward(held[1])
             opt.step()
             opt.zero_grad()
 
@@ -249,15 +255,22 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
             recorded_step()
         rec.flush()
         plain_s, recorded_s = [], []
-        for _ in range(args.reps):
-            plain_s.append(_seconds(plain_step))
-            recorded_s.append(_seconds(recorded_step))
+        with _CollectorTime() as collector:
+            for _ in range(args.reps):
+                collector.side = 0
+                plain_s.append(_seconds(plain_step))
+                collector.side = 1
+                recorded_s.append(_seconds(recorded_step))
         rec.flush()
         p, r = statistics.median(plain_s), statistics.median(recorded_s)
         ratio = statistics.median(b / a for a, b in zip(plain_s, recorded_s, strict=True))
         ops = (_aten_ops(plain_step), _aten_ops(recorded_step))
+        mean = [statistics.fmean(plain_s) * 1e3, statistics.fmean(recorded_s) * 1e3]
+        gc_ms = [collector.seconds[i] / args.reps * 1e3 for i in (0, 1)]
+        full = [collector.full[i] / args.reps for i in (0, 1)]
         print(f"| {form} | {p * 1e3:.1f} | {r * 1e3:.1f} | {(r - p) * 1e3:.1f} | "
-              f"{ratio:.2f} | {ops[0]} | {ops[1]} |", flush=True)
+              f"{ratio:.2f} | {ops[0]} | {ops[1]} | {mean[0]:.1f} / {mean[1]:.1f} | "
+              f"{gc_ms[0]:.2f} / {gc_ms[1]:.2f} | {full[0]:.3f} / {full[1]:.3f} |", flush=True)
         if form == args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
@@ -267,6 +280,32 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
             profiler.disable()
             print()
             pstats.Stats(profiler).sort_stats("cumulative").print_stats("gradlog", 40)
+
+
+class _CollectorTime:
+    """Python's garbage collections while open, by side (0 plain, 1 recorded): seconds in
+    them and how many were full (generation 2). Medians hide a full collection every few
+    dozen steps; the means and these columns show it."""
+
+    def __init__(self) -> None:
+        self.side = 0
+        self.seconds = [0.0, 0.0]
+        self.full = [0, 0]
+        self._start = 0.0
+
+    def _on(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.seconds[self.side] += time.perf_counter() - self._start
+        self.full[self.side] += info["generation"] == 2
+
+    def __enter__(self) -> _CollectorTime:
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on)
 
 
 def _seconds(fn: Callable[[], None]) -> float:

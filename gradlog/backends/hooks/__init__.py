@@ -89,7 +89,7 @@ from gradlog.backends.hooks import checks, datum_check, graph
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.datum_check import HOOK_KINDS
-from gradlog.backends.hooks.graph import TAG, alias_outputs, consumer_factor, hook_target
+from gradlog.backends.hooks.graph import alias_outputs, consumer_factor, hook_target
 from gradlog.backends.hooks.layout import (
     RowLayouts,
     batch_first,
@@ -284,8 +284,7 @@ class HooksBackend(Backend):
             if call is None:
                 call = Call(entry, args, kwargs, len(outputs), i, t.shape)
                 if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
-                    tags = cast(dict[str, Any], t.grad_fn.metadata)
-                    tags.setdefault(TAG, []).append((t.output_nr, call))
+                    call.tag(cast(dict[str, Any], t.grad_fn.metadata), t.output_nr)
             on_grad = functools.partial(self._on_output_grad, call, i)
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
                 link.on_grad = functools.partial(self._on_fused_grad, call, i)
@@ -390,8 +389,8 @@ class HooksBackend(Backend):
                 self._rows.passed()
             return out
         finally:
-            for call in self._touched:
-                call.release()
+            for call in self._touched:  # (untagged only now: layouts read earlier calls' tags)
+                call.release(untag=True)
             self._reset(0)
             self._autocast = set()  # (what the next forward runs under)
             self._saved_tensor_hooks = "none"
@@ -474,7 +473,7 @@ class HooksBackend(Backend):
                 # refuse it (checks.refuse_double_backward)
                 call.twice = True
             else:
-                call.release()
+                call.release(untag=True)
             return
         self._touched.append(call)
         if self._error is not None:

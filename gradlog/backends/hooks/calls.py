@@ -9,6 +9,7 @@ forward call of it captured: its inputs, their versions, its output gradients as
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,9 @@ from gradlog.backends.fused import FusedLink, fusable
 from gradlog.errors import UnsupportedLayerError
 from gradlog.rules import GENERIC, Rule, find_rule
 
-__all__ = ["Call", "Entry", "plan_entries"]
+__all__ = ["TAG", "Call", "Entry", "plan_entries"]
+
+TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 
 
 @dataclass(eq=False)
@@ -54,6 +57,13 @@ class Entry:
         return f"{type(self.module).__name__} {self.name or '(the model)'!r}"
 
 
+class _Tags(list[tuple[int, "Call"]]):
+    """The calls noted on one autograd node (:data:`TAG`); a list a call can refer to weakly
+    (a strong reference would make a cycle through the node's metadata)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class Call:
     """What one forward call of a hooked module left for its backward."""
 
@@ -76,6 +86,7 @@ class Call:
         "primary",
         "received",
         "refusal",
+        "tagged",
         "twice",
         "versions",
         "via_consumers",
@@ -104,9 +115,30 @@ class Call:
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
+        self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn
 
-    def release(self) -> None:
-        """Drop captured tensors and make the output hooks inert."""
+    def tag(self, metadata: dict[str, Any], output_nr: int) -> None:
+        """Note this call in its output's ``grad_fn.metadata`` (:data:`TAG`): how the walks
+        of the graph before a backward find the calls whose outputs are in it."""
+        tags = metadata.get(TAG)
+        if tags is None:
+            tags = metadata[TAG] = _Tags()
+        tags.append((output_nr, self))
+        self.tagged = weakref.ref(tags)  # (weak: the graph alone decides how long it lives)
+
+    def untag(self) -> None:
+        """Take this call's note out of its ``grad_fn.metadata``, after its backward: the
+        graph's nodes outlive the step (until the losses are dropped, in the next forward
+        of a training loop), and a call left there keeps itself and its lists alive with
+        them, ~7 objects a call for Python's collector to age into its oldest generation."""
+        ref, self.tagged = self.tagged, None
+        tags = ref() if ref is not None else None
+        if tags:
+            tags[:] = [(nr, call) for nr, call in tags if call is not self]
+
+    def release(self, untag: bool = False) -> None:
+        """Drop captured tensors and make the output hooks inert; ``untag``: and
+        :meth:`untag` (once no later call of the backward reads the tags)."""
         self.args = self.kwargs = None
         self.grads = []
         self.versions = []
@@ -114,6 +146,8 @@ class Call:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if untag:
+            self.untag()
 
 
 def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],

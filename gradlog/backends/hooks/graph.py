@@ -21,6 +21,7 @@ from gradlog._torch_private import (
 )
 from gradlog._tree import flatten
 from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint
+from gradlog.backends.hooks.calls import TAG
 
 if TYPE_CHECKING:
     from gradlog.backends.hooks.calls import Call
@@ -39,7 +40,6 @@ __all__ = [
     "through_views",
 ]
 
-TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 _ROW_WISE = frozenset({
     "NativeLayerNormBackward0", "NativeDropoutBackward0", "ToCopyBackward0", "CloneBackward0",
     "GeluBackward0", "ReluBackward0", "SiluBackward0", "TanhBackward0", "SigmoidBackward0",
