@@ -812,7 +812,7 @@ def test_a_chunk_of_rows_is_laid_out_no_longer_than_the_chunk(
 ) -> None:
     from types import SimpleNamespace
 
-    from gradlog.backends.hooks.layout import chunk_as_datums
+    from gradlog.backends.hooks.rows import chunk_as_datums
     from gradlog.memory import ChunkInfo
 
     chunk = ChunkInfo(lead_shape=(3, 6), start=start, stop=stop, differentiated=True)

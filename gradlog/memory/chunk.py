@@ -26,7 +26,7 @@ class ChunkInfo:
         differentiated: True when this call's graph is backpropagated (the backward re-run,
             or a forward that computes gradients); False for a forward without a graph.
         flattened: Not a chunked head's rows: a layer run on the batch's tokens flattened
-            (the hooks backend's ``layout.flattened_rows``), trusted once a datum check
+            (the hooks backend's ``rows.flattened_rows``), trusted once a datum check
             passed on its layout.
         inside: Of a flattened call: the module took the batch first and flattened it
             itself (only its outputs are rows).

@@ -90,17 +90,11 @@ from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.datum_check import HOOK_KINDS
 from gradlog.backends.hooks.graph import alias_outputs, consumer_factor, hook_target
-from gradlog.backends.hooks.layout import (
-    RowLayouts,
-    batch_first,
-    consumer_inputs,
-    locate_batch,
-    rows_by_datum,
-    shared_outputs,
-)
+from gradlog.backends.hooks.layout import batch_first, consumer_inputs, locate_batch, shared_outputs
 from gradlog.backends.hooks.operations import WATCH, OpCapture
 from gradlog.backends.hooks.pool import _BASELINE, BufferPool
 from gradlog.backends.hooks.precision import autocast_dtype, call_precision, rule_precision
+from gradlog.backends.hooks.rows import RowLayouts, rows_by_datum
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
 from gradlog.params import check_differentiable
@@ -402,7 +396,7 @@ class HooksBackend(Backend):
 
     def _wants_datum_check(self, B: int) -> bool:
         """:func:`datum_check.wants_datum_check`, or a self-checked batch, or a new flattened
-        layout (:class:`.layout.RowLayouts`); never for B 1 (nor where
+        layout (:class:`.rows.RowLayouts`); never for B 1 (nor where
         :func:`datum_check.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B)

@@ -165,7 +165,7 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
             not: one tolerance for all.
         trusted: Whether a mismatch is an error (else a warning).
         required: A mismatch is an error even if not ``trusted``: layers on the batch's
-            tokens flattened to rows (:class:`.layout.RowLayouts`) are recorded only once
+            tokens flattened to rows (:class:`.rows.RowLayouts`) are recorded only once
             this check passes.
         loss_scaled: Whether the batch's backward carried a loss scale (a GradScaler's) that
             the check's own unscaled backward does not: records that overflowed under it

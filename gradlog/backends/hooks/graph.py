@@ -199,7 +199,7 @@ class GraphSurvey:
     def parents(self, node: Any) -> list[tuple[Any, int]]:
         """The (node, input slot) pairs taking ``node``'s output in this graph: the ops
         after it in the forward. A walk of its own, made at the first question (only for
-        what the usual walk does not answer: rare layouts, see ``layout.flattened_rows``)."""
+        what the usual walk does not answer: rare layouts, see ``rows.flattened_rows``)."""
         if self._parents is None:
             self._parents, self._held = {}, []
             for parent in graph_nodes(self.root):

@@ -5,13 +5,12 @@ Embedding, LayerNorm) may have the batch in any leading dimension (sequence-firs
 is found by size (:func:`locate_batch`) and moved first (:func:`batch_first`). A module whose
 output has no batch dimension of its own (shared position ids) takes each datum's gradient
 from the op that broadcasts it (:func:`shared_outputs`, :func:`consumer_inputs`). A chunked
-head's flattened rows are laid out as datums (:func:`chunk_as_datums`).
+head's or a row-wise layer's rows flattened over the batch's tokens: :mod:`.rows`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,34 +20,25 @@ from gradlog._torch_private import (
     autograd_node_leading_copies,
     autograd_node_output_shape,
     autograd_node_shapes_known,
-    autograd_node_view_input_sizes,
     storage_key,
-    view_base,
 )
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import Call, Entry
+from gradlog.backends.hooks.calls import Call
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
-    TAG,
     VIEW_NODES,
     Chain,
     GraphSurvey,
     consumers_through_views,
-    row_wise,
     through_views,
 )
+from gradlog.backends.hooks.rows import flatten_rows
 from gradlog.errors import BackendError, UnsupportedLayerError
-from gradlog.memory.chunk import ChunkInfo
 
 __all__ = [
-    "RowLayouts",
     "batch_first",
-    "chunk_as_datums",
     "consumer_inputs",
-    "flattened_rows",
     "locate_batch",
-    "rows_as_datums",
-    "rows_by_datum",
     "shared_outputs",
 ]
 
@@ -150,7 +140,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if not found:  # not part of this graph (an earlier forward), or its first output
             if call.lead is None:  # unused (a router's logits without an auxiliary loss)
                 locate_batch(call, B, sequence_first)
-            _flatten_rows(call, B, False, graph)
+            flatten_rows(call, B, False, graph)
             continue
         entry = call.entry
         if call.refusal is not None:
@@ -184,7 +174,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 call.via_consumers = True
                 yield call, chained
                 continue
-        if _flatten_rows(call, B, shared, graph):
+        if flatten_rows(call, B, shared, graph):
             continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
@@ -206,216 +196,6 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
                 "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
             )
-
-
-_FLATTENING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-_MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot (not weight's)
-_MAX_NODES = 64
-
-
-def _flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey) -> bool:
-    """Lay out a row-wise layer's or a re-run module's call on the batch's tokens flattened
-    to ``(B*T, ...)`` rows (:func:`flattened_rows`) as a chunk of whole datums; True if so."""
-    entry = call.entry
-    if shared or call.lead == B or not (
-            (entry.rule.feature_dims is not None and call.hooked == 1)
-            or (entry.fallback and not entry.op)):
-        return False
-    lead = flattened_rows(call, B, graph)
-    x = call.args[0] if call.args else None
-    inside = False
-    if lead is None and entry.fallback and isinstance(x, torch.Tensor) and call.lead:
-        # a re-run module that flattens its batch-first input itself (DeepSeek's router:
-        # (B, T, d) in, (B*T, ...) rows out): inputs split as a batch, outputs as rows
-        lead, inside = _flattened(tuple(x.shape), B, call.lead, 1), True
-    if lead is None:
-        return False
-    call.chunk = ChunkInfo(lead, 0, math.prod(lead), True, flattened=True, inside=inside)
-    call.bd, call.lead = 0, B
-    return True
-
-
-def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
-                   ) -> tuple[int, ...] | None:
-    """``(B, T, ...)`` when the rows of the call's ``(N, ..., d)`` input are the tokens of B
-    datums flattened in order, each datum's rows together (OPT flattens its hidden states
-    to ``(B*T, d)`` before its feed-forward layers), else None. Read from the graph: the
-    input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from it
-    crosses only row-wise ops (:func:`.graph.row_wise`, a Linear through its input) to parameters,
-    to such a reshape, or to the output of a call found so before it. That the first
-    dimension of size B is the batch is taken from sizes, as everywhere in this backend
-    (a ``(B, B, d)`` tensor, whose rows could be time-major, is not taken), so the layout
-    is trusted only once a datum check passed on it (:class:`RowLayouts`). A row-wise
-    layer's per-datum gradients are then those of a chunk of whole datums
-    (:func:`chunk_as_datums`)."""
-    x = call.args[0] if call.args else None
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= B or x.shape[0] % B:
-        return None
-    n, features = int(x.shape[0]), x.dim() - 1
-    if x.grad_fn is None:  # (data without a graph: a view, or where its rows go, tells)
-        base = view_base(x)
-        if (base is None or not (base.is_contiguous() and x.is_contiguous())
-                or x.data_ptr() != base.data_ptr() or x.numel() != base.numel()):
-            return _rows_going_back(call, B, n, graph)  # (a frozen layer made x)
-        return _flattened(tuple(base.shape), B, n, features)
-    leads: set[tuple[int, ...]] = set()
-    stack, seen = [(x.grad_fn, x.output_nr)], {id(x.grad_fn)}
-    held = [x.grad_fn]  # (node wrappers alive while their ids are keys)
-    while stack:
-        node, nr = stack.pop()
-        kind = type(node).__name__
-        proved = [c.chunk.lead_shape for o, c in _tagged(node) if o == nr and c.chunk is not None
-                  and (c.chunk.start, c.chunk.stop) == (0, n) == (0, math.prod(c.chunk.lead_shape))]
-        if proved:
-            leads.add(tuple(proved[0]))
-            continue
-        sizes = autograd_node_view_input_sizes(node) if kind in _FLATTENING else None
-        if kind in _FLATTENING and not (sizes and sizes[0] == n):
-            lead = None if sizes is None else _flattened(sizes, B, n, features)
-            if lead is None:
-                return None  # a reshape of something else: no proof
-            leads.add(lead)
-            continue
-        if kind == "AccumulateGrad":
-            continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
-        if kind in _FLATTENING:  # (a view that keeps the rows: a router's reshape(-1, d))
-            children = list(node.next_functions)
-        elif kind in _MATMUL_INPUT:
-            children = [node.next_functions[_MATMUL_INPUT[kind]]]
-        elif row_wise(node):
-            children = list(node.next_functions)
-        else:
-            return None
-        for child, child_nr in children:
-            if child is not None and id(child) not in seen:
-                if len(seen) >= _MAX_NODES:
-                    return None
-                seen.add(id(child))
-                held.append(child)
-                stack.append((child, child_nr))
-    return leads.pop() if len(leads) == 1 else None
-
-
-class RowLayouts:
-    """Layers run on the batch's tokens flattened (:func:`.layout.flattened_rows`): each
-    datum's rows are inferred from the graph and the sizes, so such a layout is trusted only
-    once a datum check passed on it (:attr:`verified`; beside autograd Functions gradlog
-    does not know, whose check is otherwise a warning, a failure is then an error), and
-    refused where none can run (under FSDP or DDP with ``static_graph``, with backward hooks
-    of the user's, a reentrant checkpoint): rows read time-major where sizes allow it would
-    sum to p.grad and pass every other check."""
-
-    def __init__(self) -> None:
-        self.verified: set[tuple[str, tuple[int, ...]]] = set()
-        self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
-
-    def note(self, calls: Iterable[Call], B: int) -> bool:
-        """This backward's layouts not verified yet (one datum needs none); True if any."""
-        self.pending = set() if B < 2 else {
-            (c.entry.name, tuple(c.chunk.lead_shape)) for c in calls
-            if c.chunk is not None and c.chunk.flattened} - self.verified
-        return bool(self.pending)
-
-    def require(self, checked: bool) -> None:
-        """Refuse the pending layouts unless a trusted datum check runs on them."""
-        if self.pending and not checked:
-            names = sorted({name for name, _ in self.pending})
-            self.pending = set()
-            raise UnsupportedLayerError(
-                f"{names[:3]} ran on the batch's tokens flattened to rows, whose datums "
-                "gradlog verifies with a datum check at the layout's first step, and that "
-                "check cannot run here (under FSDP or DDP(static_graph=True), with backward "
-                "hooks of your own, or a reentrant activation checkpoint). Keep the batch as "
-                "its own dimension ((B, T, d) into the layer), run one step without those, or "
-                "use backend='loop'.")
-
-    def passed(self) -> None:
-        self.verified |= self.pending
-        self.pending = set()
-
-
-def rows_by_datum(chunk: Any, entry: Entry, B: int, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], grads: list[torch.Tensor | None]) -> tuple[
-        int, slice | None, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None], bool]:
-    """A call that saw rows of ``(B, T)`` flattened, laid out by datum: a chunked head's or a
-    row-wise layer's (:func:`chunk_as_datums`), or a module re-run per datum on the batch's
-    flattened tokens (:func:`rows_as_datums`, the last item True)."""
-    if chunk.flattened and entry.fallback:
-        return (B, None, *rows_as_datums(chunk, B, args, kwargs, grads), not chunk.inside)
-    return (*chunk_as_datums(chunk, entry, B, args, kwargs, grads), False)
-
-
-def rows_as_datums(chunk: Any, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   grads: list[torch.Tensor | None]
-                   ) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
-    """A module re-run per datum on the batch's flattened tokens (``chunk.flattened``):
-    every tensor with the call's ``N = B*T`` rows first, in its arguments (the routing of a
-    mixture of experts: indices and weights per row) and output gradients, viewed as
-    ``(B, T, ...)``; the datum's ``(T, ...)`` slice is the rows the module re-runs on."""
-    n = math.prod(chunk.lead_shape)
-    per = n // B
-
-    def rows(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n:
-            return t.reshape(B, per, *t.shape[1:])
-        return t
-
-    flat, rebuild = flatten((args, kwargs))
-    args, kwargs = rebuild([rows(t) for t in flat])
-    return args, kwargs, [rows(g) for g in grads]
-
-
-def _rows_going_back(call: Call, B: int, n: int,
-                     graph: GraphSurvey | None) -> tuple[int, ...] | None:
-    """For a call whose input has no graph (a frozen layer made it: LoRA on OPT's ``fc1``
-    alone): ``(B, T, ...)`` when every path from its output onward crosses only row-wise
-    ops (:func:`.graph.row_wise`, a Linear through its input) to a reshape of its ``n`` rows into
-    ``(B, T, ..., d)``: the layout the rows had, read forward. Else None."""
-    out = call.entry.rule.feature_dims
-    if graph is None or out is None or not autograd_node_shapes_known(graph.root):
-        return None
-    features = out(call.entry.module)
-    start = graph.consumers({id(call)}).get(id(call), [])
-    stack = list(start)
-    seen = {(id(node), slot) for node, slot in start}
-    leads: set[tuple[int, ...]] = set()
-    while stack:
-        node, slot = stack.pop()
-        kind = type(node).__name__
-        if kind in _FLATTENING:  # (n, ..., d) -> (B, T, ..., d)
-            lead = _flattened(autograd_node_output_shape(node), B, n, features)
-            if lead is None:
-                return None
-            leads.add(lead)
-            continue
-        if (kind in _MATMUL_INPUT and slot != _MATMUL_INPUT[kind]) or (
-                kind not in _MATMUL_INPUT and not row_wise(node)):
-            return None  # (taken as a weight, or by an op that mixes rows)
-        after = graph.parents(node)
-        if not after:
-            return None  # (reached the loss with no reshape to datums)
-        for parent in after:
-            if (id(parent[0]), parent[1]) not in seen:
-                if len(seen) >= _MAX_NODES:
-                    return None
-                seen.add((id(parent[0]), parent[1]))
-                stack.append(parent)
-    return leads.pop() if len(leads) == 1 else None
-
-
-def _flattened(sizes: tuple[int, ...], B: int, n: int, features: int) -> tuple[int, ...] | None:
-    """The leading shape ``(B, T, ...)`` of a ``(B, T, ..., *features)`` tensor reshaped into
-    ``n`` rows, or None (another shape, or one where rows could be time-major)."""
-    lead = sizes[: len(sizes) - features]
-    if len(lead) < 2 or lead[0] != B or math.prod(lead) != n or B in lead[1:]:
-        return None
-    return lead
-
-
-def _tagged(node: Any) -> list[tuple[int, Call]]:
-    """The captured calls whose output ``node`` made, by output slot (:data:`graph.TAG`)."""
-    meta = getattr(node, "metadata", None)
-    return list(meta.get(TAG, ())) if meta else []
 
 
 _OP_ON_PARAMETERS = (
@@ -519,64 +299,6 @@ def consumer_inputs(
         args, kwargs = rebuild([batched(t) if isinstance(t, torch.Tensor) else t
                                 for t in parts])
     return per, args, kwargs, expand
-
-
-def chunk_as_datums(
-    chunk: Any, entry: Entry, B: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    grads: list[torch.Tensor | None],
-) -> tuple[int, slice, tuple[Any, ...], dict[str, Any], list[torch.Tensor | None]]:
-    """Lay out a chunk of flattened rows (rows ``start:stop`` of ``(B, T)`` flattened, from
-    :func:`gradlog.memory.chunked_linear_loss`) as ``(datums spanned, width, ...)``: each
-    datum's rows of the chunk first, zero rows after them (zero inputs and gradients add
-    nothing to a row-wise layer's gradient). ``width`` is at most the chunk's length, never
-    the whole ``T``: a chunk of 32 rows of a 4096-token datum is a ``(1, 32, ...)`` view, where
-    padding it to ``T`` made every chunk's per-datum matmul 128 times longer (45 s a step at
-    the memory puzzle's shape on an H200).
-    Returns the number of datums, their slice, and the re-laid arguments and gradients."""
-    if entry.rule.feature_dims is None:
-        raise UnsupportedLayerError(
-            f"rule {entry.rule.name!r} cannot take the flattened rows of chunked_linear_loss "
-            "(only row-wise layers such as Linear can); call the layer unchunked or use "
-            "backend='loop'."
-        )
-    lead = tuple(chunk.lead_shape)
-    if not lead or lead[0] != B:
-        raise BackendError(
-            f"chunked_linear_loss ran on rows of shape {lead} for a batch of B={B} datums; "
-            "its input must keep the batch first, e.g. hidden states (B, T, d)."
-        )
-    per = 1
-    for n in lead[1:]:
-        per *= n  # rows per datum
-    start, stop = chunk.start, chunk.stop
-    first, last = start // per, (stop - 1) // per + 1
-    n_rows, spanned = stop - start, last - first
-    # One datum, or whole datums: the rows are already (datums, rows each) in order.
-    aligned = spanned == 1 or (start % per == 0 and n_rows == spanned * per)
-    width = n_rows // spanned if aligned else min(per, n_rows)
-    places: dict[torch.device, torch.Tensor] = {}
-
-    def place(device: torch.device) -> torch.Tensor:
-        """Row ``r`` of the chunk goes to ``datum * width + (its position in the datum's
-        part of the chunk)``."""
-        if device not in places:
-            r = torch.arange(start, stop, device=device)  # (rows,)
-            datum = r // per  # (rows,)
-            places[device] = (datum - first) * width + r - (datum * per).clamp_min(start)
-        return places[device]
-
-    def as_datums(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n_rows:
-            return t
-        if aligned:
-            return t.reshape(spanned, width, *t.shape[1:])  # (datums, width, ...)
-        full = t.new_zeros((spanned * width, *t.shape[1:]))  # (datums*width, ...)
-        full.index_copy_(0, place(t.device), t)
-        return full.view(spanned, width, *t.shape[1:])  # (datums, width, ...)
-
-    parts, rebuild = flatten((args, kwargs))
-    new_args, new_kwargs = rebuild([as_datums(t) for t in parts])
-    return spanned, slice(first, last), new_args, new_kwargs, [as_datums(g) for g in grads]
 
 
 def batch_first(
