@@ -34,6 +34,7 @@ __all__ = [
     "DispatchMode",
     "InCompiledRegion",
     "autograd_node_forward_class",
+    "autograd_node_keeps_first_dim",
     "autograd_node_leading_copies",
     "autograd_node_nll_target",
     "autograd_node_output_dtypes",
@@ -362,6 +363,30 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
         if kind == "IndexBackward0":
             first = next(iter(node._saved_indices), None)
             return 0 if first is None else int(first.numel())
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        return None
+    return None
+
+
+def autograd_node_keeps_first_dim(node: Any) -> bool | None:
+    """Whether a permute, transpose or softmax autograd node leaves dimension 0 alone (its
+    rows: moved by no permute or transpose, not the softmax's), from the dimensions it
+    saved; None for other nodes, or where it cannot tell.
+
+    Private API: ``PermuteBackward0._saved_dims``, ``TransposeBackward0._saved_dim0`` and
+    ``_dim1``, ``SoftmaxBackward0._saved_dim`` (also ``LogSoftmaxBackward0``, SDPA's
+    ``SafeSoftmaxBackward0``), the output's rank from ``Node._input_metadata``. Fallback:
+    None (the caller then refuses).
+    """
+    kind = type(node).__name__
+    try:
+        ndim = len(node._input_metadata[0].shape)
+        if kind == "PermuteBackward0":
+            return _dim(node._saved_dims[0], ndim) == 0
+        if kind == "TransposeBackward0":
+            return 0 not in (_dim(node._saved_dim0, ndim), _dim(node._saved_dim1, ndim))
+        if kind in ("SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"):
+            return _dim(node._saved_dim, ndim) != 0
     except (AttributeError, IndexError, RuntimeError, TypeError):
         return None
     return None

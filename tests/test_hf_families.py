@@ -159,6 +159,14 @@ def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Call
                                         drop_path_rate=dropout),
                        t.ConvNextForImageClassification, "eager")
         return model, _classify(model, pixel_values=_pixels(16))
+    if kind == "swin":  # (16 x 16 patches of 2: 8 x 8 tokens, windows of 2 x 2, shifted)
+        model = _built(t.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=8,
+                                    depths=[2, 2], num_heads=[2, 4], window_size=2,
+                                    mlp_ratio=2.0, num_labels=2, hidden_dropout_prob=DROP,
+                                    attention_probs_dropout_prob=DROP,
+                                    drop_path_rate=dropout),
+                       t.SwinForImageClassification, attn)
+        return model, _classify(model, pixel_values=_pixels(16))
     raise KeyError(kind)
 
 
@@ -178,12 +186,12 @@ _T5_SDPA = pytest.mark.xfail(
     "shared output",
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
-            ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager")]
+            ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
     for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext")
+                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext", "swin")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]
@@ -214,6 +222,17 @@ def test_convnext_drop_path_inside_a_fallback_module() -> None:
     model, forward = _vision("convnext", "eager", dropout=DROP)
     described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
     assert any(name.endswith("layers.0") for name in described["fallback"])
+
+
+@pytest.mark.slow
+def test_swin_windows_with_drop_path_record_like_the_loop() -> None:
+    """Swin's windowed attention runs on (B * windows, tokens, d) rows, proved each datum's
+    from the graph, and its relative position bias (a module re-run per datum), shared by
+    the batch, gets each datum's windows' share; in training mode with drop paths and
+    dropout (it was refused: "has shape (48, 4, 8), with no batch dimension of size B=3")."""
+    model, forward = _vision("swin", "eager", dropout=DROP)
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert any(n.endswith("relative_position_bias") for n in described["fallback"])
 
 
 @pytest.mark.slow

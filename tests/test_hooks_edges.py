@@ -1000,6 +1000,22 @@ def test_flattened_rows_that_are_not_each_datums_are_refused(order: str, T: int)
         per_datum(block, lambda: squares(block(h)), "hooks")
 
 
+@pytest.mark.parametrize("order", ["time", "datums"])
+def test_a_batch_by_batch_flattening_from_a_graph_is_settled_by_the_datum_check(
+        order: str) -> None:
+    """Rows from a (B, B, d) tensor with a graph (no sequence-first layers in the model):
+    taken as datum-major from sizes, as everywhere in this backend, and trusted only after
+    the datum check at the layout's first step, which refuses time-major ones."""
+    block = _FlatFFN(order).double()
+    h = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    h.requires_grad_(True)
+    if order == "time":
+        with pytest.raises(BackendError, match="datums' own gradients"):
+            per_datum(block, lambda: squares(block(h)), "hooks")
+    else:
+        assert_hooks_match_loop(block, lambda: squares(block(h)))
+
+
 class _FoldedTimeMajor(nn.Module):
     """Rows that only look datum-major: a time-major (T, B, d) tensor folded to
     (T, 2B, d/2) and flattened; with T == B its first dimension has the batch's size."""
@@ -1217,3 +1233,90 @@ def test_a_float64_datum_check_failure_within_float32_rounding_says_so(off: floa
     with pytest.raises(BackendError, match="datums' own gradients") as caught:
         check_datum((v, sampled), {"w": records}, params, ())
     assert ("float32's rounding" in str(caught.value)) == (off < 1e-4)
+
+
+# -- windows: Swin's (B * windows, tokens, d) rows --------------------------------------------
+class _Bias(nn.Module):
+    """A relative position bias shared by the batch: ``(1, heads, L, L)`` from its table."""
+
+    def __init__(self, heads: int, L: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * L - 1, heads) / 4)
+        pos = torch.arange(L)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + L - 1).flatten())
+        self.heads, self.L = heads, L
+
+    def forward(self) -> torch.Tensor:
+        bias = self.table[self.index].view(self.L, self.L, self.heads)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+
+
+class _Windows(nn.Module):
+    """Swin's windowed attention, written out: ``(B, H, W, C)`` partitioned into windows of
+    ``w x w`` tokens, ``(B * windows, w * w, C)`` rows (each datum's windows together;
+    ``order="windows"``: window-major, row ``i`` datum ``i % B``'s), attention within each
+    window with a bias shared by the batch (``shift``: after a cyclic shift, with a constant
+    mask added to the bias first, as Swin's shifted blocks do), and reversed."""
+
+    def __init__(self, order: str = "datums", shift: bool = False, C: int = 4, heads: int = 2,
+                 w: int = 2) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.norm = nn.LayerNorm(C)
+            self.q, self.k, self.v, self.o = (nn.Linear(C, C) for _ in range(4))
+            self.bias = _Bias(heads, w * w)
+        self.order, self.shift, self.heads, self.w = order, shift, heads, w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, W, C)
+        n, H, W, C = x.shape
+        w, heads, L = self.w, self.heads, self.w * self.w
+        h = self.norm(x)
+        if self.shift:
+            h = torch.roll(h, (-1, -1), (1, 2))
+        win = h.view(n, H // w, w, W // w, w, C).permute(0, 1, 3, 2, 4, 5)
+        if self.order == "windows":
+            win = win.permute(1, 2, 0, 3, 4, 5)
+        rows = win.reshape(-1, L, C)  # (B * windows, L, C)
+        N = rows.shape[0]
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(N, L, heads, C // heads).transpose(1, 2)  # (N, heads, L, d)
+
+        q, k, v = split(self.q(rows)), split(self.k(rows)), split(self.v(rows))
+        bias = self.bias()  # (1, heads, L, L)
+        if self.shift:  # a constant per window, repeated for each datum's windows
+            mask = torch.linspace(-1, 0, N // n * L * L, dtype=x.dtype).view(-1, 1, L, L)
+            bias = bias + mask.repeat(n, 1, 1, 1)  # (N, heads, L, L)
+        scores = q @ k.transpose(-1, -2) / (C // heads) ** 0.5 + bias
+        out = self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(N, L, C))
+        if self.order == "windows":
+            back = out.view(H // w, W // w, n, w, w, C).permute(2, 0, 3, 1, 4, 5)
+        else:
+            back = out.view(n, H // w, W // w, w, w, C).permute(0, 1, 3, 2, 4, 5)
+        back = back.reshape(n, H, W, C)
+        if self.shift:
+            back = torch.roll(back, (1, 1), (1, 2))
+        return x + back
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("batch", [3, B])
+def test_windows_of_each_datum_record_like_the_loop(batch: int, shift: bool) -> None:
+    """Rows of B * windows (Swin's): proved each datum's from the graph (through batched
+    matmuls, transposes, softmaxes, views between multiples of B rows, the bias's table
+    indexed and permuted) and recorded like the loop, the shared bias as each datum's
+    windows' share (it was refused: "has shape (12, 4, 4), with no batch dimension"). With
+    B equal to the tokens per window (4), the batch is not taken for the tokens' dimension."""
+    model = _Windows(shift=shift).double()
+    x = torch.randn(batch, 4, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x.requires_grad_(False))))
+
+
+def test_window_major_rows_are_never_recorded() -> None:
+    """The same windows laid out window-major (row i is datum i % B's) prove nothing: the
+    layers are refused, never recorded with another datum's rows."""
+    model = _Windows(order="windows").double()
+    x = torch.randn(3, 4, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="no batch dimension|datums' own gradients"):
+        per_datum(model, lambda: squares(model(x)), "hooks")

@@ -73,6 +73,7 @@ class Call:
         "autocast",
         "bd",
         "chunk",
+        "datum_rows",
         "done",
         "entry",
         "fused",
@@ -113,6 +114,7 @@ class Call:
         self.twice = False  # its output was differentiated with create_graph=True
         self.refusal: str | None = None  # why the rule cannot compute this call
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
+        self.datum_rows = 0  # via_consumers: each datum's rows at its consumers (0: one)
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn

@@ -32,7 +32,7 @@ from gradlog.backends.hooks.graph import (
     consumers_through_views,
     through_views,
 )
-from gradlog.backends.hooks.rows import flatten_rows
+from gradlog.backends.hooks.rows import consumer_rows, flatten_rows
 from gradlog.errors import BackendError, UnsupportedLayerError
 
 __all__ = [
@@ -140,7 +140,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if not found:  # not part of this graph (an earlier forward), or its first output
             if call.lead is None:  # unused (a router's logits without an auxiliary loss)
                 locate_batch(call, B, sequence_first)
-            flatten_rows(call, B, False, graph)
+            flatten_rows(call, B, False, graph, bool(sequence_first))
             continue
         entry = call.entry
         if call.refusal is not None:
@@ -163,6 +163,9 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if shared and passing and first and call.hooked == 1:
             call.bd, call.lead = 0, B  # the consumer's gradient has the batch first
             call.via_consumers = True
+            if exact:  # (or each datum's rows of it: Swin's windows)
+                call.datum_rows = max(consumer_rows(node, B, graph, bool(sequence_first))
+                                      for node, _ in found)
             yield call, [(node, slot, (), shape) for node, slot in found]
             continue
         if exact:
@@ -174,7 +177,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 call.via_consumers = True
                 yield call, chained
                 continue
-        if flatten_rows(call, B, shared, graph):
+        if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
@@ -266,6 +269,9 @@ def consumer_inputs(
         BackendError: The output is broadcast over the batch in more than one step.
     """
     shape = tuple(at) if chain else tuple(call.out_shape)
+    k = call.datum_rows
+    if k and g.dim() and g.shape[0] == B * k:  # each datum's k rows (rows.consumer_rows)
+        g = g.reshape(B, k, *g.shape[1:]).sum(1)
     extra = g.dim() - len(shape)
     if extra < 0 or g.dim() == 0 or g.shape[0] != B:
         raise BackendError(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gradlog._torch_private import (
+    autograd_node_keeps_first_dim,
     autograd_node_output_shape,
     autograd_node_shapes_known,
     autograd_node_view_input_sizes,
@@ -21,13 +22,14 @@ from gradlog._torch_private import (
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import TAG, Call, Entry
-from gradlog.backends.hooks.graph import GraphSurvey, row_wise
+from gradlog.backends.hooks.graph import VIEW_NODES, GraphSurvey, row_wise
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory.chunk import ChunkInfo
 
 __all__ = [
     "RowLayouts",
     "chunk_as_datums",
+    "consumer_rows",
     "flatten_rows",
     "flattened_rows",
     "rows_as_datums",
@@ -36,18 +38,20 @@ __all__ = [
 
 _FLATTENING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 _MATMUL_INPUT = {"AddmmBackward0": 1, "MmBackward0": 0}  # the input rows' slot (not weight's)
-_MAX_NODES = 64
+_MAX_NODES = 256
 
 
-def flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey) -> bool:
+def flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey,
+                 sequence_first: bool = False) -> bool:
     """Lay out a row-wise layer's or a re-run module's call on the batch's tokens flattened
     to ``(B*T, ...)`` rows (:func:`flattened_rows`) as a chunk of whole datums; True if so."""
-    entry = call.entry
-    if shared or call.lead == B or not (
+    entry = call.entry  # (a batch found by size in a later dimension, Swin's (B*windows,
+    # B, d) for windows of B tokens, yields to rows proved datum-major)
+    if shared or (call.lead == B and call.bd == 0) or not (
             (entry.rule.feature_dims is not None and call.hooked == 1)
             or (entry.fallback and not entry.op)):
         return False
-    lead = flattened_rows(call, B, graph)
+    lead = flattened_rows(call, B, graph, sequence_first)
     x = call.args[0] if call.args else None
     inside = False
     if lead is None and entry.fallback and isinstance(x, torch.Tensor) and call.lead:
@@ -61,19 +65,19 @@ def flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey) -> bool:
     return True
 
 
-def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
-                   ) -> tuple[int, ...] | None:
-    """``(B, T, ...)`` when the rows of the call's ``(N, ..., d)`` input are the tokens of B
-    datums flattened in order, each datum's rows together (OPT flattens its hidden states
-    to ``(B*T, d)`` before its feed-forward layers), else None. Read from the graph: the
-    input is a flattening view of a ``(B, T, ..., d)`` tensor, or every path back from it
-    crosses only row-wise ops (:func:`.graph.row_wise`, a Linear through its input) to parameters,
-    to such a reshape, or to the output of a call found so before it. That the first
-    dimension of size B is the batch is taken from sizes, as everywhere in this backend
-    (a ``(B, B, d)`` tensor, whose rows could be time-major, is not taken), so the layout
-    is trusted only once a datum check passed on it (:class:`RowLayouts`). A row-wise
-    layer's per-datum gradients are then those of a chunk of whole datums
-    (:func:`chunk_as_datums`)."""
+def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None,
+                   sequence_first: bool = False) -> tuple[int, ...] | None:
+    """``(B, N // B)`` when the ``N`` rows of the call's ``(N, ..., d)`` input are B datums'
+    in order, each datum's rows together, else None: the tokens of B datums flattened (OPT
+    flattens its hidden states to ``(B*T, d)`` before its feed-forward layers), or their
+    windows (Swin's ``(B*windows, tokens, d)``). Read from the graph
+    (:func:`rows_by_provenance`), or for an input without a graph from where its rows go
+    (:func:`_rows_going_back`). That the first dimension of size B is the batch is taken
+    from sizes, as everywhere in this backend (in a model with sequence-first layers, a
+    ``(B, B, d)`` tensor, whose rows could be time-major, is not taken), so the layout is
+    trusted only once a datum check passed on it (:class:`RowLayouts`): rows that only look
+    datum-major are refused there. A row-wise layer's per-datum gradients are then those of a
+    chunk of whole datums (:func:`chunk_as_datums`)."""
     x = call.args[0] if call.args else None
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= B or x.shape[0] % B:
         return None
@@ -84,42 +88,120 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None
                 or x.data_ptr() != base.data_ptr() or x.numel() != base.numel()):
             return _rows_going_back(call, B, n, graph)  # (a frozen layer made x)
         return _flattened(tuple(base.shape), B, n, features)
-    leads: set[tuple[int, ...]] = set()
-    stack, seen = [(x.grad_fn, x.output_nr)], {id(x.grad_fn)}
-    held = [x.grad_fn]  # (node wrappers alive while their ids are keys)
+    proved = rows_by_provenance(x.grad_fn, x.output_nr, n, B, sequence_first)
+    return (B, n // B) if proved else None
+
+
+def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool = False
+                       ) -> bool:
+    """Whether the ``n`` rows (dimension 0) of output ``nr`` of autograd node ``start`` are
+    B datums' in order (rows ``b n/B`` to ``(b + 1) n/B`` made from datum b's data alone):
+    every path back from it reaches a view of a batch-first ``(B, ...)`` tensor, a call
+    proved so before it, or parameters, through ops that make each row from the same row
+    of their inputs: row-wise ops (:func:`.graph.row_wise`), a Linear through its input,
+    batched matmuls (``bmm``: row i from both operands' rows i), permutes, transposes and
+    softmaxes that leave dimension 0 alone, expands that add no rows, and views between
+    multiples of B rows (a view keeps the elements' order, so each datum's elements stay
+    one run of it). Tensors made from parameters alone (Swin's relative position bias,
+    indexed and permuted from its table) may be broadcast over the rows. With
+    ``sequence_first`` layers in the model, a view of a ``(B, ..., B, ...)`` tensor merging
+    a B other than the first into rows is refused (its first B could be time)."""
+    proved = False
+    stack, seen = [(start, nr, n)], {id(start)}
+    held = [start]  # (node wrappers alive while their ids are keys)
     while stack:
-        node, nr = stack.pop()
+        node, nr, m = stack.pop()
         kind = type(node).__name__
-        proved = [c.chunk.lead_shape for o, c in _tagged(node) if o == nr and c.chunk is not None
-                  and (c.chunk.start, c.chunk.stop) == (0, n) == (0, math.prod(c.chunk.lead_shape))]
-        if proved:
-            leads.add(tuple(proved[0]))
+        if any(o == nr and c.chunk is not None and c.chunk.lead_shape[0] == B
+               and (c.chunk.start, c.chunk.stop) == (0, m) == (0, math.prod(c.chunk.lead_shape))
+               for o, c in _tagged(node)):
+            proved = True  # (a call laid out so before this one)
             continue
-        sizes = autograd_node_view_input_sizes(node) if kind in _FLATTENING else None
-        if kind in _FLATTENING and not (sizes and sizes[0] == n):
-            lead = None if sizes is None else _flattened(sizes, B, n, features)
-            if lead is None:
-                return None  # a reshape of something else: no proof
-            leads.add(lead)
-            continue
-        if kind == "AccumulateGrad":
-            continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
-        if kind in _FLATTENING:  # (a view that keeps the rows: a router's reshape(-1, d))
+        rows = m
+        if kind in _FLATTENING:
+            sizes = autograd_node_view_input_sizes(node)
+            if not sizes:
+                return False
+            if sizes[0] == B:  # a view of a batch-first tensor
+                j = next(j for j in range(1, len(sizes) + 1) if math.prod(sizes[:j]) >= m)
+                if sequence_first and B in sizes[1:j]:
+                    return False  # ((T, B, d) with T == B: its rows could be time-major)
+                proved = True
+                continue
+            if sizes[0] % B or sizes[0] < B:
+                return False  # a reshape of something else: no proof
+            rows = sizes[0]
             children = list(node.next_functions)
+        elif kind == "AccumulateGrad":
+            continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
         elif kind in _MATMUL_INPUT:
             children = [node.next_functions[_MATMUL_INPUT[kind]]]
-        elif row_wise(node):
+        elif _row_for_row(node, kind, m):
             children = list(node.next_functions)
+        elif _parameters_only(node):
+            continue
         else:
-            return None
+            return False
         for child, child_nr in children:
             if child is not None and id(child) not in seen:
                 if len(seen) >= _MAX_NODES:
-                    return None
+                    return False
                 seen.add(id(child))
                 held.append(child)
-                stack.append((child, child_nr))
-    return leads.pop() if len(leads) == 1 else None
+                stack.append((child, child_nr, rows))
+    return proved
+
+
+def _row_for_row(node: Any, kind: str, m: int) -> bool:
+    """Whether ``node`` makes each of its ``m`` output rows from its inputs' same row (and
+    tensors broadcast over the rows) alone."""
+    if kind == "ExpandBackward0":  # (one that adds no rows: matmul's broadcasting)
+        sizes = autograd_node_view_input_sizes(node)
+        if not sizes or not autograd_node_shapes_known(node):
+            return False
+        return len(sizes) == len(autograd_node_output_shape(node)) and sizes[0] == m
+    return (kind == "BmmBackward0" or kind.startswith("ScaledDotProduct")  # (rows: dim 0)
+            or bool(autograd_node_keeps_first_dim(node)) or row_wise(node))
+
+
+def consumer_rows(node: Any, B: int, graph: GraphSurvey, sequence_first: bool = False) -> int:
+    """For a consumer of an output shared by the batch (:func:`.layout.shared_outputs`)
+    whose output has ``k B`` rows (``k`` > 1), not B (Swin's relative position bias, added
+    to the scores of each datum's windows): ``k`` when its rows are B datums' in order
+    (:func:`rows_by_provenance`), or, where the rows of the consumer itself come from no
+    datum (the bias plus a constant mask), those of every op taking its output row for row;
+    else 0."""
+    if not autograd_node_shapes_known(node):
+        return 0
+    shape = autograd_node_output_shape(node)
+    if not shape or shape[0] <= B or shape[0] % B:
+        return 0
+    m = shape[0]
+    if rows_by_provenance(node, 0, m, B, sequence_first):
+        return m // B
+    after = graph.parents(node)
+    proved = bool(after) and all(
+        row_wise(parent) and autograd_node_output_shape(parent)[:1] == (m,)
+        and rows_by_provenance(parent, 0, m, B, sequence_first) for parent, _ in after)
+    return m // B if proved else 0
+
+
+_SHAPING = VIEW_NODES | {"IndexBackward0", "ExpandBackward0", "SliceBackward0",
+                         "SelectBackward0", "ToCopyBackward0"}
+
+
+def _parameters_only(node: Any) -> bool:
+    """Whether ``node``'s output is a parameter reshaped, indexed, sliced or cast (a chain
+    of one-input shape ops down to it): broadcast over rows, it carries no datum's data."""
+    for _ in range(_MAX_NODES):
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            return True
+        children = [child for child, _ in node.next_functions if child is not None]
+        if kind not in _SHAPING or len(children) != 1:
+            return False
+        node = children[0]
+    return False
 
 
 class RowLayouts:
@@ -138,8 +220,9 @@ class RowLayouts:
     def note(self, calls: Iterable[Call], B: int) -> bool:
         """This backward's layouts not verified yet (one datum needs none); True if any."""
         self.pending = set() if B < 2 else {
-            (c.entry.name, tuple(c.chunk.lead_shape)) for c in calls
-            if c.chunk is not None and c.chunk.flattened} - self.verified
+            (c.entry.name, tuple(c.chunk.lead_shape)) if c.chunk is not None
+            else (c.entry.name, (B, c.datum_rows)) for c in calls
+            if (c.chunk is not None and c.chunk.flattened) or c.datum_rows} - self.verified
         return bool(self.pending)
 
     def require(self, checked: bool) -> None:
