@@ -307,13 +307,13 @@ def module_has_backward_hooks(module: nn.Module) -> bool:
                 or getattr(module, "_backward_pre_hooks", None))
 
 
-def autograd_node_output_shape(node: Any) -> tuple[int, ...]:
-    """Shape of the first forward output of autograd node ``node`` (its gradient's shape).
+def autograd_node_output_shape(node: Any, output: int = 0) -> tuple[int, ...]:
+    """Shape of forward output ``output`` of autograd node ``node`` (its gradient's shape).
 
     Private API: ``Node._input_metadata``. Fallback: none; callers ask
     :func:`autograd_node_shapes_known` first.
     """
-    return tuple(node._input_metadata[0].shape)
+    return tuple(node._input_metadata[output].shape)
 
 
 def autograd_node_shapes_known(node: Any) -> bool:

@@ -1320,3 +1320,29 @@ def test_window_major_rows_are_never_recorded() -> None:
     x = torch.randn(3, 4, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     with pytest.raises(BackendError, match="no batch dimension|datums' own gradients"):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _GlobalAttention(nn.Module):
+    """Rows of the batch's tokens flattened, each attending to every row of the batch
+    (``rows @ rows.T``, a matmul of data), then a feed-forward block on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.up, self.down = nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        rows = self.inp(x).reshape(-1, x.shape[-1])  # (B*T, 4)
+        rows = torch.softmax(rows @ rows.T, -1) @ rows  # every datum's rows in each row
+        return self.down(F.gelu(self.up(rows))).view(x.shape)
+
+
+def test_rows_mixed_by_a_matmul_of_data_prove_nothing() -> None:
+    """A matmul's rows are its input's only when its other operand is a weight: rows mixed
+    across datums by a matmul of data are refused when the layers are routed (before, the
+    proof crossed the matmul and only the datum check refused them)."""
+    model = _GlobalAttention().double()
+    x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="no batch dimension"):
+        per_datum(model, lambda: squares(model(x)), "hooks")

@@ -134,8 +134,12 @@ def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool
             children = list(node.next_functions)
         elif kind == "AccumulateGrad":
             continue  # a parameter (broadcast over the rows: a bias, a norm's weight)
-        elif kind in _MATMUL_INPUT:
-            children = [node.next_functions[_MATMUL_INPUT[kind]]]
+        elif kind in _MATMUL_INPUT:  # (its other operands must be parameters: a weight)
+            slot = _MATMUL_INPUT[kind]
+            children = [node.next_functions[slot]]
+            if not all(child is None or _parameters_only(child)
+                       for i, (child, _) in enumerate(node.next_functions) if i != slot):
+                return False
         elif _row_for_row(node, kind, m):
             children = list(node.next_functions)
         elif _parameters_only(node):
@@ -143,13 +147,27 @@ def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool
         else:
             return False
         for child, child_nr in children:
-            if child is not None and id(child) not in seen:
-                if len(seen) >= _MAX_NODES:
-                    return False
-                seen.add(id(child))
-                held.append(child)
-                stack.append((child, child_nr, rows))
+            if child is None or id(child) in seen:
+                continue
+            if not _has_rows(child, child_nr, rows):  # broadcast over the rows
+                if _parameters_only(child):
+                    continue
+                return False
+            if len(seen) >= _MAX_NODES:
+                return False
+            seen.add(id(child))
+            held.append(child)
+            stack.append((child, child_nr, rows))
     return proved
+
+
+def _has_rows(node: Any, output: int, rows: int) -> bool:
+    """Whether output ``output`` of ``node`` has the ``rows`` rows of the op it feeds (not a
+    tensor broadcast over them); True where this torch's nodes keep no shapes."""
+    if not autograd_node_shapes_known(node):
+        return True
+    shape = autograd_node_output_shape(node, output)
+    return bool(shape) and shape[0] == rows
 
 
 def _row_for_row(node: Any, kind: str, m: int) -> bool:
