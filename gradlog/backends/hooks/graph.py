@@ -269,20 +269,14 @@ def consumer_factor(node: Any, slot: int) -> float:
 Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)
 
 
-def consumers_through_views(root: Any, found: list[tuple[Any, int]]
+def consumers_through_views(graph: GraphSurvey, found: list[tuple[Any, int]]
                             ) -> list[tuple[Any, int, Chain]] | None:
     """The consumers of a call's output past any chain of view nodes (:data:`VIEW_NODES`):
     each (node, input slot, the view nodes between, first to last). ``found`` are the
     direct consumers (:meth:`GraphSurvey.consumers`). None when a view node's output has no
-    consumer in the graph from ``root`` (it cannot be followed). A walk of the whole
-    graph: only for outputs that would otherwise be refused."""
-    parents: dict[int, list[tuple[Any, int]]] = {}
-    keep = []  # node wrappers alive, so their ids stay unique
-    for node in graph_nodes(root):
-        keep.append(node)
-        for slot, (child, _) in enumerate(node.next_functions):
-            if child is not None and type(child).__name__ in VIEW_NODES:
-                parents.setdefault(id(child), []).append((node, slot))
+    consumer in the graph (it cannot be followed). Reads the survey's map of each node's
+    consumers (:meth:`GraphSurvey.parents`: one walk of the whole graph a backward, shared
+    by every call asking; each call walked it once, 16 walks a step of a small Swin)."""
     out: list[tuple[Any, int, Chain]] = []
     stack: list[tuple[Any, int, Chain]] = [(node, slot, ()) for node, slot in found]
     while stack:
@@ -290,7 +284,7 @@ def consumers_through_views(root: Any, found: list[tuple[Any, int]]
         if type(node).__name__ not in VIEW_NODES:
             out.append((node, slot, chain))
             continue
-        up = parents.get(id(node))
+        up = graph.parents(node)
         if not up or len(chain) > 64:
             return None
         stack.extend((parent, s, (*chain, node)) for parent, s in up)

@@ -156,7 +156,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                          and _leading_broadcast(shape, autograd_node_output_shape(node))
                          for node, _ in found)  # ((B, 1) + (B, d) is not: its own batch)
             if not shared and shape and shape[0] == 1 != B and not sequence_first:
-                shared = _replicated(found, root, shape, B)
+                shared = _replicated(found, graph, shape, B)
         else:
             shared = passing
         first = entry.rule.feature_dims is not None or call.bd == 0
@@ -171,7 +171,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
         if exact:
             locate_batch(call, B, sequence_first)
         if (shared or call.lead != B) and first and call.hooked == 1:
-            chained = _through_views(found, root, shape)
+            chained = _through_views(found, graph, shape)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
                 call.via_consumers = True
@@ -181,7 +181,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
             continue
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
-            beyond = (consumers_through_views(root, found)
+            beyond = (consumers_through_views(graph, found)
                       if any(type(n).__name__ in VIEW_NODES for n, _ in found) else None)
             if beyond:  # name what the views lead to
                 ops += [f"then {n}" for n in sorted({type(n).__name__ for n, _, _ in beyond})]
@@ -211,7 +211,7 @@ _OP_ON_PARAMETERS = (
     "leave their parameters out (params=)."
 )
 
-def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
+def _replicated(found: list[tuple[Any, int]], graph: GraphSurvey, shape: tuple[int, ...],
                 B: int) -> bool:
     """Whether an op copies the output, led by a dimension of size 1, B or more times along
     that dimension (PEFT's prompt embedding ``(1, n, d).repeat(B, 1, 1)``): every datum then
@@ -219,7 +219,7 @@ def _replicated(found: list[tuple[Any, int]], root: Any, shape: tuple[int, ...],
     batch). Other ops on it (a cat with other tensors, a Linear on an RNN's ``h_n``) are not."""
     nodes = [node for node, _ in found]
     if any(type(node).__name__ in VIEW_NODES for node in nodes):
-        nodes += [node for node, _, _ in consumers_through_views(root, found) or ()]
+        nodes += [node for node, _, _ in consumers_through_views(graph, found) or ()]
     return any((autograd_node_leading_copies(node, len(shape)) or 0) >= B for node in nodes)
 
 
@@ -229,7 +229,7 @@ def _leading_broadcast(at: tuple[int, ...], wide: tuple[int, ...]) -> bool:
     return len(at) < len(wide) or (len(at) == len(wide) and at[:1] == (1,) != wide[:1])
 
 
-def _through_views(found: list[tuple[Any, int]], root: Any,
+def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
                    shape: tuple[int, ...]) -> Consumers | None:
     """The consumers of a shared output past views and permutes, when every one of them
     is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
@@ -238,9 +238,9 @@ def _through_views(found: list[tuple[Any, int]], root: Any,
     if not all(type(n).__name__ in VIEW_NODES or type(n).__name__ in PASS_THROUGH
                for n, _ in found):
         return None
-    if not autograd_node_shapes_known(root):
+    if not autograd_node_shapes_known(graph.root):
         return None
-    chained = consumers_through_views(root, found)
+    chained = consumers_through_views(graph, found)
     if not chained:
         return None
     out: Consumers = []
