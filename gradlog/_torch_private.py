@@ -33,8 +33,8 @@ from torch import nn
 __all__ = [
     "DispatchMode",
     "InCompiledRegion",
+    "autograd_node_dims",
     "autograd_node_forward_class",
-    "autograd_node_keeps_first_dim",
     "autograd_node_leading_copies",
     "autograd_node_nll_target",
     "autograd_node_output_dtypes",
@@ -368,10 +368,10 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     return None
 
 
-def autograd_node_keeps_first_dim(node: Any) -> bool | None:
-    """Whether a permute, transpose or softmax autograd node leaves dimension 0 alone (its
-    rows: moved by no permute or transpose, not the softmax's), from the dimensions it
-    saved; None for other nodes, or where it cannot tell.
+def autograd_node_dims(node: Any) -> tuple[int, ...] | None:
+    """The dimensions a permute (its permutation), transpose (the two it swaps) or softmax
+    (the one it normalises) autograd node saved, counted from the front; None for other
+    nodes, or where it cannot tell.
 
     Private API: ``PermuteBackward0._saved_dims``, ``TransposeBackward0._saved_dim0`` and
     ``_dim1``, ``SoftmaxBackward0._saved_dim`` (also ``LogSoftmaxBackward0``, SDPA's
@@ -382,11 +382,11 @@ def autograd_node_keeps_first_dim(node: Any) -> bool | None:
     try:
         ndim = len(node._input_metadata[0].shape)
         if kind == "PermuteBackward0":
-            return _dim(node._saved_dims[0], ndim) == 0
+            return tuple(_dim(d, ndim) for d in node._saved_dims)
         if kind == "TransposeBackward0":
-            return 0 not in (_dim(node._saved_dim0, ndim), _dim(node._saved_dim1, ndim))
+            return _dim(node._saved_dim0, ndim), _dim(node._saved_dim1, ndim)
         if kind in ("SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"):
-            return _dim(node._saved_dim, ndim) != 0
+            return (_dim(node._saved_dim, ndim),)
     except (AttributeError, IndexError, RuntimeError, TypeError):
         return None
     return None

@@ -1001,16 +1001,16 @@ def test_flattened_rows_that_are_not_each_datums_are_refused(order: str, T: int)
 
 
 @pytest.mark.parametrize("order", ["time", "datums"])
-def test_a_batch_by_batch_flattening_from_a_graph_is_settled_by_the_datum_check(
-        order: str) -> None:
-    """Rows from a (B, B, d) tensor with a graph (no sequence-first layers in the model):
-    taken as datum-major from sizes, as everywhere in this backend, and trusted only after
-    the datum check at the layout's first step, which refuses time-major ones."""
+def test_a_batch_by_batch_flattening_is_traced_to_the_batch(order: str) -> None:
+    """Rows from a (B, B, d) tensor with a graph: its first B is taken as the batch only
+    where it traces back to the batch (here the input's first dimension), so time-major
+    rows, transposed from the batch's, are refused when the layers are routed, and
+    datum-major ones record like the loop (both were refused up front)."""
     block = _FlatFFN(order).double()
     h = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     h.requires_grad_(True)
     if order == "time":
-        with pytest.raises(BackendError, match="datums' own gradients"):
+        with pytest.raises(BackendError, match="no batch dimension"):
             per_datum(block, lambda: squares(block(h)), "hooks")
     else:
         assert_hooks_match_loop(block, lambda: squares(block(h)))
@@ -1346,3 +1346,58 @@ def test_rows_mixed_by_a_matmul_of_data_prove_nothing() -> None:
     x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     with pytest.raises(BackendError, match="no batch dimension"):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _HeadsFirst(nn.Module):
+    """A Linear shared by the heads on an ``(H*T, B, dh)`` tensor (its batch in dimension 1,
+    found by size), made from an ``(H, T, B, dh)`` one with H == B, its branch scaled down
+    (LayerScale-like: its gradients below the datum check's floor)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.mix = nn.Linear(3, n * 4), nn.Linear(4, 4)
+            self.head = nn.Linear(n * 4, 2)
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3)
+        n, T = x.shape[:2]
+        h = self.inp(x).view(n, T, self.n, 4).permute(2, 1, 0, 3)  # (H, T, B, dh)
+        o = self.mix(h.reshape(self.n * T, n, 4)) * 1e-3  # (H*T, B, dh)
+        o = o.view(self.n, T, n, 4).permute(2, 1, 0, 3).reshape(n, T, -1)
+        return self.head(o + h.permute(2, 1, 0, 3).reshape(n, T, -1)).pow(2).flatten(1).sum(1)
+
+
+def test_a_batch_found_in_a_later_dimension_is_kept_unless_the_first_traces_to_it() -> None:
+    """The view's first B is the heads' (traced back through the permute to the heads'
+    dimension of the input layer's output): the Linear keeps the batch found in its second
+    dimension and records like the loop (a first version took the view's first B as the
+    batch, and these records came out wrong with no error: the datum check's floor is above
+    every entry of the scaled-down branch's gradients)."""
+    model = _HeadsFirst(B)
+    x = torch.randn(B, 3, 3, generator=torch.Generator().manual_seed(1))
+    want = per_datum(model, lambda: model(x), "loop")
+    got = per_datum(model, lambda: model(x), "hooks")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-7)
+
+
+def test_rows_plus_a_vector_of_every_datum_are_refused_not_an_internal_error() -> None:
+    """Each row plus one vector made from every datum's data (a lower-rank tensor broadcast
+    over the rows): the rows prove nothing (a first version walked the vector as rows and
+    raised an internal StopIteration)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.z, self.up = nn.Linear(2, 2), nn.Linear(4, 4)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:  # (2, 4, 4)
+            rows = h.reshape(-1, 4) + self.z(h[:, 0, :2]).reshape(-1)  # (8, 4) + (4,)
+            return self.up(rows).view(h.shape).pow(2).flatten(1).sum(1)
+
+    model = Model().double()
+    h = torch.randn(2, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match="no batch dimension"):
+        per_datum(model, lambda: model(h), "hooks")

@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradlog._torch_private import (
-    autograd_node_keeps_first_dim,
+    autograd_node_dims,
     autograd_node_output_shape,
     autograd_node_shapes_known,
     autograd_node_view_input_sizes,
@@ -51,7 +52,8 @@ def flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey,
             (entry.rule.feature_dims is not None and call.hooked == 1)
             or (entry.fallback and not entry.op)):
         return False
-    lead = flattened_rows(call, B, graph, sequence_first)
+    # (a batch found by size in a later dimension: dim 0's B must be traced to the batch)
+    lead = flattened_rows(call, B, graph, sequence_first, strict=call.lead == B)
     x = call.args[0] if call.args else None
     inside = False
     if lead is None and entry.fallback and isinstance(x, torch.Tensor) and call.lead:
@@ -66,7 +68,8 @@ def flatten_rows(call: Call, B: int, shared: bool, graph: GraphSurvey,
 
 
 def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None,
-                   sequence_first: bool = False) -> tuple[int, ...] | None:
+                   sequence_first: bool = False, strict: bool = False
+                   ) -> tuple[int, ...] | None:
     """``(B, N // B)`` when the ``N`` rows of the call's ``(N, ..., d)`` input are B datums'
     in order, each datum's rows together, else None: the tokens of B datums flattened (OPT
     flattens its hidden states to ``(B*T, d)`` before its feed-forward layers), or their
@@ -88,12 +91,12 @@ def flattened_rows(call: Call, B: int, graph: GraphSurvey | None = None,
                 or x.data_ptr() != base.data_ptr() or x.numel() != base.numel()):
             return _rows_going_back(call, B, n, graph)  # (a frozen layer made x)
         return _flattened(tuple(base.shape), B, n, features)
-    proved = rows_by_provenance(x.grad_fn, x.output_nr, n, B, sequence_first)
+    proved = rows_by_provenance(x.grad_fn, x.output_nr, n, B, sequence_first, strict)
     return (B, n // B) if proved else None
 
 
-def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool = False
-                       ) -> bool:
+def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool = False,
+                       strict: bool = False) -> bool:
     """Whether the ``n`` rows (dimension 0) of output ``nr`` of autograd node ``start`` are
     B datums' in order (rows ``b n/B`` to ``(b + 1) n/B`` made from datum b's data alone):
     every path back from it reaches a view of a batch-first ``(B, ...)`` tensor, a call
@@ -103,9 +106,11 @@ def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool
     softmaxes that leave dimension 0 alone, expands that add no rows, and views between
     multiples of B rows (a view keeps the elements' order, so each datum's elements stay
     one run of it). Tensors made from parameters alone (Swin's relative position bias,
-    indexed and permuted from its table) may be broadcast over the rows. With
-    ``sequence_first`` layers in the model, a view of a ``(B, ..., B, ...)`` tensor merging
-    a B other than the first into rows is refused (its first B could be time)."""
+    indexed and permuted from its table) may be broadcast over the rows. A view of a
+    ``(B, ..., B, ...)`` tensor merging a B other than the first into the rows (``strict``:
+    with a B anywhere else) is taken only where that first B traces back to the batch
+    (:func:`_batch_first`), never with ``sequence_first`` layers in the model: its first B
+    could be time (a ``(T, B, d)`` tensor with T == B), or heads."""
     proved = False
     stack, seen = [(start, nr, n)], {id(start)}
     held = [start]  # (node wrappers alive while their ids are keys)
@@ -123,8 +128,10 @@ def rows_by_provenance(start: Any, nr: int, n: int, B: int, sequence_first: bool
             if not sizes:
                 return False
             if sizes[0] == B:  # a view of a batch-first tensor
-                j = next(j for j in range(1, len(sizes) + 1) if math.prod(sizes[:j]) >= m)
-                if sequence_first and B in sizes[1:j]:
+                j = next((j for j in range(1, len(sizes) + 1) if math.prod(sizes[:j]) >= m),
+                         len(sizes))
+                if B in sizes[1:None if strict else j] and (
+                        sequence_first or not _batch_first(node, B)):
                     return False  # ((T, B, d) with T == B: its rows could be time-major)
                 proved = True
                 continue
@@ -178,8 +185,58 @@ def _row_for_row(node: Any, kind: str, m: int) -> bool:
         if not sizes or not autograd_node_shapes_known(node):
             return False
         return len(sizes) == len(autograd_node_output_shape(node)) and sizes[0] == m
-    return (kind == "BmmBackward0" or kind.startswith("ScaledDotProduct")  # (rows: dim 0)
-            or bool(autograd_node_keeps_first_dim(node)) or row_wise(node))
+    if kind in ("PermuteBackward0", "TransposeBackward0") or kind.endswith("SoftmaxBackward0"):
+        dims = autograd_node_dims(node)  # (a permute keeping dim 0 first; the others off it)
+        return dims is not None and (dims[0] == 0 if kind == "PermuteBackward0" else 0 not in dims)
+    return kind == "BmmBackward0" or kind.startswith("ScaledDotProduct") or row_wise(node)
+
+
+def _batch_first(view: Any, B: int) -> bool:
+    """For a view of a tensor with more than one dimension of size B (Swin's ``(B, 8, 8, 7,
+    7, C)`` windows at B 8): whether its first dimension is the batch, read back from where
+    the tensor came from: through ops that keep its dimensions up to that one in place
+    (elementwise ops, norms, a roll or pad of later dimensions, views), permutes and
+    transposes (their moves followed), to a tensor with one dimension of size B, which must
+    be the one followed, or to the model's input (batch-first: an op on data without a
+    graph). Time-major rows, a ``(T, B, d)`` tensor with T == B transposed from the batch's,
+    trace back to its second dimension."""
+    node: Any = view.next_functions[0][0]
+    nr: int = view.next_functions[0][1]
+    c = 0
+    for _ in range(_MAX_NODES):
+        if node is None or type(node).__name__ == "AccumulateGrad":
+            return c == 0  # (a leaf: the model's input, batch-first)
+        if not autograd_node_shapes_known(node):
+            return False
+        shape = autograd_node_output_shape(node, nr)
+        if len(shape) <= c or shape[c] != B:
+            return False
+        if shape.count(B) == 1:
+            return True
+        kind = type(node).__name__
+        moves = kind in ("PermuteBackward0", "TransposeBackward0")
+        if moves:
+            dims = autograd_node_dims(node)
+            if dims is None:
+                return False
+            if kind == "PermuteBackward0":
+                c = dims[c]
+            else:
+                c = dims[1] if c == dims[0] else dims[0] if c == dims[1] else c
+        elif kind in _FLATTENING:
+            sizes = autograd_node_view_input_sizes(node)
+            if sizes is None or sizes[: c + 1] != shape[: c + 1]:
+                return False
+        data = [(child, n) for child, n in node.next_functions
+                if child is not None and not _parameters_only(child)]
+        if not data:
+            return c == 0  # (an op on the model's input, which is batch-first)
+        node, nr = data[0]
+        if not moves and kind not in _FLATTENING and type(node).__name__ != "AccumulateGrad":
+            before = autograd_node_output_shape(node, nr)  # (it keeps the dims up to c)
+            if len(before) != len(shape) or before[: c + 1] != shape[: c + 1]:
+                return False
+    return False
 
 
 def consumer_rows(node: Any, B: int, graph: GraphSurvey, sequence_first: bool = False) -> int:
@@ -210,11 +267,13 @@ _SHAPING = VIEW_NODES | {"IndexBackward0", "ExpandBackward0", "SliceBackward0",
 
 def _parameters_only(node: Any) -> bool:
     """Whether ``node``'s output is a parameter reshaped, indexed, sliced or cast (a chain
-    of one-input shape ops down to it): broadcast over rows, it carries no datum's data."""
+    of one-input shape ops down to it): broadcast over rows, it carries no datum's data. (A
+    leaf that is not an ``nn.Parameter``, an input the user differentiates, is data.)"""
     for _ in range(_MAX_NODES):
         kind = type(node).__name__
         if kind == "AccumulateGrad":
-            return True
+            leaf = getattr(node, "variable", None)
+            return leaf is None or isinstance(leaf, nn.Parameter)
         children = [child for child, _ in node.next_functions if child is not None]
         if kind not in _SHAPING or len(children) != 1:
             return False
