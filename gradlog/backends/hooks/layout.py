@@ -194,8 +194,10 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "bias; with attention implementations that take the bias into a fused "
                 "kernel, such as SDPA, use the eager one). Give the layer a batched input (e.g. "
                 "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
-                "accepts (B, T, d); flattened to (B*T, d), each datum's rows together, through "
-                "row-wise ops only), give one loss per row the "
+                "accepts (B, T, d); flattened to (B*T, d) or to windows (B*windows, L, d), "
+                "each datum's rows together, through ops that keep rows apart: row-wise "
+                "ops, batched matmuls, views; README's table of layouts), give one loss per "
+                "row the "
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
                 "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
             )
