@@ -166,6 +166,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
             if exact:  # (or each datum's rows of it: Swin's windows)
                 call.datum_rows = max(consumer_rows(node, B, graph, bool(sequence_first))
                                       for node, _ in found)
+                _refuse_unproved_rows(call, found, B)
             yield call, [(node, slot, (), shape) for node, slot in found]
             continue
         if exact:
@@ -223,6 +224,23 @@ def _replicated(found: list[tuple[Any, int]], graph: GraphSurvey, shape: tuple[i
     if any(type(node).__name__ in VIEW_NODES for node in nodes):
         nodes += [node for node, _, _ in consumers_through_views(graph, found) or ()]
     return any((autograd_node_leading_copies(node, len(shape)) or 0) >= B for node in nodes)
+
+
+def _refuse_unproved_rows(call: Call, found: list[tuple[Any, int]], B: int) -> None:
+    """A shared output broadcast over more rows than datums, ``k B`` of them, whose rows
+    were not proved each datum's (:func:`.rows.consumer_rows`): refused here, naming that,
+    rather than later as an output "broadcast in more than one step"."""
+    wide = {autograd_node_output_shape(node)[:1] for node, _ in found}
+    rows = [n for (n,) in (w for w in wide if w) if n > B and n % B == 0]
+    if call.datum_rows or not rows:
+        return
+    raise BackendError(
+        f"the output of {call.entry.label} has shape {tuple(call.out_shape)}, shared by the "
+        f"batch, and is broadcast over {rows[0]} rows (B={B}): gradlog could not prove "
+        "those rows are B datums' in order (each datum's windows or tokens together, as "
+        "Swin's attention has them), so it cannot split this output's gradient by datum. "
+        "See README's table of layouts for the ops the proof crosses, or use backend='loop'."
+    )
 
 
 def _leading_broadcast(at: tuple[int, ...], wide: tuple[int, ...]) -> bool:
