@@ -69,9 +69,12 @@ def _refuse_sparse_grads(model: nn.Module, selected: Mapping[str, nn.Parameter])
     accumulation, the self-check and the store do not take: refused before any step."""
     recorded = {id(p): n for n, p in selected.items()}
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if getattr(module, "sparse", False) is True and id(weight) in recorded and isinstance(
-                module, (nn.Embedding, nn.EmbeddingBag)):
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or module.sparse is not True:
+            continue
+        # (its registered parameter: reading ``module.weight`` would evaluate a
+        # parametrization, and spectral_norm's then steps its power iteration)
+        weight = dict(module.named_parameters(recurse=False)).get("weight")
+        if id(weight) in recorded:
             raise UnsupportedLayerError(
                 f"{type(module).__name__} {name!r} has sparse=True, so autograd gives its "
                 f"weight {recorded[id(weight)]!r} a sparse gradient, which gradlog does not "

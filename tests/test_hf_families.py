@@ -170,7 +170,33 @@ def _vision(kind: str, attn: str, dropout: float = 0.0) -> tuple[nn.Module, Call
     raise KeyError(kind)
 
 
+def _audio(kind: str, attn: str) -> tuple[nn.Module, Callable[[], Any]]:
+    """wav2vec2 (layer-norm feature extractor, padded waveforms) and HuBERT (group norm):
+    their positional convolution's weight is parametrized by ``weight_norm``."""
+    t = transformers
+    stable = kind == "wav2vec2"
+    config = getattr(t, "Wav2Vec2Config" if kind == "wav2vec2" else "HubertConfig")(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, feat_extract_norm="layer" if stable else "group",
+        do_stable_layer_norm=stable, hidden_dropout=DROP, attention_dropout=DROP,
+        activation_dropout=DROP, feat_proj_dropout=DROP, layerdrop=0.0, mask_time_prob=0.0,
+        num_labels=2, classifier_proj_size=8)
+    cls = t.Wav2Vec2ForSequenceClassification if stable else t.HubertForSequenceClassification
+    model = _built(config, cls, attn)
+    inputs: dict[str, torch.Tensor] = {"input_values": torch.randn(
+        B, 160, generator=torch.Generator().manual_seed(4), dtype=D64)}
+    if stable:
+        mask = torch.ones(B, 160, dtype=torch.long)
+        mask[1, 120:] = 0
+        mask[2, 80:] = 0
+        inputs["attention_mask"] = mask
+    return model, _classify(model, **inputs)
+
+
 def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    if kind in ("wav2vec2", "hubert"):
+        return _audio(kind, attn)
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
                 "olmoe", "granitemoe"):
         return _decoder(kind, attn)
@@ -186,12 +212,14 @@ _T5_SDPA = pytest.mark.xfail(
     "shared output",
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
-            ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager")]
+            ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager"),
+            ("wav2vec2", "sdpa")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
     for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext", "swin")
+                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext", "swin",
+                 "wav2vec2", "hubert")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]

@@ -72,19 +72,6 @@ def test_pruned_and_weight_normed_layers_use_the_fallback(wrap: str) -> None:
     assert_hooks_match_loop(model, lambda: squares(model(x)))
 
 
-def test_a_parametrized_weight_is_refused_when_recording_starts(tmp_path: Path) -> None:
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
-    torch.nn.utils.parametrizations.weight_norm(model[0])
-    with pytest.raises(UnsupportedLayerError, match=r"parametriz.*backend='vmap'"), \
-            gradlog.GradRecorder(model, tmp_path / "r.gradlog"):
-        pass
-    # the rest of the model can still be recorded
-    x = torch.randn(B, 4)
-    with gradlog.GradRecorder(model, tmp_path / "p.gradlog", params="2.*") as rec:
-        rec.backward(squares(model(x)))
-    assert gradlog.open(tmp_path / "p.gradlog").grads("2.weight", step=0).shape == (B, 2, 5)
-
-
 # -- how a layer is called ------------------------------------------------------------------
 @pytest.mark.parametrize("layer, shape", [
     (nn.Linear(3, 4), (B, 5, 3)),

@@ -38,6 +38,7 @@ __all__ = [
     "own_params",
     "register_rule",
     "widen",
+    "would_cover",
 ]
 
 
@@ -163,7 +164,17 @@ def attributes(*names: str) -> Callable[[nn.Module], dict[str, nn.Parameter]]:
         return {a: p for a, p in module.named_parameters(recurse=False) if a in names}
 
     covers.__name__ = f"attributes{names}"
+    covers.attributes = names  # type: ignore[attr-defined]  # (read by would_cover)
     return covers
+
+
+def would_cover(rule: Rule, module: nn.Module, attr: str) -> bool:
+    """Whether ``rule`` computes ``module``'s ``attr`` where it is a tensor a
+    parametrization makes, not a parameter (``covers`` sees only parameters): for rules
+    that cover the module's own parameters or ``attributes(...)`` naming it."""
+    if rule.covers is own_params:
+        return True
+    return attr in getattr(rule.covers, "attributes", ())
 
 
 def _batch_first(module: nn.Module) -> int:

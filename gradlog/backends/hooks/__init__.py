@@ -85,7 +85,7 @@ from gradlog._tree import leaves
 from gradlog.backends.base import Backend, PerDatumGrads
 from gradlog.backends.fused import FusedLink, fuse_output
 from gradlog.backends.heap import keep_heap_resident
-from gradlog.backends.hooks import checks, datum_check, graph
+from gradlog.backends.hooks import checks, datum_check, graph, parametrized
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.datum_check import HOOK_KINDS
@@ -535,8 +535,10 @@ class HooksBackend(Backend):
                 rule = entry.rule
                 if entry.fallback and not entry.op and call.bd and not expanded:
                     rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
-                with rule_precision(call, rule):
+                with rule_precision(call, rule), parametrized.evaluating(entry.plists):
                     result = rule.compute(entry.module, cap, entry.wanted)
+                    if entry.chains:
+                        result = parametrized.through(entry.chains, result)
             finally:
                 self._recomputing = False
                 if grad_mode:

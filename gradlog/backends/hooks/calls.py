@@ -20,8 +20,10 @@ from torch import nn
 from gradlog._torch_private import tensor_version
 from gradlog._tree import leaves
 from gradlog.backends.fused import FusedLink, fusable
+from gradlog.backends.hooks.parametrized import Chain, chains_of, evaluating, plists_in
 from gradlog.errors import UnsupportedLayerError
 from gradlog.rules import GENERIC, Rule, find_rule
+from gradlog.rules.base import would_cover
 
 __all__ = ["TAG", "Call", "Entry", "plan_entries"]
 
@@ -41,10 +43,16 @@ class Entry:
     fused: bool = False  # batch_grad="sum": the weight gradient is the sum of the records
     hook_base: bool = False  # see Rule.views_own_result and graph.hook_target
     op: str = ""  # an op call seen by operations.OpCapture (module: the root), not a module's
+    chains: tuple[Chain, ...] = ()  # parametrized tensors whose parameters are recorded
+    plists: tuple[nn.Module, ...] = ()  # the parametrizations its rule may evaluate again
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:
-        return frozenset(self.names)
+        """What the rule is asked for: the recorded attributes, a parametrized tensor's
+        (``weight``) in place of its parameters' (:mod:`.parametrized`)."""
+        chained = {path for c in self.chains for path in c.paths.values()}
+        return frozenset({a for a in self.names if a not in chained}
+                         | {c.attr for c in self.chains})
 
     @functools.cached_property
     def param_ids(self) -> tuple[int, ...]:
@@ -165,13 +173,25 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
         One entry per module and rule (a module with a rule and also parameters its rule
         does not cover gets a second, generic entry for those).
     """
+    with evaluating(plists_in(model)):  # (find_rule's checks may read a parametrized weight)
+        return _plan(model, params, batch_grad)
+
+
+def _plan(model: nn.Module, params: Mapping[str, nn.Parameter],
+          batch_grad: str) -> list[Entry]:
     by_id = {id(p): n for n, p in params.items()}
     entries: list[Entry] = []
     taken: set[tuple[int, str]] = set()  # (module, attr) computed by an ancestor's rule
     for mname, module in model.named_modules():
-        _refuse_parametrization(mname, module, by_id)
+        _refuse_parametrization(mname, module, by_id, taken)
         names: dict[str, str] = {}
         rule = find_rule(module)
+        chains = chains_of(module, by_id)
+        for chain in chains:  # their parameters are computed here, through the chain
+            for path in chain.paths.values():
+                owner, _, attr = path.rpartition(".")
+                taken.add((id(module.get_submodule(owner)), attr))
+        ruled = tuple(c for c in chains if rule is not None and would_cover(rule, module, c.attr))
         if rule is not None:
             for path, p in rule.covers(module).items():
                 if id(p) not in by_id or (id(module), path) in taken:
@@ -180,9 +200,10 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
                 if "." in path:  # a child's parameter that this module's forward reads
                     owner, _, attr = path.rpartition(".")
                     taken.add((id(module.get_submodule(owner)), attr))
+            names.update(_chained(ruled, module, by_id))
             if names:
                 entries.append(_entry(params, batch_grad, module, mname, rule, names,
-                                      fallback=False))
+                                      fallback=False, chains=ruled))
         # A parameter this module also holds under an alias of a submodule's (opacus' DPLSTM
         # registers each cell weight again at the top) is computed where it is used: by the
         # submodule that holds it (a re-run of this module as well would count it twice).
@@ -196,36 +217,49 @@ def plan_entries(model: nn.Module, params: Mapping[str, nn.Parameter],
                      if "." in n}
             rest = {attr: name for attr, name in rest.items()
                     if id(module.get_parameter(attr)) not in below}
+        # (the torch.func re-run passes the parametrization's parameters, not its tensor)
+        rest.update(_chained(tuple(c for c in chains if c not in ruled), module, by_id))
         if rest:
             entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
                                   fallback=True))
     return entries
 
 
+def _chained(chains: tuple[Chain, ...], module: nn.Module,
+             recorded: Mapping[int, str]) -> dict[str, str]:
+    """Attribute path -> recorded name of the chains' parameters."""
+    return {path: recorded[id(module.get_parameter(path))]
+            for c in chains for path in c.paths.values()}
+
+
 def _entry(params: Mapping[str, nn.Parameter], batch_grad: str, module: nn.Module, name: str,
-           rule: Rule, names: dict[str, str], *, fallback: bool) -> Entry:
+           rule: Rule, names: dict[str, str], *, fallback: bool,
+           chains: tuple[Chain, ...] = ()) -> Entry:
     owned = tuple(params[n] for n in dict.fromkeys(names.values()))
     fused = (batch_grad == "sum" and not fallback and "weight" in names
              and rule.name in ("linear", "conv1d_gpt2") and fusable(module))
     # (a fallback entry of a layer whose own rule knows its forward: a pruned Linear)
     own = rule if not fallback else find_rule(module)
     hook_base = own is not None and own.views_own_result
-    return Entry(module, name, rule, names, owned, fallback, fused, hook_base)
+    return Entry(module, name, rule, names, owned, fallback, fused, hook_base, chains=chains,
+                 plists=plists_in(module))
 
 
-def _refuse_parametrization(name: str, module: nn.Module, recorded: Mapping[int, str]) -> None:
-    """Refuse recorded parameters held by ``torch.nn.utils.parametrize`` (e.g.
-    ``parametrizations.weight_norm``): the layer's rule gives the gradient of the weight the
-    parametrization computes, not of its originals, and the chain through it per datum is
-    not built."""
+def _refuse_parametrization(name: str, module: nn.Module, recorded: Mapping[int, str],
+                            taken: set[tuple[int, str]]) -> None:
+    """Refuse recorded parameters of a ``torch.nn.utils.parametrize`` parametrization that
+    no chain through the module it parametrizes computes (:mod:`.parametrized`): where the
+    ``ParametrizationList`` is not found as that module's ``parametrizations`` entry."""
     if type(module).__name__ != "ParametrizationList":
         return
-    held = [recorded[id(p)] for p in module.parameters() if id(p) in recorded]
+    held = [recorded[id(p)] for owner in module.modules()
+            for attr, p in owner.named_parameters(recurse=False)
+            if id(p) in recorded and (id(owner), attr) not in taken]
     if held:
         raise UnsupportedLayerError(
-            f"parameter(s) {held} are the originals of a torch.nn.utils.parametrize "
-            f"parametrization ({name!r}, e.g. parametrizations.weight_norm or orthogonal): the "
-            "hooks backend cannot compute per-datum gradients through a parametrization. Use "
-            "backend='vmap' or backend='loop', leave these parameters out with params=, or "
-            "record the plain weight (torch.nn.utils.parametrize.remove_parametrizations)."
+            f"parameter(s) {held} are held by the torch.nn.utils.parametrize parametrization "
+            f"{name!r}, which gradlog found outside the module it parametrizes: the hooks "
+            "backend cannot compute their per-datum gradients. Use backend='loop', leave "
+            "these parameters out with params=, or record the plain weight "
+            "(torch.nn.utils.parametrize.remove_parametrizations)."
         )

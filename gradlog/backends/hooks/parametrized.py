@@ -1,0 +1,155 @@
+"""Per-datum gradients through ``torch.nn.utils.parametrize``: a module whose ``weight`` a
+parametrization computes from other parameters (``parametrizations.weight_norm``'s
+``original0``/``original1``, ``orthogonal``'s ``original``).
+
+The module's rule (or the ``torch.func`` fallback) gives each datum's gradient of the
+tensor the parametrization computes, ``dW_b``. The parametrization is a function of
+parameters alone, so the chain is linear per datum: each datum's gradients of its parameters
+are the parametrization's vector-Jacobian product at ``dW_b``, ``vmap``ed over the batch.
+
+The chain evaluates the parametrization again, in eval mode: ``spectral_norm`` then uses the
+power iteration its forward ran in this step (its buffers as that forward left them) instead
+of running another. A parametrization that changes its buffers even so is refused, its
+buffers put back as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.nn.utils import parametrize
+
+from gradlog._torch_private import tensor_version
+from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.grads.material import dense
+from gradlog.rules.base import RuleResult
+
+__all__ = ["Chain", "chains_of", "evaluating", "plists_in", "through"]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One parametrized tensor of a module and its recorded parameters.
+
+    Attributes:
+        attr: The tensor the parametrization computes (``"weight"``), the attribute the
+            module's rule is asked for.
+        plist: Its ``ParametrizationList`` (``module.parametrizations[attr]``).
+        paths: Name within ``plist`` (``"original0"``, ``"0.scale"``) -> attribute path from
+            the module (``"parametrizations.weight.original0"``), for the recorded ones.
+    """
+
+    attr: str
+    plist: nn.Module
+    paths: dict[str, str]
+
+
+def chains_of(module: nn.Module, recorded: Mapping[int, str]) -> list[Chain]:
+    """The module's parametrized tensors with recorded parameters."""
+    if not parametrize.is_parametrized(module):
+        return []
+    plists: Any = module.parametrizations
+    chains = []
+    for attr, plist in plists.items():
+        paths = {n: f"parametrizations.{attr}.{n}" for n, p in plist.named_parameters()
+                 if id(p) in recorded}
+        if paths:
+            chains.append(Chain(attr, plist, paths))
+    return chains
+
+
+def plists_in(module: nn.Module) -> tuple[nn.Module, ...]:
+    """Every ``ParametrizationList`` in ``module``'s subtree (a rule reading ``weight``, or a
+    re-run of the module, evaluates them)."""
+    return tuple(m for m in module.modules() if isinstance(m, parametrize.ParametrizationList))
+
+
+@contextlib.contextmanager
+def evaluating(plists: tuple[nn.Module, ...]) -> Iterator[None]:
+    """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
+    re-run, the chain): each computed once (``parametrize.cached``), in eval mode, and their
+    buffers left as the forward left them: put back and refused if not (gradlog must not
+    change training)."""
+    if not plists:
+        yield
+        return
+    modes = [(m, m.training) for plist in plists for m in plist.modules()]
+    kept = [(_label(plist, n), b, tensor_version(b), b.detach().clone())
+            for plist in plists for n, b in plist.named_buffers()]
+    for plist in plists:
+        plist.eval()
+    try:
+        with parametrize.cached():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        changed = [n for n, b, version, _ in kept if tensor_version(b) != version]
+        with torch.no_grad():
+            for n, b, _, was in kept:
+                if n in changed:
+                    b.copy_(was)
+        if changed:  # (in place of any error the change caused: torch.func's, say)
+            raise UnsupportedLayerError(
+                f"a parametrization changed its buffers {changed} when gradlog evaluated it again "
+                "(in eval mode) for per-datum gradients; they are put back, and gradlog refuses "
+                "rather than change training. Use backend='loop', or record the plain weight "
+                "(torch.nn.utils.parametrize.remove_parametrizations)."
+            )
+
+
+def _label(plist: nn.Module, buffer: str) -> str:
+    """``"_SpectralNorm._u"`` for the buffer ``"0._u"`` of a ``ParametrizationList``."""
+    owner, _, leaf = buffer.rpartition(".")
+    return f"{type(plist.get_submodule(owner)).__name__}.{leaf}" if owner else buffer
+
+
+def through(chains: tuple[Chain, ...], result: RuleResult) -> RuleResult:
+    """``result`` with each chain's tensor replaced by its recorded parameters' per-datum
+    gradients ``(B, *shape)``."""
+    out = dict(result)
+    for chain in chains:
+        if chain.attr not in out:
+            continue
+        d_tensor = dense(out.pop(chain.attr))  # (B, *tensor)
+        out.update(_pull_back(chain, d_tensor))
+    return out
+
+
+def _pull_back(chain: Chain, d_tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each datum's vector-Jacobian product of the parametrization at its ``dW_b``."""
+    every = {n: p.detach() for n, p in chain.plist.named_parameters()}
+    names = list(chain.paths)
+
+    def evaluate(*values: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = functional_call(chain.plist, {**every, **dict(zip(names, values))},
+                                            ())
+        return out
+
+    with torch.autocast(d_tensor.device.type, enabled=False), torch.enable_grad():
+        found = vjp(evaluate, *(every[n] for n in names))
+        tensor, pull = found[0], found[1]
+        if tuple(d_tensor.shape[1:]) != tuple(tensor.shape):
+            raise BackendError(
+                f"the per-datum gradients of the parametrized {chain.attr!r} have shape "
+                f"{tuple(d_tensor.shape)}; the parametrization computes {tuple(tensor.shape)}"
+            )
+        d_tensor = d_tensor.to(tensor.dtype)
+        try:
+            with warnings.catch_warnings():
+                # functorch loops where an op has no batching rule (weight_norm's backward):
+                # still exact
+                warnings.filterwarnings("ignore", message="There is a performance drop")
+                grads = vmap(pull)(d_tensor)
+        except RuntimeError:  # an op of the parametrization vmap cannot batch at all
+            rows = [pull(d_tensor[b]) for b in range(d_tensor.shape[0])]
+            grads = tuple(torch.stack(g) for g in zip(*rows))
+    return {chain.paths[n]: g for n, g in zip(names, grads)}
+

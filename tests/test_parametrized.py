@@ -1,0 +1,188 @@
+"""Layers whose weight a ``torch.nn.utils.parametrize`` parametrization computes
+(``weight_norm``, as wav2vec2's positional convolution has it; ``spectral_norm``;
+``orthogonal``; a user's own): the hooks backend gives each datum's gradient of the
+parametrization's parameters (it refused them), equal to the loop oracle's in float64, and
+recording leaves training as it was (spectral_norm's power iteration is not stepped again).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+import gradlog
+from gradlog.errors import UnsupportedLayerError
+from gradlog.testing.oracle import backend_grads
+
+D64 = torch.float64
+B = 4
+
+
+class Scaled(nn.Module):
+    """A parametrization with a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.scale
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + w.T
+
+
+class Affine(nn.Module):
+    """A layer without a rule (the torch.func re-run) reading its own ``weight``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d)
+        self.shift = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight.T + self.shift)
+
+
+def _tokens() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 6), nn.Tanh(), Affine(6),
+                          nn.LayerNorm(6), nn.Linear(6, 3))
+    return model, torch.randint(0, 11, (B, 5), generator=torch.Generator().manual_seed(1))
+
+
+def _signals() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Conv1d(4, 6, 3, padding=1, groups=2), nn.GELU(),
+                          nn.Conv1d(6, 3, 3), nn.Flatten(), nn.Linear(9, 2))
+    return model, torch.randn(B, 4, 5, generator=torch.Generator().manual_seed(1), dtype=D64)
+
+
+def _images() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2))
+    return model, torch.randn(B, 2, 4, 4, generator=torch.Generator().manual_seed(1), dtype=D64)
+
+
+def _custom(model: nn.Module) -> None:
+    parametrize.register_parametrization(model[1], "weight", Scaled())
+    parametrize.register_parametrization(model[1], "weight", Symmetric())  # chained after
+    parametrize.register_parametrization(model[3], "weight", Symmetric())
+    parametrize.register_parametrization(model[4], "weight", Scaled())
+
+
+CASES: dict[str, tuple[Callable[[], tuple[nn.Module, torch.Tensor]],
+                       Callable[[nn.Module], object]]] = {
+    # wav2vec2's: weight_norm(conv, dim=2), a grouped convolution
+    "weight_norm_conv1d": (_signals, lambda m: (weight_norm(m[0], dim=2), weight_norm(m[2]))),
+    "weight_norm_conv2d_and_linear_whole": (
+        _images, lambda m: (weight_norm(m[0]), weight_norm(m[3], dim=None))),
+    "weight_norm_embedding_and_rule_less_layer": (
+        _tokens, lambda m: (weight_norm(m[0]), weight_norm(m[3]))),
+    "spectral_norm": (_images, lambda m: (spectral_norm(m[0]), spectral_norm(m[3]))),
+    "orthogonal": (_tokens, lambda m: orthogonal(m[1])),
+    "custom_with_own_parameters": (_tokens, _custom),
+}
+
+
+def _built(case: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    make, parametrized = CASES[case]
+    torch.manual_seed(0)
+    model, x = make()
+    parametrized(model)
+    model = model.double().train()
+    return model, lambda: (model(x).flatten(1) ** 2).sum(1)
+
+
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_parametrized_layers_record_like_the_loop(case: str, batch_grad: str) -> None:
+    model, losses = _built(case)
+    start = copy.deepcopy(model.state_dict())  # (spectral_norm's buffers: each run alike)
+    want, want_grad, _ = backend_grads(model, losses, "loop")
+    model.load_state_dict(start)
+    got, got_grad, described = _hooks(model, losses, batch_grad)
+    chained = [n for n in want if ".parametrizations." in n]
+    assert chained and set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(got_grad[n], want_grad[n], rtol=1e-9, atol=1e-12)
+    if case.endswith("rule_less_layer"):
+        assert described["fallback"] == ["3"]  # (its re-run takes the weight's parameters)
+
+
+def _hooks(model: nn.Module, losses: Callable[[], torch.Tensor], batch_grad: str) -> tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor | None], dict[str, object]]:
+    from gradlog.backends import BACKENDS
+    from gradlog.grads import dense
+    from gradlog.params import select_params
+
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different", batch_grad=batch_grad)
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        out = losses()
+        per = {n: dense(g) for n, g in be.backward(out, be.reduce_batch(out)).items()}
+        return per, {n: p.grad for n, p in model.named_parameters()}, be.describe()
+    finally:
+        be.detach()
+
+
+@pytest.mark.parametrize("params", [["3.bias"], "*"])
+def test_recording_leaves_spectral_norms_power_iteration_as_training_has_it(
+        tmp_path: Path, params: str | list[str]) -> None:
+    """spectral_norm steps its power iteration (buffers ``_u``, ``_v``) each time it is
+    evaluated in training mode. Three SGD steps recorded end bitwise where three plain ones
+    do: gradlog's reads of ``module.weight`` (at attach, in rules) and the chain evaluate it
+    in eval mode. (Before, an extra power iteration a step changed training.)"""
+    model, _ = _built("spectral_norm")
+    plain = copy.deepcopy(model)
+    x = _images()[1]
+
+    def train(m: nn.Module, backward: Callable[[torch.Tensor], object]) -> None:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            backward((m(x).flatten(1) ** 2).sum(1))
+            opt.step()
+
+    train(plain, lambda losses: losses.mean().backward())
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", params=params,
+                              check_every=1) as rec:
+        train(model, rec.backward)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert gradlog.open(tmp_path / "r.gradlog").grads("3.bias", step=2).shape == (B, 2)
+
+
+class Drifting(nn.Module):
+    """A parametrization that counts its evaluations in a buffer, even in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return w * 2
+
+
+def test_a_parametrization_changing_its_buffers_when_evaluated_again_is_refused() -> None:
+    """Refused by name, its buffer put back as the forward left it, p.grad complete."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    parametrize.register_parametrization(model[0], "weight", Drifting())
+    model[0].parametrizations.weight[0].calls.zero_()  # (registering evaluated it)
+    x = torch.randn(B, 3, dtype=D64)
+    with pytest.raises(UnsupportedLayerError, match=r"changed its buffers \['Drifting.calls'\]"):
+        backend_grads(model, lambda: (model(x) ** 2).sum(1))
+    assert model[0].parametrizations.weight[0].calls.item() == 1  # (the forward's own)
+    assert all(p.grad is not None for p in model.parameters())
