@@ -917,16 +917,58 @@ class _SharedTable(nn.Module):
 def test_a_shared_table_of_b_rows_is_named_when_the_checks_refuse_it() -> None:
     """The fallback splits every tensor argument whose first dimension is B: a table shared
     by the batch with B rows is taken for a batched one (Funnel at T 6, B 3), wrong, refused
-    by the checks with a message blaming a use outside the model. It now also names the
-    module re-run per datum and why; with other sizes, as the loop oracle."""
+    by the checks with a message blaming a use outside the model. It is now refused at
+    the re-run, whose output for a datum alone is not its rows of the batch's, naming the
+    module and why; with other sizes, as the loop oracle."""
     layer = _SharedTable()
     x = torch.randn(B, 5, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
     table = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(BackendError, match=r"re-running their module per datum with torch\.func "
-                                           r"\(_SharedTable '\(the model\)'\).*first dimension "
-                                           r"equals the batch size"):
+    with pytest.raises(BackendError, match=r"_SharedTable '\(the model\)'.*re-runs it on "
+                                           r"each datum alone.*first dimension equals the "
+                                           r"batch size"):
         per_datum(layer, lambda: squares(layer(x, table)), "hooks")
     assert_hooks_match_loop(layer, lambda: squares(layer(x, table[:2])))
+
+
+class _Mixing(nn.Module):
+    """A module without a rule (re-run per datum) whose forward mixes the batch's datums."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.table = nn.Parameter(torch.randn(2000, 3, dtype=D64,
+                                              generator=torch.Generator().manual_seed(2)))
+        self.scale = nn.Parameter(torch.tensor([1.0, 0.5, 2.0], dtype=D64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.how == "roll":  # each datum reads the previous datum's rows
+            h = self.table[ids.roll(1, 0)]
+        else:
+            h = self.table[ids]  # (B, T, 3)
+            if self.how == "batch_mean":
+                h = h - h.mean(0, keepdim=True)
+            elif self.how == "batch_norm":  # in training mode, over the batch and its tokens
+                h = F.batch_norm(h.transpose(1, 2), None, None, training=True).transpose(1, 2)
+        return h * self.scale
+
+
+@pytest.mark.parametrize("how", ["roll", "batch_mean", "batch_norm"])
+def test_a_module_re_run_per_datum_that_mixes_the_batch_is_refused(how: str) -> None:
+    """Re-running a module on each datum alone gives each datum's gradient only if its rows
+    are each datum's own. A module mixing them was recorded wrong through the backend
+    (datum b reading datum b-1's table rows: the spot check samples too few entries of a
+    mostly-zero gradient; only the recorder's self-check, on checked steps, refused it). Its
+    re-run on each datum alone is now compared with its run on the whole batch: refused,
+    naming the module, p.grad complete. A module keeping its rows apart is recorded."""
+    model = _Mixing(how)
+    model.scale.requires_grad_(how != "roll")  # (the table alone: the spot check missed it)
+    ids = torch.randint(0, 2000, (B, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match=r"_Mixing '\(the model\)'.*gives a datum alone an "
+                                           r"output 0 other than its rows of the batch's"):
+        per_datum(model, lambda: squares(model(ids)), "hooks")
+    assert model.table.grad is not None
+    model.how = "none"
+    assert_hooks_match_loop(model, lambda: squares(model(ids)))
 
 
 class _FlatFFN(nn.Module):

@@ -171,7 +171,10 @@ def attributes(*names: str) -> Callable[[nn.Module], dict[str, nn.Parameter]]:
 def would_cover(rule: Rule, module: nn.Module, attr: str) -> bool:
     """Whether ``rule`` computes ``module``'s ``attr`` where it is a tensor a
     parametrization makes, not a parameter (``covers`` sees only parameters): for rules
-    that cover the module's own parameters or ``attributes(...)`` naming it."""
+    that cover the module's own parameters or ``attributes(...)`` naming it, and that do
+    not re-run the module (a re-run takes the parametrization's parameters themselves)."""
+    if rule.uses_torch_func:
+        return False
     if rule.covers is own_params:
         return True
     return attr in getattr(rule.covers, "attributes", ())

@@ -190,7 +190,6 @@ def func_grads(
                 # exact, and this module is already the slow path.
                 warnings.filterwarnings("ignore", message="There is a performance drop")
                 result: dict[str, torch.Tensor] = per_datum(diff, xs, gs)
-            return result
         except RuntimeError as e:
             if "random" in str(e):
                 raise BackendError(
@@ -205,7 +204,89 @@ def func_grads(
                 type(module).__name__,
                 str(e).splitlines()[0][:200],
             )
-    return _loop(diff, xs, gs, dims, outs, call, B)
+    if module in _LOOPED:
+        result = _loop(diff, xs, gs, dims, outs, call, B)
+    if _check_due(module, cap, [s for _, s in batched]):  # (after: random draws said so)
+        def whole() -> list[Any]:  # the module on the whole batch, as its forward ran
+            a, kw = rebuild(list(leaves))
+            with replay(module, [widen(m, wide) for m in masks]) if masks else (
+                    contextlib.nullcontext()):
+                return flatten(functional_call(module, {**fixed, **diff}, tuple(a), kw))[0]
+
+        with torch.no_grad():
+            _check_rows_alone(module, whole(), _each_alone(module, call, diff, xs, dims, B),
+                              outs)
+    return result
+
+
+# Calls of each module re-run so far: the check that its rows are independent runs on the
+# 1st, 2nd, 4th, 8th, ... (a forward's structure rarely changes; a few checks catch it).
+_CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+# How far a re-run of the module on one datum may differ from its rows of the whole batch's
+# run (both in the re-run's dtype), relative to the largest entry of that output.
+# (Loose: a module mixing datums moves its outputs by their own size; kernels batched or
+# not round differently, and a module may compute parts in a narrower dtype.)
+_ROWS_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+_ROWS_RTOL_16BIT = 5e-2
+
+
+def _check_due(module: nn.Module, cap: Capture, specs: Sequence[LeafSpec]) -> bool:
+    """Whether this call's re-run per datum is checked against the module on the whole
+    batch (not where each datum's rows are passed as they are, or inputs were expanded:
+    outputs shared by the batch)."""
+    n = _CALLS.get(module, 0)
+    _CALLS[module] = n + 1
+    return (n & (n - 1) == 0 and cap.batch_size > 1 and not cap.expanded
+            and all(s.unsqueeze for s in specs))
+
+
+def _each_alone(module: nn.Module, call: Callable[..., list[Any]],
+                diff: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
+                dims: Sequence[int], B: int) -> list[Any]:
+    """The module's outputs re-run on each datum alone, stacked: ``(B, *output of one)``."""
+    if module not in _LOOPED:
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="There is a performance drop")
+                found: list[Any] = vmap(lambda x: call(diff, x), in_dims=(list(dims),),
+                                        randomness="error")(list(xs))
+            return found
+        except (RuntimeError, ValueError):
+            pass  # (the gradients' own vmap reports it, or loops)
+    rows = [call(diff, [x.select(d, b) for x, d in zip(xs, dims)]) for b in range(B)]
+    return [torch.stack(r) if isinstance(r[0], torch.Tensor) else None for r in zip(*rows)]
+
+
+def _check_rows_alone(module: nn.Module, whole: Sequence[Any], alone: Sequence[Any],
+                      outs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+    """Refuse a module whose output for a datum run alone is not its rows of the batch's
+    output: it mixes datums, and per-datum gradients from re-running it would be wrong."""
+    for j, d, g in outs:
+        want, got = whole[j], alone[j]
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or (
+                want.shape != g.shape):  # (rows the backend laid out by datum: (B*T, d))
+            continue
+        got = got.squeeze(d + 1).movedim(0, d)  # (the batch of one's dimension dropped)
+        rtol = _ROWS_RTOL.get(want.dtype, _ROWS_RTOL_16BIT)
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        if got.shape == want.shape:
+            gap = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+            if gap <= rtol * scale or (scale == 0.0 and gap == 0.0):
+                continue
+            how = f"by up to {gap:.3g} where its largest entry is {scale:.3g}"
+        else:
+            how = f"in shape: {tuple(got.shape)} against {tuple(want.shape)}"
+        raise BackendError(
+            f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) gives "
+            f"a datum alone an output {j} other than its rows of the batch's output, {how}: "
+            "its forward mixes the batch's datums (a batch statistic, rows taken across the "
+            "batch, a loss over the batch), or an argument shared by the batch was split as "
+            "each datum's (gradlog splits every tensor argument whose first dimension "
+            "equals the batch size), so re-running it per datum would give wrong per-datum "
+            "gradients. Register a rule for it, keep the mixing out of the recorded modules, "
+            "or use backend='loop'."
+        )
 
 
 def _widest(params: Any) -> torch.dtype | None:

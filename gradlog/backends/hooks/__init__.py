@@ -535,7 +535,8 @@ class HooksBackend(Backend):
                 rule = entry.rule
                 if entry.fallback and not entry.op and call.bd and not expanded:
                     rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
-                with rule_precision(call, rule), parametrized.evaluating(entry.plists):
+                with rule_precision(call, rule), parametrized.evaluating(
+                        entry.plists, cache=bool(entry.chains)):
                     result = rule.compute(entry.module, cap, entry.wanted)
                     if entry.chains:
                         result = parametrized.through(entry.chains, result)

@@ -72,11 +72,12 @@ def plists_in(module: nn.Module) -> tuple[nn.Module, ...]:
 
 
 @contextlib.contextmanager
-def evaluating(plists: tuple[nn.Module, ...]) -> Iterator[None]:
+def evaluating(plists: tuple[nn.Module, ...], cache: bool = True) -> Iterator[None]:
     """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
-    re-run, the chain): each computed once (``parametrize.cached``), in eval mode, and their
-    buffers left as the forward left them: put back and refused if not (gradlog must not
-    change training)."""
+    re-run, the chain): in eval mode, and their buffers left as the forward left them: put
+    back and refused if not (gradlog must not change training). ``cache``: each computed
+    once (``parametrize.cached``; not around a re-run per datum, which must differentiate
+    each datum's evaluation)."""
     if not plists:
         yield
         return
@@ -86,7 +87,7 @@ def evaluating(plists: tuple[nn.Module, ...]) -> Iterator[None]:
     for plist in plists:
         plist.eval()
     try:
-        with parametrize.cached():
+        with parametrize.cached() if cache else contextlib.nullcontext():
             yield
     finally:
         for m, training in modes:
