@@ -971,6 +971,39 @@ def test_a_module_re_run_per_datum_that_mixes_the_batch_is_refused(how: str) -> 
     assert_hooks_match_loop(model, lambda: squares(model(ids)))
 
 
+class _Counting(nn.Module):
+    """A module without a rule that counts its calls in a buffer and scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
+        self.register_buffer("calls", torch.zeros((), dtype=D64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * self.w * self.calls
+
+
+@pytest.mark.parametrize("layer", ["counter", "batch_norm"])
+def test_a_module_whose_re_run_changes_its_buffers_is_refused_and_they_are_put_back(
+        layer: str) -> None:
+    """A re-run of a module that updates its buffers as it runs (a batch norm's running
+    statistics in training mode, a counter) changed the model's state B times more (and the
+    counter's re-runs computed with the count changed, and broke the user's backward, which
+    had saved it). Refused, naming the buffers: the re-runs got copies, so the model's hold
+    what the forward left in them."""
+    torch.manual_seed(0)
+    model: nn.Module = _Counting() if layer == "counter" else nn.BatchNorm1d(3).double()
+    x = torch.randn(B, 3, dtype=D64)
+    plain = copy.deepcopy(model)
+    plain(x)
+    with pytest.raises(BackendError, match=r"changes its buffers \['(calls|num_batches_tracked).*"
+                                           r"Its re-runs changed copies"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+    for (name, want), got in zip(plain.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), name
+
+
 class _FlatFFN(nn.Module):
     """A feed-forward block run on the batch's tokens flattened to (B*T, d), as OPT's
     decoder layers do; ``order`` flattens them datum-major (``"datums"``; ``"again"``: then

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from gradlog._torch_private import tensor_version
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, widen
@@ -156,6 +157,8 @@ def func_grads(
             )
     dims: list[int] = [s.dim for _, s in batched if s.dim is not None] + [0] * len(masks)
 
+    copies: dict[str, torch.Tensor] = {}  # buffers the re-runs use (see _buffers_kept)
+
     def call(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]) -> list[Any]:
         full = list(leaves)
         for (i, spec), x in zip(batched, xs):
@@ -164,7 +167,7 @@ def func_grads(
         a, kw = rebuild(full)
         with replay(module, [m.unsqueeze(0) for m in xs[len(batched):]]) if masks else (
                 contextlib.nullcontext()):
-            out = functional_call(module, {**fixed, **p}, tuple(a), kw)
+            out = functional_call(module, {**fixed, **copies, **p}, tuple(a), kw)
         return flatten(out)[0]
 
     def dot(
@@ -178,44 +181,47 @@ def func_grads(
 
     xs = [leaves[i] for i, _ in batched] + [widen(m, wide) for m in masks]
     gs = [g for _, _, g in outs]
-    if module not in _LOOPED:
-        try:
-            per_datum = vmap(
-                grad(dot),
-                in_dims=(None, dims, [d for _, d, _ in outs]),
-                randomness="error",
-            )
-            with warnings.catch_warnings():
-                # functorch warns when an op has no batching rule and it loops instead: still
-                # exact, and this module is already the slow path.
-                warnings.filterwarnings("ignore", message="There is a performance drop")
-                result: dict[str, torch.Tensor] = per_datum(diff, xs, gs)
-        except RuntimeError as e:
-            if "random" in str(e):
-                raise BackendError(
-                    f"{type(module).__name__} draws random numbers in its forward; gradlog "
-                    "re-runs it per datum and cannot reproduce the batch's random draws. Put "
-                    "it in eval mode, register a rule for it, or use backend='loop'."
-                ) from e
-            _LOOPED.add(module)
-            log.warning(
-                "gradlog: torch.func.vmap cannot batch %s (%s); computing its per-datum "
-                "gradients with one small autograd.grad per datum instead.",
-                type(module).__name__,
-                str(e).splitlines()[0][:200],
-            )
-    if module in _LOOPED:
-        result = _loop(diff, xs, gs, dims, outs, call, B)
-    if _check_due(module, cap, [s for _, s in batched]):  # (after: random draws said so)
-        def whole() -> list[Any]:  # the module on the whole batch, as its forward ran
-            a, kw = rebuild(list(leaves))
-            with replay(module, [widen(m, wide) for m in masks]) if masks else (
-                    contextlib.nullcontext()):
-                return flatten(functional_call(module, {**fixed, **diff}, tuple(a), kw))[0]
+    due = _check_due(module, cap, [s for _, s in batched])
+    with _buffers_kept(module, copies, checked=due):
+        if module not in _LOOPED:
+            try:
+                per_datum = vmap(
+                    grad(dot),
+                    in_dims=(None, dims, [d for _, d, _ in outs]),
+                    randomness="error",
+                )
+                with warnings.catch_warnings():
+                    # functorch warns when an op has no batching rule and it loops instead: still
+                    # exact, and this module is already the slow path.
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    result: dict[str, torch.Tensor] = per_datum(diff, xs, gs)
+            except RuntimeError as e:
+                if "random" in str(e):
+                    raise BackendError(
+                        f"{type(module).__name__} draws random numbers in its forward; gradlog "
+                        "re-runs it per datum and cannot reproduce the batch's random draws. Put "
+                        "it in eval mode, register a rule for it, or use backend='loop'."
+                    ) from e
+                _LOOPED.add(module)
+                log.warning(
+                    "gradlog: torch.func.vmap cannot batch %s (%s); computing its per-datum "
+                    "gradients with one small autograd.grad per datum instead.",
+                    type(module).__name__,
+                    str(e).splitlines()[0][:200],
+                )
+        if module in _LOOPED:
+            result = _loop(diff, xs, gs, dims, outs, call, B)
+        if due:  # (after the gradients: random draws are reported as such)
+            def whole() -> list[Any]:  # the module on the whole batch, as its forward ran
+                a, kw = rebuild(list(leaves))
+                with replay(module, [widen(m, wide) for m in masks]) if masks else (
+                        contextlib.nullcontext()):
+                    return flatten(functional_call(module, {**fixed, **copies, **diff},
+                                                   tuple(a), kw))[0]
 
-        with torch.no_grad():
-            _check_rows_alone(module, whole(), _each_alone(module, call, diff, xs, dims, B),
-                              outs)
+            with torch.no_grad():
+                _check_rows_alone(module, whole(), _each_alone(module, call, diff, xs, dims, B),
+                                  outs)
     return result
 
 
@@ -229,6 +235,33 @@ _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 # not round differently, and a module may compute parts in a narrower dtype.)
 _ROWS_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
 _ROWS_RTOL_16BIT = 5e-2
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module, copies: dict[str, torch.Tensor],
+                  checked: bool) -> Iterator[None]:
+    """Refuse a module whose re-run changes its buffers (BatchNorm's running statistics in
+    training, a counter): re-runs would change the model's state, and compute with it
+    changed. ``checked`` (the checked calls: its first above all): the re-runs get copies
+    of them (``copies`` is filled), so the model's are left alone."""
+    if checked:
+        copies.update({n: b.detach().clone() for n, b in module.named_buffers()})
+    seen = copies.items() if checked else module.named_buffers()
+    versions = [(n, b, tensor_version(b)) for n, b in seen]
+    try:
+        yield
+    finally:
+        copies.clear()
+        changed = [n for n, b, version in versions if tensor_version(b) != version]
+        if changed:  # (in place of any error the change caused: vmap's, say)
+            raise BackendError(
+                f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
+                f"changes its buffers {changed} when it runs (a batch norm's running "
+                "statistics in training mode, a counter): re-running it would change the "
+                "model's state, and compute with it changed. "
+                + ("Its re-runs changed copies, not the model's. " if checked else "")
+                + "Put it in eval mode, register a rule for it, or use backend='loop'."
+            )
 
 
 def _check_due(module: nn.Module, cap: Capture, specs: Sequence[LeafSpec]) -> bool:
@@ -261,31 +294,47 @@ def _each_alone(module: nn.Module, call: Callable[..., list[Any]],
 def _check_rows_alone(module: nn.Module, whole: Sequence[Any], alone: Sequence[Any],
                       outs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
     """Refuse a module whose output for a datum run alone is not its rows of the batch's
-    output: it mixes datums, and per-datum gradients from re-running it would be wrong."""
+    output: it mixes datums, and per-datum gradients from re-running it would be wrong.
+
+    Where the output of one datum alone has fewer entries than its rows of the batch's (a
+    CLIP model's ``(B, B)`` logits: one alone), its re-run is right only for the output
+    gradient's weighting: each datum's ``<output, G_b>`` is compared instead."""
     for j, d, g in outs:
         want, got = whole[j], alone[j]
         if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or (
                 want.shape != g.shape):  # (rows the backend laid out by datum: (B*T, d))
             continue
-        got = got.squeeze(d + 1).movedim(0, d)  # (the batch of one's dimension dropped)
         rtol = _ROWS_RTOL.get(want.dtype, _ROWS_RTOL_16BIT)
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        if got.shape == want.shape:
-            gap = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-            if gap <= rtol * scale or (scale == 0.0 and gap == 0.0):
-                continue
-            how = f"by up to {gap:.3g} where its largest entry is {scale:.3g}"
-        else:
-            how = f"in shape: {tuple(got.shape)} against {tuple(want.shape)}"
+        if got.shape[0] * got[0].squeeze(d).shape.numel() == want.numel():  # each row alone
+            got = got.squeeze(d + 1).movedim(0, d).reshape(want.shape)
+            gap = (got.double() - want.double()).abs().amax() if want.numel() else 0.0
+            scale = want.double().abs().amax() if want.numel() else 0.0
+            what = "other than its rows of the batch's output"
+        else:  # <out_b, G_b> of the batch's output against the re-run's (as dot takes it)
+            w = want.double().movedim(d, 0)  # (B, ...)
+            gb = g.double().movedim(d, 0)  # (B, ...)
+            try:
+                mine = torch.stack([(got[b].double() * gb[b].unsqueeze(d)).sum()
+                                    for b in range(gb.shape[0])])
+            except RuntimeError:
+                mine = torch.full((gb.shape[0],), torch.nan, dtype=torch.float64)
+            theirs = (w * gb).flatten(1).sum(1)
+            gap = (mine - theirs).abs().amax()
+            scale = (w * gb).abs().flatten(1).sum(1).amax()
+            what = (f"of shape {tuple(got.shape[1:])}, whose product with its output gradient "
+                    "is not that of its rows of the batch's output")
+        gap, scale = float(gap), float(scale)
+        if gap <= rtol * scale:
+            continue
         raise BackendError(
             f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) gives "
-            f"a datum alone an output {j} other than its rows of the batch's output, {how}: "
-            "its forward mixes the batch's datums (a batch statistic, rows taken across the "
-            "batch, a loss over the batch), or an argument shared by the batch was split as "
-            "each datum's (gradlog splits every tensor argument whose first dimension "
-            "equals the batch size), so re-running it per datum would give wrong per-datum "
-            "gradients. Register a rule for it, keep the mixing out of the recorded modules, "
-            "or use backend='loop'."
+            f"a datum alone an output {j} {what}, by up to {gap:.3g} where the largest is "
+            f"{scale:.3g}: its forward mixes the batch's datums (a batch statistic, rows "
+            "taken across the batch, a loss over the batch), or an argument shared by the "
+            "batch was split as each datum's (gradlog splits every tensor argument whose "
+            "first dimension equals the batch size), so re-running it per datum would give "
+            "wrong per-datum gradients. Register a rule for it, keep the mixing out of the "
+            "recorded modules, or use backend='loop'."
         )
 
 
