@@ -2,11 +2,11 @@
 
 gradlog reads a few things torch does not expose publicly: the autograd engine's current
 graph task, the saved-tensor hooks in force, storage reference counts, functorch's wrapped
-tensors, members of autograd nodes, hooks and views, and the multi-tensor ``_foreach`` ops.
+tensors, members of autograd nodes, hooks and views, and ``parametrize``'s cache.
 They live here and nowhere else, so a torch upgrade that moves one of them breaks this
 module only. Each function says what it returns when the private API is missing; none of
 the fallbacks is wrong, they are only less precise (a check that runs later, a buffer that
-is not reused, a loop instead of a fused kernel).
+is not reused).
 
 The global random-number state (CPU and CUDA generators) is read and restored here too:
 it is public API, but every layer that replays a computation (the hooks backend's datum
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -47,8 +47,6 @@ __all__ = [
     "cuda_devices",
     "dropout_rate",
     "force_eager",
-    "foreach_div_",
-    "foreach_mul_",
     "forked_rng",
     "fsdp_reduces_grads",
     "global_module_backward_hooks_on",
@@ -57,9 +55,9 @@ __all__ = [
     "is_functorch_wrapped",
     "linear_ops",
     "module_has_backward_hooks",
+    "parametrize_cache_suspended",
     "rng_states",
     "saved_tensor_hooks_kind",
-    "saved_tensor_hooks_on",
     "set_rng_states",
     "storage_key",
     "storage_use_count",
@@ -116,19 +114,6 @@ def in_checkpoint_recompute() -> bool:
     hooks = _top_saved_tensor_hooks()
     pack = hooks[0] if hooks else None
     return getattr(pack, "__qualname__", "").startswith("_recomputation_hook.")
-
-
-def saved_tensor_hooks_on() -> bool:
-    """Whether saved-tensor hooks are on (non-reentrant or selective activation
-    checkpointing, offloading): their unpacking may be allowed once only.
-
-    Private API: ``torch._C._autograd._top_saved_tensors_default_hooks``. Fallback: True
-    (assume so: checks that would unpack saved tensors then run after the backward).
-    """
-    hooks = _top_saved_tensor_hooks()
-    if hooks is None:
-        return True
-    return bool(hooks and hooks[0] is not None)
 
 
 def saved_tensor_hooks_kind() -> str:
@@ -474,32 +459,6 @@ def conv_reversed_padding(module: nn.Module) -> list[int]:
     return [p for p in reversed(tuple(padding)) for _ in range(2)]
 
 
-def foreach_div_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
-    """Divide every tensor in place by ``scalar`` (one fused kernel where available).
-
-    Private API: ``torch._foreach_div_``. Fallback: ``t.div_(scalar)`` for each.
-    """
-    _foreach("div_", tensors, scalar)
-
-
-def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
-    """Multiply every tensor in place by ``scalar`` (one fused kernel where available).
-
-    Private API: ``torch._foreach_mul_``. Fallback: ``t.mul_(scalar)`` for each.
-    """
-    _foreach("mul_", tensors, scalar)
-
-
-def _foreach(op: str, tensors: Sequence[torch.Tensor], scalar: float) -> None:
-    """``torch._foreach_<op>(tensors, scalar)``, or the tensor method ``op`` on each."""
-    fused = getattr(torch, f"_foreach_{op}", None)
-    if fused is not None:
-        fused(list(tensors), scalar)
-        return
-    for t in tensors:
-        getattr(t, op)(scalar)
-
-
 def cuda_devices(tensors: Iterable[torch.Tensor] | torch.nn.Module) -> list[int]:
     """The CUDA device indices of ``tensors`` (a module: its parameters and buffers), sorted
     (a model split across devices draws random numbers on each)."""
@@ -550,6 +509,23 @@ def forked_rng(cuda: Iterable[int] = (),
     with torch.random.fork_rng(devices=devices):
         set_rng_states(states)
         yield
+
+
+@contextlib.contextmanager
+def parametrize_cache_suspended() -> Iterator[None]:
+    """The block runs with a user's ``torch.nn.utils.parametrize.cached()`` suspended: a
+    re-run differentiating through a parametrization must evaluate it, not read the
+    forward's weight. Private API: that module's ``_cache_enabled`` counter. Fallback
+    (absent): nothing suspended."""
+    module = torch.nn.utils.parametrize
+    held = getattr(module, "_cache_enabled", 0)
+    if held:
+        module._cache_enabled = 0
+    try:
+        yield
+    finally:
+        if held:
+            module._cache_enabled = held
 
 
 def fsdp_reduces_grads(module: nn.Module) -> bool | None:

@@ -530,6 +530,20 @@ def test_a_rule_returning_a_captured_tensor_cannot_corrupt_the_backward() -> Non
         RULES.pop(Offset)
 
 
+def test_a_rule_leaving_out_a_parameter_it_was_asked_for_is_an_error() -> None:
+    """Its records would read as zeros that no check compares (the spot check samples
+    records only): a rule of the RNN's was asked for a parametrized weight and returned
+    none. An error naming the rule and what it left out."""
+    register_rule(Offset, name="offset")(lambda module, cap, wanted: {})
+    try:
+        layer = built(lambda: Offset(3), 0)
+        with pytest.raises(BackendError, match=r"rule 'offset' .* returned no per-datum "
+                                               r"gradients for \['bias'\]"):
+            per_datum(layer, lambda: datum_loss(layer(randn(4, 3, seed=0))), "hooks", "sum")
+    finally:
+        RULES.pop(Offset)
+
+
 def test_subclasses_keep_a_rule_only_without_their_own_forward() -> None:
     class Plain(nn.Linear):
         pass

@@ -36,9 +36,9 @@ __all__ = [
     "find_rule",
     "one_feature_dim",
     "own_params",
+    "parametrized_by",
     "register_rule",
     "widen",
-    "would_cover",
 ]
 
 
@@ -164,20 +164,21 @@ def attributes(*names: str) -> Callable[[nn.Module], dict[str, nn.Parameter]]:
         return {a: p for a, p in module.named_parameters(recurse=False) if a in names}
 
     covers.__name__ = f"attributes{names}"
-    covers.attributes = names  # type: ignore[attr-defined]  # (read by would_cover)
+    covers.attributes = names  # type: ignore[attr-defined]  # (read by parametrized_by)
     return covers
 
 
-def would_cover(rule: Rule, module: nn.Module, attr: str) -> bool:
-    """Whether ``rule`` computes ``module``'s ``attr`` where it is a tensor a
-    parametrization makes, not a parameter (``covers`` sees only parameters): for rules
-    that cover the module's own parameters or ``attributes(...)`` naming it, and that do
-    not re-run the module (a re-run takes the parametrization's parameters themselves)."""
-    if rule.uses_torch_func:
-        return False
-    if rule.covers is own_params:
-        return True
-    return attr in getattr(rule.covers, "attributes", ())
+def parametrized_by(rule: Rule, attr: str) -> str | None:
+    """How ``rule`` gives the per-datum gradients of the parameters of a parametrization
+    (``torch.nn.utils.parametrize``) making its module's ``attr`` (``covers`` sees only
+    parameters, not such tensors): ``"chain"``, a closed-form rule covering ``attr`` (the
+    module's own parameters or ``attributes(...)`` naming it), whose gradient of the tensor
+    the backend chains on; ``"rerun"``, a rule re-running the module with its own
+    parameters (``uses_torch_func``), which differentiates through the parametrization;
+    None: neither (the generic re-run)."""
+    if not (rule.covers is own_params or attr in getattr(rule.covers, "attributes", ())):
+        return None
+    return "rerun" if rule.uses_torch_func else "chain"
 
 
 def _batch_first(module: nn.Module) -> int:

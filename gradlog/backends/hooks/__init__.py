@@ -98,7 +98,7 @@ from gradlog.backends.hooks.rows import RowLayouts, rows_by_datum
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
 from gradlog.params import check_differentiable
-from gradlog.rules import active_randomness, track_dropout
+from gradlog.rules import track_dropout
 from gradlog.rules.base import Capture, RuleResult
 from gradlog.rules.ops import GENERIC_BATCH_DIM
 
@@ -152,6 +152,7 @@ class HooksBackend(Backend):
         self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (HOOK_KINDS)
         self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
         self._ops: OpCapture | None = None
+        self._states = parametrized.States()  # (see attach)
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -172,6 +173,7 @@ class HooksBackend(Backend):
                             for n in e.names.values()}  # (for the checks' messages)
         self._sequence_first = [name for name, m in self.model.named_modules()
                                 if getattr(m, "batch_first", True) is False]
+        self._handles += self._states.watch(p for e in self._entries for p in e.stateful)
         for entry in self._entries:  # (pre-hooks before the user's: prune's)
             self._handles.append(entry.module.register_forward_pre_hook(
                 functools.partial(self._on_enter, entry), prepend=True))
@@ -226,6 +228,7 @@ class HooksBackend(Backend):
     # -- capture (forward) ------------------------------------------------------------------
     def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
+        self._states.enter(entry)
         for key in entry.param_ids:
             self._inside[key] = self._inside.get(key, 0) + 1
 
@@ -236,6 +239,7 @@ class HooksBackend(Backend):
     def _on_forward(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any], output: Any) -> Any:
         inside = self._inside  # (always called, also when the forward raised)
+        self._states.leave(entry)
         for key in entry.param_ids:
             inside[key] = inside.get(key, 1) - 1
         if output is None or self._recomputing or not torch.is_grad_enabled():
@@ -304,19 +308,10 @@ class HooksBackend(Backend):
         chunk = current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
-        rule = entry.rule
-        if rule.refuse is not None:
-            call.refusal = rule.refuse(module, args, kwargs)
-        if call.refusal is None and rule.uses_torch_func:
-            noisy = active_randomness(module)
-            if noisy:
-                call.refusal = (
-                    f"it draws dropout masks in training mode (in {noisy}) and rule "
-                    f"{rule.name!r} re-runs it per datum, which cannot reproduce the batch's "
-                    "masks. Set that dropout to 0 or put the module in eval mode (the rest of "
-                    "the model may stay in training mode), register a closed-form rule "
-                    "(gradlog.rules.register_rule), or use backend='loop'."
-                )
+        call.refusal = checks.refusal(entry, module, args, kwargs)
+        call.stamp = self._states.stamp(entry)  # (and why not, where its state went wrong)
+        if call.refusal is None and call.stamp is not None:
+            call.refusal = call.stamp.refusal
         self._live.append(weakref.ref(call))
         if len(self._live) % 256 == 0:
             self._live = [r for r in self._live if r() is not None]
@@ -501,6 +496,7 @@ class HooksBackend(Backend):
         try:
             checks.check_versions(call)
             checks.check_state(call, self._batch)
+            parametrized.check_state(call.stamp)
             if call.refusal is not None:
                 raise UnsupportedLayerError(call.refusal)
             args = call.args if args is None else args

@@ -118,6 +118,12 @@ class Accumulator:
                     self.acc[name] = value
                 else:
                     acc.add_(value)
+        missing = sorted(set(entry.names) - set(result))
+        if missing:  # (counted as covered, they would read as zeros that nothing checks)
+            raise BackendError(
+                f"rule {entry.rule.name!r} of {entry.label} returned no per-datum gradients "
+                f"for {missing}, which it was asked for; please report this with the model "
+                "(backend='loop' records it meanwhile).")
         self.covered.update(entry.names.values())
 
     def _zeros(self, name: str, p: nn.Parameter) -> torch.Tensor:

@@ -20,10 +20,17 @@ from torch import nn
 from gradlog._torch_private import tensor_version
 from gradlog._tree import leaves
 from gradlog.backends.fused import FusedLink, fusable
-from gradlog.backends.hooks.parametrized import Chain, chains_of, evaluating, plists_in
+from gradlog.backends.hooks.parametrized import (
+    Chain,
+    Stamp,
+    chains_of,
+    evaluating,
+    plists_in,
+    stateful,
+)
 from gradlog.errors import UnsupportedLayerError
 from gradlog.rules import GENERIC, Rule, find_rule
-from gradlog.rules.base import would_cover
+from gradlog.rules.base import parametrized_by
 
 __all__ = ["TAG", "Call", "Entry", "plan_entries"]
 
@@ -53,6 +60,11 @@ class Entry:
         chained = {path for c in self.chains for path in c.paths.values()}
         return frozenset({a for a in self.names if a not in chained}
                          | {c.attr for c in self.chains})
+
+    @functools.cached_property
+    def stateful(self) -> tuple[nn.Module, ...]:
+        """Its parametrizations that keep state (``parametrized.States``)."""
+        return stateful(self.plists)
 
     @functools.cached_property
     def param_ids(self) -> tuple[int, ...]:
@@ -95,6 +107,7 @@ class Call:
         "primary",
         "received",
         "refusal",
+        "stamp",
         "tagged",
         "twice",
         "versions",
@@ -121,6 +134,7 @@ class Call:
         self.via_consumers = False
         self.twice = False  # its output was differentiated with create_graph=True
         self.refusal: str | None = None  # why the rule cannot compute this call
+        self.stamp: Stamp | None = None  # its stateful parametrizations' state (.parametrized)
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
         self.datum_rows = 0  # via_consumers: each datum's rows at its consumers (0: one)
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
@@ -191,7 +205,10 @@ def _plan(model: nn.Module, params: Mapping[str, nn.Parameter],
             for path in chain.paths.values():
                 owner, _, attr = path.rpartition(".")
                 taken.add((id(module.get_submodule(owner)), attr))
-        ruled = tuple(c for c in chains if rule is not None and would_cover(rule, module, c.attr))
+        how = {id(c): parametrized_by(rule, c.attr) if rule is not None else None
+               for c in chains}
+        ruled = tuple(c for c in chains if how[id(c)] == "chain")
+        rerun = tuple(c for c in chains if how[id(c)] == "rerun")  # (through it: no chain)
         if rule is not None:
             for path, p in rule.covers(module).items():
                 if id(p) not in by_id or (id(module), path) in taken:
@@ -200,7 +217,7 @@ def _plan(model: nn.Module, params: Mapping[str, nn.Parameter],
                 if "." in path:  # a child's parameter that this module's forward reads
                     owner, _, attr = path.rpartition(".")
                     taken.add((id(module.get_submodule(owner)), attr))
-            names.update(_chained(ruled, module, by_id))
+            names.update(_chained(ruled + rerun, module, by_id))
             if names:
                 entries.append(_entry(params, batch_grad, module, mname, rule, names,
                                       fallback=False, chains=ruled))
@@ -218,7 +235,7 @@ def _plan(model: nn.Module, params: Mapping[str, nn.Parameter],
             rest = {attr: name for attr, name in rest.items()
                     if id(module.get_parameter(attr)) not in below}
         # (the torch.func re-run passes the parametrization's parameters, not its tensor)
-        rest.update(_chained(tuple(c for c in chains if c not in ruled), module, by_id))
+        rest.update(_chained(tuple(c for c in chains if how[id(c)] is None), module, by_id))
         if rest:
             entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
                                   fallback=True))

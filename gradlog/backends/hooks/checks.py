@@ -20,8 +20,10 @@ from gradlog._torch_private import (
 )
 from gradlog.backends.base import check_floor, check_tolerance
 from gradlog.backends.hooks.calls import Call, Entry
+from gradlog.backends.hooks.parametrized import mode_refusal
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.grads import Factors, entries
+from gradlog.rules import active_randomness
 from gradlog.rules.state import batched_attributes, batched_in_caches
 
 __all__ = [
@@ -304,6 +306,27 @@ def _non_finite_verdict(theirs: torch.Tensor) -> torch.Tensor:
     that made one would go unseen); where autograd's own is not finite (an overflow a loss
     scaler skips, a NaN the model made) there is nothing to compare (-inf)."""
     return torch.where(theirs.isfinite(), torch.inf, -torch.inf).to(theirs.dtype)
+
+
+def refusal(entry: Entry, module: nn.Module, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> str | None:
+    """Why the entry's rule cannot compute this call (asked at capture time, so the backend
+    refuses before ``p.grad`` is touched rather than after the backward), or None."""
+    rule = entry.rule
+    reason = rule.refuse(module, args, kwargs) if rule.refuse is not None else None
+    if reason is None and entry.plists:
+        reason = mode_refusal(entry.plists)
+    if reason is None and rule.uses_torch_func:
+        noisy = active_randomness(module)
+        if noisy:
+            reason = (
+                f"it draws dropout masks in training mode (in {noisy}) and rule "
+                f"{rule.name!r} re-runs it per datum, which cannot reproduce the batch's "
+                "masks. Set that dropout to 0 or put the module in eval mode (the rest of "
+                "the model may stay in training mode), register a closed-form rule "
+                "(gradlog.rules.register_rule), or use backend='loop'."
+            )
+    return reason
 
 
 def refuse_double_backward(calls: Iterable[Call]) -> None:

@@ -10,14 +10,17 @@ are the parametrization's vector-Jacobian product at ``dW_b``, ``vmap``ed over t
 The chain evaluates the parametrization again, in eval mode: ``spectral_norm`` then uses the
 power iteration its forward ran in this step (its buffers as that forward left them) instead
 of running another. A parametrization that changes its buffers even so is refused, its
-buffers put back as they were.
+buffers put back as they were. Such state must also be the one each call used
+(:class:`States`): a parametrization evaluated again between a call and its backward, or
+evaluated twice within a call with its state changing between, is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +29,13 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
 
-from gradlog._torch_private import tensor_version
+from gradlog._torch_private import parametrize_cache_suspended, tensor_version
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.grads.material import dense
 from gradlog.rules.base import RuleResult
 
-__all__ = ["Chain", "chains_of", "evaluating", "plists_in", "through"]
+__all__ = ["Chain", "States", "chains_of", "check_state", "evaluating", "mode_refusal",
+           "plists_in", "stateful", "through"]
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,8 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True) -> Iterator[No
     """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
     re-run, the chain): in eval mode, and their buffers left as the forward left them: put
     back and refused if not (gradlog must not change training). ``cache``: each computed
-    once (``parametrize.cached``; not around a re-run per datum, which must differentiate
-    each datum's evaluation)."""
+    once (``parametrize.cached``); else a user's cache is suspended: a re-run per datum
+    must differentiate each datum's evaluation."""
     if not plists:
         yield
         return
@@ -87,7 +91,7 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True) -> Iterator[No
     for plist in plists:
         plist.eval()
     try:
-        with parametrize.cached() if cache else contextlib.nullcontext():
+        with parametrize.cached() if cache else parametrize_cache_suspended():
             yield
     finally:
         for m, training in modes:
@@ -104,6 +108,97 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True) -> Iterator[No
                 "rather than change training. Use backend='loop', or record the plain weight "
                 "(torch.nn.utils.parametrize.remove_parametrizations)."
             )
+
+
+def stateful(plists: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+    """The parametrizations holding buffers (state the forward may change)."""
+    return tuple(p for p in plists if next(p.buffers(), None) is not None)
+
+
+def mode_refusal(plists: tuple[nn.Module, ...]) -> str | None:
+    """Why parametrizations computing differently in training mode than in the eval mode
+    gradlog evaluates them in cannot be chained (a dropout or batch norm inside), or None."""
+    found = sorted({type(m).__name__ for p in plists if p.training for m in p.modules()
+                    if isinstance(m, (nn.modules.dropout._DropoutNd,
+                                      nn.modules.batchnorm._BatchNorm)) and m.training})
+    if not found:
+        return None
+    return (f"its parametrization holds {found}, in training mode: gradlog evaluates "
+            "parametrizations again in eval mode (so as not to change their state), where "
+            "these compute something else than the forward did. Put them in eval mode, or "
+            "use backend='loop'.")
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """The state of a call's stateful parametrizations as the call left it."""
+
+    versions: tuple[tuple[torch.Tensor, int], ...]  # (buffer, its version)
+    refusal: str | None = None
+
+
+class States:
+    """Which state of its stateful parametrizations each captured call used. The chain and a
+    re-run evaluate them as they are at the backward: the state the call's forward left, if
+    nothing evaluated them since (in training mode, spectral_norm steps its power iteration
+    at each evaluation) and the call evaluated them once."""
+
+    def __init__(self) -> None:
+        self.evaluations: dict[int, int] = {}  # id(plist) -> evaluations so far
+        self.open: dict[int, list[tuple[tuple[int, int], ...]]] = {}  # id(entry) -> per
+        # stateful parametrization, (evaluations, buffer versions' sum) when its call began
+        self.pending: dict[int, Stamp] = {}  # id(entry) -> its call's, until captured
+
+    def watch(self, plists: Iterable[nn.Module]) -> list[Any]:
+        """Count each parametrization's evaluations; returns the hooks' handles."""
+        unique = {id(p): p for p in plists}
+        return [p.register_forward_hook(functools.partial(self._evaluated, key))
+                for key, p in unique.items()]
+
+    def _evaluated(self, key: int, *_: Any) -> None:
+        self.evaluations[key] = self.evaluations.get(key, 0) + 1
+
+    def enter(self, entry: Any) -> None:
+        """A call of the entry's module starts."""
+        if entry.stateful:
+            self.open.setdefault(id(entry), []).append(self._now(entry))
+
+    def _now(self, entry: Any) -> tuple[tuple[int, int], ...]:
+        return tuple((self.evaluations.get(id(p), 0), sum(tensor_version(b) for b in p.buffers()))
+                     for p in entry.stateful)
+
+    def leave(self, entry: Any) -> None:
+        """The call returned: its stamp, refused if it evaluated a parametrization twice
+        with its state changing between."""
+        if not entry.stateful or not self.open.get(id(entry)):
+            return
+        before, now = self.open[id(entry)].pop(), self._now(entry)
+        versions = tuple((b, tensor_version(b)) for p in entry.stateful for b in p.buffers())
+        twice = [type(p[0]).__name__ for p, (n, v), (m, w) in zip(entry.stateful, before, now)
+                 if m - n > 1 and w != v]  # (evaluated twice, its state changed)
+        self.pending[id(entry)] = Stamp(versions, None if not twice else (
+            f"its forward evaluated the parametrization(s) {twice} more than once, and they "
+            "keep state that each evaluation changes (spectral_norm's power iteration): "
+            "gradlog cannot tell which state each use of the weight saw. Read the weight "
+            "once per call (or inside torch.nn.utils.parametrize.cached()), or use "
+            "backend='loop'."))
+
+    def stamp(self, entry: Any) -> Stamp | None:
+        """The stamp of the entry's call that just returned (None: no stateful ones)."""
+        return self.pending.pop(id(entry), None) if entry.stateful else None
+
+
+def check_state(stamp: Stamp | None) -> None:
+    """Refuse a call whose stateful parametrizations were evaluated again since."""
+    if stamp is not None and any(tensor_version(b) != v for b, v in stamp.versions):
+        raise UnsupportedLayerError(
+            "the state of its parametrization (spectral_norm's power iteration) changed "
+            "between this call and its backward: it was evaluated again in training mode (a "
+            "second forward of the layer before this backward, or a read of the weight), "
+            "so the per-datum gradients would be taken at another state than the call's. "
+            "Run each forward's backward before the next, read the weight inside "
+            "torch.nn.utils.parametrize.cached() or in eval mode, or use backend='loop'."
+        )
 
 
 def _label(plist: nn.Module, buffer: str) -> str:
