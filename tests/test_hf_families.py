@@ -102,6 +102,12 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
         "granitemoe": (lambda: t.GraniteMoeConfig(**common, num_local_experts=4,
                                                   num_experts_per_tok=2),
                        t.GraniteMoeForCausalLM),
+        # FalconLinear (input @ W.T + b), replayed once against F.linear; ALiBi, biases
+        "falcon": (lambda: t.FalconConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
+                                          num_attention_heads=2, attention_dropout=DROP,
+                                          hidden_dropout=DROP, new_decoder_architecture=True,
+                                          num_kv_heads=1, alibi=True, bias=True),
+                   t.FalconForCausalLM),
     }[kind]
     made = config()
     made._experts_implementation = "eager"  # (grouped_mm, the default, has no float64)
@@ -198,7 +204,7 @@ def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     if kind in ("wav2vec2", "hubert"):
         return _audio(kind, attn)
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                "olmoe", "granitemoe"):
+                "olmoe", "granitemoe", "falcon"):
         return _decoder(kind, attn)
     if kind in ("bert", "distilbert", "t5"):
         return _encoder(kind, attn)
@@ -213,13 +219,13 @@ _T5_SDPA = pytest.mark.xfail(
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
             ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager"),
-            ("wav2vec2", "sdpa")]
+            ("wav2vec2", "sdpa"), ("falcon", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
     for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                 "olmoe", "granitemoe", "bert", "distilbert", "t5", "vit", "convnext", "swin",
-                 "wav2vec2", "hubert")
+                 "olmoe", "granitemoe", "falcon", "bert", "distilbert", "t5", "vit", "convnext",
+                 "swin", "wav2vec2", "hubert")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]
@@ -232,6 +238,31 @@ def test_family_records_like_the_loop_oracle(kind: str, attn: str) -> None:
     model, forward = _case(kind, attn)
     described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
     assert described["modules"], "nothing was hooked"
+
+
+def test_falcons_linear_layers_use_the_linear_rule() -> None:
+    """FalconLinear overrides nn.Linear's forward (``input @ W.T + b``), so it had no rule
+    and each of its layers was re-run per datum (no factors: every form materialised its
+    per-datum gradients); replayed once against F.linear, it now has the Linear's rule."""
+    model, forward = _decoder("falcon", "sdpa")
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert not described["fallback"]
+    assert {m["rule"] for m in described["modules"] if "dense" in m["module"]} == {
+        "linear_like"}
+
+
+def test_a_falcon_linear_computing_otherwise_is_re_run_per_datum(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay, not the class name, decides: a FalconLinear whose forward computes
+    something else than F.linear keeps the re-run per datum, right."""
+    from transformers.models.falcon import modeling_falcon
+
+    def scaled(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) @ self.weight.T + self.bias  # (Falcon adds to it in place)
+
+    monkeypatch.setattr(modeling_falcon.FalconLinear, "forward", scaled)
+    model, forward = _decoder("falcon", "eager")
+    assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
 
 
 def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:

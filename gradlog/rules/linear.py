@@ -1,4 +1,5 @@
-"""Linear layers: ``nn.Linear`` and GPT-2 style ``Conv1D`` (transformers), any leading dims.
+"""Linear layers: ``nn.Linear``, GPT-2 style ``Conv1D`` (transformers) and ``nn.Linear``
+subclasses replayed against ``F.linear`` (``FalconLinear``), any leading dims.
 
 For an input ``A`` (B, N, d_in) and output gradient ``G`` (B, N, d_out), with N the product of
 the middle dimensions (tokens, pixels, ...), datum b's weight gradient is
@@ -12,6 +13,7 @@ import math
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
@@ -71,6 +73,46 @@ def linear(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResul
     """``y = x W^T + b`` on (B, ..., d_in): weight ``G_b^T A_b``, bias ``sum_n g_{b,n}``."""
     return _affine(cap, wanted, module.in_features, module.out_features, module.weight.dtype,
                    "Linear", transposed=False)
+
+
+@register_rule("transformers.models.falcon.modeling_falcon.FalconLinear", name="linear_like",
+               feature_dims=one_feature_dim, covers=_WEIGHT_BIAS)
+def linear_like(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """An ``nn.Linear`` subclass with a forward of its own that computes ``x W^T + b`` too
+    (transformers' ``FalconLinear``: ``input @ W.T + b``), matched by qualified class name.
+    Its first call is replayed in float64 at a random weight and bias against ``F.linear``
+    before the Linear's rule is trusted (a forward computing otherwise is re-run per datum)."""
+    from torch.func import functional_call
+
+    from gradlog.rules.func import generic
+    from gradlog.rules.replay import replays
+
+    tensors = [t for t in (*cap.args, *cap.kwargs.values()) if isinstance(t, torch.Tensor)]
+    if len(tensors) != 1 or not module.weight.is_floating_point():
+        return generic(module, cap, wanted)
+    x, made = tensors[0], cast(dict[str, torch.Tensor], {})
+
+    def probe() -> dict[str, torch.Tensor]:  # (on the first call only: replays caches)
+        if not made:
+            generator = torch.Generator().manual_seed(0)
+            made.update({k: torch.randn(p.shape, dtype=torch.float64, generator=generator)
+                         .to(x.device) for k, p in module.named_parameters(recurse=False)})
+            made["x"] = x.detach().to(torch.float64)
+        return made
+
+    def theirs() -> torch.Tensor:
+        at = probe()
+        out: torch.Tensor = functional_call(module, {k: v for k, v in at.items() if k != "x"},
+                                            (at["x"],))
+        return out
+
+    def ours() -> tuple[torch.Tensor]:
+        at = probe()
+        return (F.linear(at["x"], at["weight"], at.get("bias")),)
+
+    if not replays(module, "", theirs, ours, module.in_features):
+        return generic(module, cap, wanted)
+    return linear(module, cap, wanted)
 
 
 def is_gpt2_conv1d(module: nn.Module) -> bool:
