@@ -40,6 +40,7 @@ __all__ = [
     "autograd_node_output_dtypes",
     "autograd_node_output_shape",
     "autograd_node_saved_alpha",
+    "autograd_node_saved_condition",
     "autograd_node_shapes_known",
     "autograd_node_view_input_sizes",
     "backward_keeps_graph",
@@ -323,6 +324,14 @@ def autograd_node_saved_alpha(node: Any) -> float:
     Private API: ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1).
     """
     return float(getattr(node, "_saved_alpha", 1.0))
+
+
+def autograd_node_saved_condition(node: Any) -> torch.Tensor | None:
+    """The condition a ``WhereBackward0`` node saved (``torch.where(condition, x, y)``).
+
+    Private API: ``Node._saved_condition``. Fallback: None (the caller refuses)."""
+    cond = getattr(node, "_saved_condition", None)
+    return cond if isinstance(cond, torch.Tensor) else None
 
 
 def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:

@@ -213,9 +213,10 @@ def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
 
 _T5_SDPA = pytest.mark.xfail(
     strict=True,
-    reason="hooks backend (#16, op-level capture): T5's relative_attention_bias output (T, T, H) "
-    "is shared by the batch and reaches SDPA's attn_mask through a permute; refused as a "
-    "shared output",
+    reason="T5's decoder without a decoder_attention_mask puts its relative position bias "
+    "into SDPA's mask by torch.where with the causal mask alone, (1, H, T, T): SDPA "
+    "broadcasts it over the batch inside its kernel, so its gradient is summed over the "
+    "datums there; refused as a shared output (with a decoder mask it records: below)",
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
             ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager"),
@@ -263,6 +264,30 @@ def test_a_falcon_linear_computing_otherwise_is_re_run_per_datum(
     monkeypatch.setattr(modeling_falcon.FalconLinear, "forward", scaled)
     model, forward = _decoder("falcon", "eager")
     assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+
+
+def test_t5_with_sdpa_and_padding_masks_records_like_the_loop_oracle() -> None:
+    """transformers puts T5's relative position bias, shared by the batch, into SDPA's mask
+    with torch.where(mask, bias, min): each datum's gradient of the bias is where its own
+    mask took it (it was refused: "reaches the loss through ['PermuteBackward0', 'then
+    WhereBackward0']")."""
+    t = transformers
+    ids, mask = _ids()
+    model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                              num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
+                              relative_attention_num_buckets=8, decoder_start_token_id=0,
+                              pad_token_id=0), t.T5ForConditionalGeneration, "sdpa")
+    labels = ids.masked_fill(mask == 0, -100)
+    keep = labels != -100
+
+    def forward() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask, labels=labels,
+                       decoder_attention_mask=mask).logits
+        per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
+
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert not described["fallback"]
 
 
 def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:

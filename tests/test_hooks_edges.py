@@ -1004,6 +1004,49 @@ def test_a_module_whose_re_run_changes_its_buffers_is_refused_and_they_are_put_b
         assert torch.equal(got, want), name
 
 
+class _MaskedBias(nn.Module):
+    """A relative position bias shared by the batch (an Embedding on positions), put into
+    each datum's attention scores by torch.where with that datum's padding mask, as
+    transformers does for SDPA (``slot``: the bias as where's ``x``, or as its ``y``)."""
+
+    def __init__(self, slot: int, batched_mask: bool = True) -> None:
+        super().__init__()
+        self.slot, self.batched_mask = slot, batched_mask
+        self.bias = nn.Embedding(9, 2).double()
+        self.q = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        pos = torch.arange(T)
+        table = self.bias(pos[:, None] - pos[None, :] + 4).permute(2, 0, 1)[None]  # (1,H,T,T)
+        mask = keep[:, None, None, :] if self.batched_mask else torch.ones(
+            T, T, dtype=torch.bool).tril()  # (B, 1, 1, T) or (T, T)
+        low = torch.tensor(-1e9, dtype=x.dtype)
+        bias = torch.where(mask, table, low) if self.slot == 0 else torch.where(~mask, low, table)
+        q = self.q(x).view(x.shape[0], T, 2, 2).transpose(1, 2)  # (B, H, T, 2)
+        scores = q @ q.transpose(-1, -2) + bias  # (B, H, T, T)
+        return (scores.softmax(-1) @ q).sum((1, 3))  # (B, T)
+
+
+@pytest.mark.parametrize("slot", [0, 1])
+def test_a_shared_bias_put_into_each_datums_mask_by_where_records_like_the_loop(
+        slot: int) -> None:
+    """torch.where(mask_b, bias, min): each datum's gradient of the shared bias is its
+    output gradient where its own mask took the bias (T5's relative position bias under
+    SDPA); it was refused as a shared output. A mask shared by the batch (a causal one
+    alone) keeps the bias shared through the where: still refused, naming it."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 5, 4, dtype=D64)
+    keep = torch.ones(B, 5, dtype=torch.bool)
+    keep[1, 3:] = False
+    keep[2, 1:] = False
+    model = _MaskedBias(slot)
+    assert_hooks_match_loop(model, lambda: squares(model(x, keep)))
+    shared = _MaskedBias(slot, batched_mask=False)
+    with pytest.raises(BackendError, match=r"then WhereBackward0"):
+        per_datum(shared, lambda: squares(shared(x, keep)), "hooks")
+
+
 class _FlatFFN(nn.Module):
     """A feed-forward block run on the batch's tokens flattened to (B*T, d), as OPT's
     decoder layers do; ``order`` flattens them datum-major (``"datums"``; ``"again"``: then

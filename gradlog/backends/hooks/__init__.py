@@ -572,12 +572,16 @@ class HooksBackend(Backend):
                                          consumer_factor(node, slot), chain, at)
                 self._consumer_handles.append(node.register_prehook(hook))
 
-    def _on_consumer_grad(self, call: Call, factor: float, chain: tuple[Any, ...],
-                          at: tuple[int, ...],
+    def _on_consumer_grad(self, call: Call, factor: float | torch.Tensor,
+                          chain: tuple[Any, ...], at: tuple[int, ...],
                           grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         g = grad_outputs[0] if grad_outputs else None
         if not self._armed or g is None or call.args is None or self._error is not None:
             return
+        if isinstance(factor, torch.Tensor):  # torch.where's condition: where it took it
+            g = torch.where(factor, g, g.new_zeros(()))
+        elif factor != 1.0:
+            g = g * factor
         try:
             per, args, kwargs, expand = consumer_inputs(call, g, self._batch, chain, at)
             if call.entry.op and call.entry.fallback:  # a per-op vjp: re-run on its own inputs
@@ -585,8 +589,6 @@ class HooksBackend(Backend):
         except BackendError as e:
             self._error = (call.entry, e)
             return
-        if factor != 1.0:
-            per = per * factor
         grads: list[torch.Tensor | None] = [None] * len(call.grads)
         grads[call.primary] = per
         self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)

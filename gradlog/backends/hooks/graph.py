@@ -17,11 +17,13 @@ import torch
 from gradlog._torch_private import (
     autograd_node_forward_class,
     autograd_node_saved_alpha,
+    autograd_node_saved_condition,
     view_base,
 )
 from gradlog._tree import flatten
 from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint
 from gradlog.backends.hooks.calls import TAG
+from gradlog.errors import BackendError
 
 if TYPE_CHECKING:
     from gradlog.backends.hooks.calls import Call
@@ -75,8 +77,10 @@ def row_wise(node: Any) -> bool:
     return bool(signed) and all(d % len(sizes) == len(sizes) - 1 for d in signed)
 
 
-PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0")
-"""Autograd nodes through which a shared output's per-datum gradient is the consumer's."""
+PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0", "WhereBackward0")
+"""Autograd nodes through which a shared output's per-datum gradient is the consumer's
+(times :func:`consumer_factor`: ``torch.where``'s, its condition: T5's relative position
+bias put into SDPA's mask)."""
 VIEW_NODES = frozenset({
     "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
     "SqueezeBackward2", "SqueezeBackward3", "ViewBackward0", "UnsafeViewBackward0",
@@ -255,10 +259,18 @@ class GraphSurvey:
         self._consumers = consumers
 
 
-def consumer_factor(node: Any, slot: int) -> float:
-    """d(node output)/d(input ``slot``) of a pass-through node: 1, alpha or -alpha."""
-    alpha = autograd_node_saved_alpha(node)
+def consumer_factor(node: Any, slot: int) -> float | torch.Tensor:
+    """d(node output)/d(input ``slot``) of a pass-through node: 1, alpha or -alpha; for
+    ``torch.where(condition, x, y)``, where the output is that input: the condition (x) or
+    its negation (y), a boolean mask to keep the consumer's gradient at."""
     kind = type(node).__name__
+    if kind == "WhereBackward0":
+        cond = autograd_node_saved_condition(node)
+        if cond is None:
+            raise BackendError("torch.where's condition is not readable from its autograd "
+                               "node in this torch version; use backend='loop'.")
+        return cond if slot == 0 else ~cond
+    alpha = autograd_node_saved_alpha(node)
     if kind == "AddBackward0" and slot == 1:
         return alpha
     if kind == "SubBackward0" and slot == 1:
