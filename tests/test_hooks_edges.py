@@ -1004,6 +1004,31 @@ def test_a_module_whose_re_run_changes_its_buffers_is_refused_and_they_are_put_b
         assert torch.equal(got, want), name
 
 
+class _Reassigning(nn.Module):
+    """A module without a rule counting its calls in a buffer it reassigns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
+        self.register_buffer("calls", torch.zeros((), dtype=D64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return x * self.w * self.calls
+
+
+def test_a_module_reassigning_its_buffer_in_a_re_run_is_refused_on_every_call() -> None:
+    """Reassigned, not changed in place: on the checked calls the re-runs' copies took it
+    (unseen: the re-run computed with the count moved on, wrong by a factor); on the others
+    the model's buffer kept it. Refused on both, the model's count as its forwards left it."""
+    model = _Reassigning()
+    x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
+    for forwards in range(1, 4):  # (calls 1 and 2 are checked, 3 is not)
+        with pytest.raises(BackendError, match=r"changes its buffers \['calls'\]"):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+        assert model.calls.item() == forwards
+
+
 class _MaskedBias(nn.Module):
     """A relative position bias shared by the batch (an Embedding on positions), put into
     each datum's attention scores by torch.where with that datum's padding mask, as

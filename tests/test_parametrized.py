@@ -278,3 +278,42 @@ def test_a_parametrization_with_dropout_in_training_mode_is_refused() -> None:
     got, _, _ = backend_grads(model, lambda: (model(x) ** 2).sum(1))
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12)
+
+
+class _CountsByReassigning(nn.Module):
+    """A parametrization that counts its evaluations in a buffer it reassigns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return w * 2
+
+
+class _TrainingScale(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * (1 + 2e-3) if self.training else w
+
+
+@pytest.mark.parametrize("kind", ["reassigning", "training_scale"])
+def test_parametrizations_gradlog_cannot_evaluate_again_faithfully_are_refused(
+        kind: str) -> None:
+    """A buffer reassigned (not changed in place) escaped the version checks: gradlog's
+    evaluations left the count at 4 where training leaves 2. A parametrization computing
+    otherwise in training mode was chained at its eval-mode function: 2e-3 off in float32,
+    under the checks' floor, in silence. Evaluated again, a parametrization must give the
+    weight its forward made; refused by name, the buffer as the forward left it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    made = _CountsByReassigning() if kind == "reassigning" else _TrainingScale()
+    parametrize.register_parametrization(model[0], "weight", made)
+    if kind == "reassigning":
+        made.calls = torch.zeros(())  # (registering evaluated it)
+    x = torch.randn(B, 3)
+    match = "changed its buffers" if kind == "reassigning" else "does not give the weight"
+    with pytest.raises(UnsupportedLayerError, match=match):
+        backend_grads(model, lambda: (model(x) ** 2).sum(1))
+    if kind == "reassigning":
+        assert model[0].parametrizations.weight[0].calls.item() == 1  # (the forward's own)

@@ -157,7 +157,7 @@ def func_grads(
             )
     dims: list[int] = [s.dim for _, s in batched if s.dim is not None] + [0] * len(masks)
 
-    copies: dict[str, torch.Tensor] = {}  # buffers the re-runs use (see _buffers_kept)
+    kept = _Kept()  # the buffers the re-runs use (see _buffers_kept)
 
     def call(p: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor]) -> list[Any]:
         full = list(leaves)
@@ -167,7 +167,9 @@ def func_grads(
         a, kw = rebuild(full)
         with replay(module, [m.unsqueeze(0) for m in xs[len(batched):]]) if masks else (
                 contextlib.nullcontext()):
-            out = functional_call(module, {**fixed, **copies, **p}, tuple(a), kw)
+            state = kept.state(fixed, p)
+            out = functional_call(module, state, tuple(a), kw)
+            kept.after(state)
         return flatten(out)[0]
 
     def dot(
@@ -182,7 +184,7 @@ def func_grads(
     xs = [leaves[i] for i, _ in batched] + [widen(m, wide) for m in masks]
     gs = [g for _, _, g in outs]
     due = _check_due(module, cap, [s for _, s in batched])
-    with _buffers_kept(module, copies, checked=due):
+    with _buffers_kept(module, kept, checked=due):
         if module not in _LOOPED:
             try:
                 per_datum = vmap(
@@ -216,8 +218,10 @@ def func_grads(
                 a, kw = rebuild(list(leaves))
                 with replay(module, [widen(m, wide) for m in masks]) if masks else (
                         contextlib.nullcontext()):
-                    return flatten(functional_call(module, {**fixed, **copies, **diff},
-                                                   tuple(a), kw))[0]
+                    state = kept.state(fixed, diff)
+                    out = flatten(functional_call(module, state, tuple(a), kw))[0]
+                    kept.after(state)
+                    return out
 
             with torch.no_grad():
                 _check_rows_alone(module, whole(), _each_alone(module, call, diff, xs, dims, B),
@@ -237,22 +241,44 @@ _ROWS_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
 _ROWS_RTOL_16BIT = 5e-2
 
 
+class _Kept:
+    """The module's buffers around its re-runs (:func:`_buffers_kept`): on checked calls the
+    re-runs get ``copies``, and a re-run reassigning one (``self.n = self.n + 1``, which
+    ``functional_call`` writes back into the state it was given) is noted in ``moved``."""
+
+    def __init__(self) -> None:
+        self.copies: dict[str, torch.Tensor] = {}
+        self.moved: set[str] = set()
+
+    def state(self, *parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for part in (parts[0], self.copies, *parts[1:]) for k, v in part.items()}
+
+    def after(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.moved.update(n for n, t in self.copies.items() if state.get(n) is not t)
+
+
 @contextlib.contextmanager
-def _buffers_kept(module: nn.Module, copies: dict[str, torch.Tensor],
-                  checked: bool) -> Iterator[None]:
-    """Refuse a module whose re-run changes its buffers (BatchNorm's running statistics in
-    training, a counter): re-runs would change the model's state, and compute with it
-    changed. ``checked`` (the checked calls: its first above all): the re-runs get copies
-    of them (``copies`` is filled), so the model's are left alone."""
+def _buffers_kept(module: nn.Module, kept: _Kept, checked: bool) -> Iterator[None]:
+    """Refuse a module whose re-run changes its buffers, in place or by reassigning them
+    (BatchNorm's running statistics in training, a counter): re-runs would change the
+    model's state, and compute with it changed. ``checked`` (the checked calls: its first
+    above all): the re-runs get copies of them, so the model's are left alone; else a
+    reassigned one is put back."""
     if checked:
-        copies.update({n: b.detach().clone() for n, b in module.named_buffers()})
-    seen = copies.items() if checked else module.named_buffers()
+        kept.copies = {n: b.detach().clone() for n, b in module.named_buffers()}
+    seen = kept.copies.items() if checked else module.named_buffers()
     versions = [(n, b, tensor_version(b)) for n, b in seen]
     try:
         yield
     finally:
-        copies.clear()
-        changed = [n for n, b, version in versions if tensor_version(b) != version]
+        kept.copies = {}
+        changed = sorted({n for n, b, version in versions if tensor_version(b) != version}
+                         | kept.moved)
+        for n, b, _ in versions if not checked else ():
+            owner, _, leaf = n.rpartition(".")
+            if module.get_buffer(n) is not b:  # reassigned: the model's own put back
+                setattr(module.get_submodule(owner), leaf, b)
+                changed.append(n)
         if changed:  # (in place of any error the change caused: vmap's, say)
             raise BackendError(
                 f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
@@ -270,7 +296,7 @@ def _check_due(module: nn.Module, cap: Capture, specs: Sequence[LeafSpec]) -> bo
     outputs shared by the batch)."""
     n = _CALLS.get(module, 0)
     _CALLS[module] = n + 1
-    return (n & (n - 1) == 0 and cap.batch_size > 1 and not cap.expanded
+    return (n & (n + 1) == 0 and cap.batch_size > 1 and not cap.expanded
             and all(s.unsqueeze for s in specs))
 
 

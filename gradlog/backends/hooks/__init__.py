@@ -173,7 +173,7 @@ class HooksBackend(Backend):
                             for n in e.names.values()}  # (for the checks' messages)
         self._sequence_first = [name for name, m in self.model.named_modules()
                                 if getattr(m, "batch_first", True) is False]
-        self._handles += self._states.watch(p for e in self._entries for p in e.stateful)
+        self._handles += self._states.watch(p for e in self._entries for p in e.plists)
         for entry in self._entries:  # (pre-hooks before the user's: prune's)
             self._handles.append(entry.module.register_forward_pre_hook(
                 functools.partial(self._on_enter, entry), prepend=True))
@@ -532,7 +532,7 @@ class HooksBackend(Backend):
                 if entry.fallback and not entry.op and call.bd and not expanded:
                     rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
                 with rule_precision(call, rule), parametrized.evaluating(
-                        entry.plists, cache=bool(entry.chains)):
+                        entry.plists, cache=bool(entry.chains), made=self._states.made):
                     result = rule.compute(entry.module, cap, entry.wanted)
                     if entry.chains:
                         result = parametrized.through(entry.chains, result)

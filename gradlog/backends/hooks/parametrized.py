@@ -29,7 +29,11 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
 
-from gradlog._torch_private import parametrize_cache_suspended, tensor_version
+from gradlog._torch_private import (
+    is_functorch_wrapped,
+    parametrize_cache_suspended,
+    tensor_version,
+)
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.grads.material import dense
 from gradlog.rules.base import RuleResult
@@ -75,38 +79,80 @@ def plists_in(module: nn.Module) -> tuple[nn.Module, ...]:
     return tuple(m for m in module.modules() if isinstance(m, parametrize.ParametrizationList))
 
 
+_QUIET = [0]  # > 0 while gradlog evaluates parametrizations (States records none of it)
+
+
 @contextlib.contextmanager
-def evaluating(plists: tuple[nn.Module, ...], cache: bool = True) -> Iterator[None]:
+def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
+               made: Mapping[int, torch.Tensor] | None = None) -> Iterator[None]:
     """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
     re-run, the chain): in eval mode, and their buffers left as the forward left them: put
     back and refused if not (gradlog must not change training). ``cache``: each computed
     once (``parametrize.cached``); else a user's cache is suspended: a re-run per datum
-    must differentiate each datum's evaluation."""
+    must differentiate each datum's evaluation. ``made``: the tensor each parametrization
+    (by id) made in the forward (:class:`States`): evaluated again, it must give it, or
+    the per-datum gradients would be of another function (one that computes otherwise in
+    training mode, state that changed since)."""
     if not plists:
         yield
         return
     modes = [(m, m.training) for plist in plists for m in plist.modules()]
-    kept = [(_label(plist, n), b, tensor_version(b), b.detach().clone())
+    kept = [(_label(plist, n), b, tensor_version(b), b.detach().clone(), *_owner(plist, n))
             for plist in plists for n, b in plist.named_buffers()]
     for plist in plists:
         plist.eval()
+    _QUIET[0] += 1
     try:
+        _check_reproduces(plists, made or {})
         with parametrize.cached() if cache else parametrize_cache_suspended():
             yield
     finally:
+        _QUIET[0] -= 1
         for m, training in modes:
             m.training = training
-        changed = [n for n, b, version, _ in kept if tensor_version(b) != version]
+        changed = []
         with torch.no_grad():
-            for n, b, _, was in kept:
-                if n in changed:
+            for n, b, version, was, owner, leaf in kept:
+                if getattr(owner, leaf) is not b:  # reassigned: the forward's put back
+                    setattr(owner, leaf, b)
+                    changed.append(n)
+                elif tensor_version(b) != version:
                     b.copy_(was)
+                    changed.append(n)
         if changed:  # (in place of any error the change caused: torch.func's, say)
             raise UnsupportedLayerError(
-                f"a parametrization changed its buffers {changed} when gradlog evaluated it again "
-                "(in eval mode) for per-datum gradients; they are put back, and gradlog refuses "
-                "rather than change training. Use backend='loop', or record the plain weight "
-                "(torch.nn.utils.parametrize.remove_parametrizations)."
+                f"a parametrization changed its buffers {changed} when gradlog evaluated it "
+                "again (in eval mode) for per-datum gradients; they are put back, and gradlog "
+                "refuses rather than change training. Use backend='loop', or record the "
+                "plain weight (torch.nn.utils.parametrize.remove_parametrizations)."
+            )
+
+
+def _owner(plist: nn.Module, buffer: str) -> tuple[nn.Module, str]:
+    owner, _, leaf = buffer.rpartition(".")
+    return plist.get_submodule(owner), leaf
+
+
+def _check_reproduces(plists: tuple[nn.Module, ...], made: Mapping[int, torch.Tensor]) -> None:
+    """Refuse parametrizations that, evaluated again now (eval mode), do not give the
+    tensor they made in the forward."""
+    for plist in plists:
+        then = made.get(id(plist))
+        if then is None:
+            continue
+        with torch.no_grad(), torch.autocast(then.device.type, enabled=False):
+            now = plist()
+        wide = then.dtype if torch.finfo(then.dtype).bits > 16 else torch.float32
+        tol = 64 * torch.finfo(wide).eps * float(then.abs().amax()) if then.numel() else 0.0
+        if now.shape != then.shape or float((now.to(wide) - then.to(wide)).abs().amax()) > tol:
+            names = [type(m).__name__ for m in plist.children()]
+            raise UnsupportedLayerError(
+                f"the parametrization {names}, evaluated again for per-datum gradients "
+                "(in eval mode, so as not to change its state), does "
+                "not give the weight the forward used: it computes otherwise in training "
+                "mode, or its state or parameters changed since the forward. Put it in eval "
+                "mode, keep its state between the forward and the backward, or use "
+                "backend='loop'."
             )
 
 
@@ -133,7 +179,8 @@ def mode_refusal(plists: tuple[nn.Module, ...]) -> str | None:
 class Stamp:
     """The state of a call's stateful parametrizations as the call left it."""
 
-    versions: tuple[tuple[torch.Tensor, int], ...]  # (buffer, its version)
+    versions: tuple[tuple[nn.Module, str, torch.Tensor, int], ...]  # (owner, name, buffer,
+    # its version)
     refusal: str | None = None
 
 
@@ -145,18 +192,24 @@ class States:
 
     def __init__(self) -> None:
         self.evaluations: dict[int, int] = {}  # id(plist) -> evaluations so far
+        self.made: dict[int, torch.Tensor] = {}  # id(plist) -> what it last made (forward)
         self.open: dict[int, list[tuple[tuple[int, int], ...]]] = {}  # id(entry) -> per
         # stateful parametrization, (evaluations, buffer versions' sum) when its call began
         self.pending: dict[int, Stamp] = {}  # id(entry) -> its call's, until captured
 
     def watch(self, plists: Iterable[nn.Module]) -> list[Any]:
-        """Count each parametrization's evaluations; returns the hooks' handles."""
+        """Count each parametrization's evaluations and keep what it made; returns the
+        hooks' handles."""
         unique = {id(p): p for p in plists}
         return [p.register_forward_hook(functools.partial(self._evaluated, key))
                 for key, p in unique.items()]
 
-    def _evaluated(self, key: int, *_: Any) -> None:
+    def _evaluated(self, key: int, module: nn.Module, args: Any, output: Any) -> None:
+        if _QUIET[0]:
+            return
         self.evaluations[key] = self.evaluations.get(key, 0) + 1
+        if isinstance(output, torch.Tensor) and not is_functorch_wrapped(output):
+            self.made[key] = output.detach()
 
     def enter(self, entry: Any) -> None:
         """A call of the entry's module starts."""
@@ -173,7 +226,8 @@ class States:
         if not entry.stateful or not self.open.get(id(entry)):
             return
         before, now = self.open[id(entry)].pop(), self._now(entry)
-        versions = tuple((b, tensor_version(b)) for p in entry.stateful for b in p.buffers())
+        versions = tuple((*_owner(p, n), b, tensor_version(b)) for p in entry.stateful
+                         for n, b in p.named_buffers())
         twice = [type(p[0]).__name__ for p, (n, v), (m, w) in zip(entry.stateful, before, now)
                  if m - n > 1 and w != v]  # (evaluated twice, its state changed)
         self.pending[id(entry)] = Stamp(versions, None if not twice else (
@@ -190,7 +244,8 @@ class States:
 
 def check_state(stamp: Stamp | None) -> None:
     """Refuse a call whose stateful parametrizations were evaluated again since."""
-    if stamp is not None and any(tensor_version(b) != v for b, v in stamp.versions):
+    if stamp is not None and any(getattr(owner, leaf) is not b or tensor_version(b) != v
+                                 for owner, leaf, b, v in stamp.versions):
         raise UnsupportedLayerError(
             "the state of its parametrization (spectral_norm's power iteration) changed "
             "between this call and its backward: it was evaluated again in training mode (a "
