@@ -918,8 +918,8 @@ def test_a_shared_table_of_b_rows_is_named_when_the_checks_refuse_it() -> None:
     """The fallback splits every tensor argument whose first dimension is B: a table shared
     by the batch with B rows is taken for a batched one (Funnel at T 6, B 3), wrong, refused
     by the checks with a message blaming a use outside the model. It is now refused at
-    the re-run, whose output for a datum alone is not its rows of the batch's, naming the
-    module and why; with other sizes, as the loop oracle."""
+    the re-run, whose records are not the datums' gradients through it on the whole batch,
+    naming the module and why; with other sizes, as the loop oracle."""
     layer = _SharedTable()
     x = torch.randn(B, 5, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
     table = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(1))
@@ -958,13 +958,14 @@ def test_a_module_re_run_per_datum_that_mixes_the_batch_is_refused(how: str) -> 
     are each datum's own. A module mixing them was recorded wrong through the backend
     (datum b reading datum b-1's table rows: the spot check samples too few entries of a
     mostly-zero gradient; only the recorder's self-check, on checked steps, refused it). Its
-    re-run on each datum alone is now compared with its run on the whole batch: refused,
-    naming the module, p.grad complete. A module keeping its rows apart is recorded."""
+    records weighted by random v_b are now compared with the gradient of sum_b v_b <out_b,
+    G_b> through it run on the whole batch: refused, naming the module, p.grad complete. A
+    module keeping its rows apart is recorded."""
     model = _Mixing(how)
     model.scale.requires_grad_(how != "roll")  # (the table alone: the spot check missed it)
     ids = torch.randint(0, 2000, (B, 5), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(BackendError, match=r"_Mixing '\(the model\)'.*gives a datum alone an "
-                                           r"output 0 other than its rows of the batch's"):
+    with pytest.raises(BackendError, match=r"_Mixing '\(the model\)'.*gives per-datum "
+                                           r"gradients that are not its datums' own"):
         per_datum(model, lambda: squares(model(ids)), "hooks")
     assert model.table.grad is not None
     model.how = "none"
@@ -997,7 +998,7 @@ def test_a_module_whose_re_run_changes_its_buffers_is_refused_and_they_are_put_b
     x = torch.randn(B, 3, dtype=D64)
     plain = copy.deepcopy(model)
     plain(x)
-    with pytest.raises(BackendError, match=r"changes its buffers \['(calls|num_batches_tracked).*"
+    with pytest.raises(BackendError, match=r"changes its state \['(calls|num_batches_tracked).*"
                                            r"Its re-runs changed copies"):
         per_datum(model, lambda: squares(model(x)), "hooks")
     for (name, want), got in zip(plain.state_dict().items(), model.state_dict().values()):
@@ -1024,9 +1025,33 @@ def test_a_module_reassigning_its_buffer_in_a_re_run_is_refused_on_every_call() 
     model = _Reassigning()
     x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
     for forwards in range(1, 4):  # (calls 1 and 2 are checked, 3 is not)
-        with pytest.raises(BackendError, match=r"changes its buffers \['calls'\]"):
+        with pytest.raises(BackendError, match=r"changes its state \['calls'\]"):
             per_datum(model, lambda: squares(model(x)), "hooks")
         assert model.calls.item() == forwards
+
+
+class _Warming(nn.Module):
+    """A module without a rule counting its calls in a Python attribute (a warm-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return x * self.w * (2.0 if self.steps > 3 else 1.0)
+
+
+def test_a_module_counting_in_a_python_attribute_is_refused_and_its_count_kept() -> None:
+    """Its re-runs advanced the count 2-4 times a step, so the warm-up switched early and
+    p.grad changed from a run without gradlog; refused, the count as the forward left it."""
+    model = _Warming()
+    x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
+    for forwards in range(1, 4):
+        with pytest.raises(BackendError, match=r"changes its state \['steps'\]"):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+        assert model.steps == forwards
 
 
 class _MaskedBias(nn.Module):

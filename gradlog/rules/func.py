@@ -214,18 +214,16 @@ def func_grads(
         if module in _LOOPED:
             result = _loop(diff, xs, gs, dims, outs, call, B)
         if due:  # (after the gradients: random draws are reported as such)
-            def whole() -> list[Any]:  # the module on the whole batch, as its forward ran
+            def whole(p: Mapping[str, torch.Tensor]) -> list[Any]:  # as its forward ran
                 a, kw = rebuild(list(leaves))
                 with replay(module, [widen(m, wide) for m in masks]) if masks else (
                         contextlib.nullcontext()):
-                    state = kept.state(fixed, diff)
+                    state = kept.state(fixed, p)
                     out = flatten(functional_call(module, state, tuple(a), kw))[0]
                     kept.after(state)
                     return out
 
-            with torch.no_grad():
-                _check_rows_alone(module, whole(), _each_alone(module, call, diff, xs, dims, B),
-                                  outs)
+            _check_weighted(module, whole, diff, result, outs, B)
     return result
 
 
@@ -233,12 +231,6 @@ def func_grads(
 # 1st, 2nd, 4th, 8th, ... (a forward's structure rarely changes; a few checks catch it).
 _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
-# How far a re-run of the module on one datum may differ from its rows of the whole batch's
-# run (both in the re-run's dtype), relative to the largest entry of that output.
-# (Loose: a module mixing datums moves its outputs by their own size; kernels batched or
-# not round differently, and a module may compute parts in a narrower dtype.)
-_ROWS_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
-_ROWS_RTOL_16BIT = 5e-2
 
 
 class _Kept:
@@ -259,15 +251,17 @@ class _Kept:
 
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module, kept: _Kept, checked: bool) -> Iterator[None]:
-    """Refuse a module whose re-run changes its buffers, in place or by reassigning them
-    (BatchNorm's running statistics in training, a counter): re-runs would change the
-    model's state, and compute with it changed. ``checked`` (the checked calls: its first
-    above all): the re-runs get copies of them, so the model's are left alone; else a
-    reassigned one is put back."""
+    """Refuse a module whose re-run changes its buffers, in place or by reassigning them,
+    or its Python numbers (BatchNorm's running statistics in training, a counter): re-runs
+    would change the model's state, and compute with it changed. ``checked`` (the checked
+    calls: its first above all): the re-runs get copies of its buffers, so the model's are
+    left alone; else a reassigned one is put back, as are its Python numbers."""
     if checked:
         kept.copies = {n: b.detach().clone() for n, b in module.named_buffers()}
     seen = kept.copies.items() if checked else module.named_buffers()
     versions = [(n, b, tensor_version(b)) for n, b in seen]
+    scalars = [(name, m, k, v) for name, m in module.named_modules()
+               for k, v in vars(m).items() if type(v) in (int, float, bool)]
     try:
         yield
     finally:
@@ -279,13 +273,18 @@ def _buffers_kept(module: nn.Module, kept: _Kept, checked: bool) -> Iterator[Non
             if module.get_buffer(n) is not b:  # reassigned: the model's own put back
                 setattr(module.get_submodule(owner), leaf, b)
                 changed.append(n)
+        for name, m, k, v in scalars:  # a Python counter: put back as the forward left it
+            if vars(m).get(k) is not v and vars(m).get(k) != v:
+                vars(m)[k] = v
+                changed.append(f"{name}.{k}" if name else k)
         if changed:  # (in place of any error the change caused: vmap's, say)
             raise BackendError(
                 f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
-                f"changes its buffers {changed} when it runs (a batch norm's running "
+                f"changes its state {changed} when it runs (a batch norm's running "
                 "statistics in training mode, a counter): re-running it would change the "
                 "model's state, and compute with it changed. "
-                + ("Its re-runs changed copies, not the model's. " if checked else "")
+                + ("Its re-runs changed copies, not the model's. " if checked else
+                   "What the forward left is put back where it can be. ")
                 + "Put it in eval mode, register a rule for it, or use backend='loop'."
             )
 
@@ -300,68 +299,77 @@ def _check_due(module: nn.Module, cap: Capture, specs: Sequence[LeafSpec]) -> bo
             and all(s.unsqueeze for s in specs))
 
 
-def _each_alone(module: nn.Module, call: Callable[..., list[Any]],
-                diff: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
-                dims: Sequence[int], B: int) -> list[Any]:
-    """The module's outputs re-run on each datum alone, stacked: ``(B, *output of one)``."""
-    if module not in _LOOPED:
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="There is a performance drop")
-                found: list[Any] = vmap(lambda x: call(diff, x), in_dims=(list(dims),),
-                                        randomness="error")(list(xs))
-            return found
-        except (RuntimeError, ValueError):
-            pass  # (the gradients' own vmap reports it, or loops)
-    rows = [call(diff, [x.select(d, b) for x, d in zip(xs, dims)]) for b in range(B)]
-    return [torch.stack(r) if isinstance(r[0], torch.Tensor) else None for r in zip(*rows)]
-
-
-def _check_rows_alone(module: nn.Module, whole: Sequence[Any], alone: Sequence[Any],
-                      outs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-    """Refuse a module whose output for a datum run alone is not its rows of the batch's
-    output: it mixes datums, and per-datum gradients from re-running it would be wrong.
-
-    Where the output of one datum alone has fewer entries than its rows of the batch's (a
-    CLIP model's ``(B, B)`` logits: one alone), its re-run is right only for the output
-    gradient's weighting: each datum's ``<output, G_b>`` is compared instead."""
-    for j, d, g in outs:
-        want, got = whole[j], alone[j]
-        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or (
-                want.shape != g.shape):  # (rows the backend laid out by datum: (B*T, d))
-            continue
-        rtol = _ROWS_RTOL.get(want.dtype, _ROWS_RTOL_16BIT)
-        if got.shape[0] * got[0].squeeze(d).shape.numel() == want.numel():  # each row alone
-            got = got.squeeze(d + 1).movedim(0, d).reshape(want.shape)
-            gap = (got.double() - want.double()).abs().amax() if want.numel() else 0.0
-            scale = want.double().abs().amax() if want.numel() else 0.0
-            what = "other than its rows of the batch's output"
-        else:  # <out_b, G_b> of the batch's output against the re-run's (as dot takes it)
-            w = want.double().movedim(d, 0)  # (B, ...)
-            gb = g.double().movedim(d, 0)  # (B, ...)
-            try:
-                mine = torch.stack([(got[b].double() * gb[b].unsqueeze(d)).sum()
-                                    for b in range(gb.shape[0])])
-            except RuntimeError:
-                mine = torch.full((gb.shape[0],), torch.nan, dtype=torch.float64)
-            theirs = (w * gb).flatten(1).sum(1)
-            gap = (mine - theirs).abs().amax()
-            scale = (w * gb).abs().flatten(1).sum(1).amax()
-            what = (f"of shape {tuple(got.shape[1:])}, whose product with its output gradient "
-                    "is not that of its rows of the batch's output")
-        gap, scale = float(gap), float(scale)
-        if gap <= rtol * scale:
-            continue
+def _check_weighted(module: nn.Module, whole: Callable[[Mapping[str, torch.Tensor]], list[Any]],
+                    diff: Mapping[str, torch.Tensor], result: Mapping[str, torch.Tensor],
+                    outs: Sequence[tuple[int, int, torch.Tensor]], B: int) -> None:
+    """Refuse a module whose per-datum gradients from re-running it on each datum alone are
+    not its datums' gradients in the batch: the records weighted by random ``v_b`` against
+    the gradient of ``sum_b v_b <out_b, G_b>`` through the module run on the whole batch.
+    Equal for every ``v`` only if each datum's record is its own gradient, so a module
+    mixing the batch's datums (a batch statistic, rows taken across the batch) fails, and
+    one whose outputs merely differ alone without changing the gradients (a fake
+    quantisation scaled by the batch's detached maximum) passes."""
+    v = torch.randn(B, generator=_V, dtype=torch.float64)  # (B,)
+    ps = {k: t.detach().requires_grad_(True) for k, t in diff.items()}
+    with torch.enable_grad():
+        out = whole(ps)
+        terms = []
+        for j, d, g in outs:
+            o = out[j]
+            if not isinstance(o, torch.Tensor) or o.shape != g.shape:
+                return  # (rows the backend laid out by datum, (B*T, d): not weighed here)
+            w = v.to(g.device, g.dtype).view(*([1] * d), B, *([1] * (g.dim() - d - 1)))
+            terms.append((o * (g * w).to(o.dtype)).sum())
+        if not terms:
+            return
+        total = torch.stack(terms).sum()
+        found = (torch.autograd.grad(total, list(ps.values()), allow_unused=True)
+                 if total.requires_grad else (None,) * len(ps))  # (None: zero gradients)
+    first = next(iter(ps.values()))
+    rtol = _WEIGHTED_RTOL_16BIT if _autocast_on(first.device) else _WEIGHTED_RTOL.get(
+        first.dtype, _WEIGHTED_RTOL_16BIT)
+    rows, theirs_all, scales = [], [], []
+    for (k, _), theirs in zip(ps.items(), found):
+        per = result[k].to(torch.float64).reshape(B, -1)  # (B, n)
+        vb = v.to(per.device)[:, None]  # (B, 1)
+        rows.append((vb * per).sum(0))
+        scales.append((vb.abs() * per.abs()).sum(0))
+        theirs_all.append(torch.zeros_like(rows[-1]) if theirs is None
+                          else theirs.detach().to(torch.float64).reshape(-1))
+    ours, theirs_t = torch.cat(rows), torch.cat(theirs_all)
+    scale = torch.cat(scales) + theirs_t.abs()
+    finite = theirs_t.isfinite()
+    floor = rtol * float(torch.where(finite, scale, 0).amax()) if scale.numel() else 0.0
+    bad = finite & ~((ours - theirs_t).abs() <= rtol * scale + floor)  # (NaN ours: bad)
+    if bool(bad.any()):
+        gap = float(torch.where(bad, (ours - theirs_t).abs(), 0).amax())
         raise BackendError(
             f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) gives "
-            f"a datum alone an output {j} {what}, by up to {gap:.3g} where the largest is "
-            f"{scale:.3g}: its forward mixes the batch's datums (a batch statistic, rows "
-            "taken across the batch, a loss over the batch), or an argument shared by the "
-            "batch was split as each datum's (gradlog splits every tensor argument whose "
-            "first dimension equals the batch size), so re-running it per datum would give "
-            "wrong per-datum gradients. Register a rule for it, keep the mixing out of the "
-            "recorded modules, or use backend='loop'."
+            "per-datum gradients that are not its datums' own in the batch (weighted by "
+            f"random v_b and summed, they differ by up to {gap:.3g} from the gradient of "
+            "sum_b v_b <output_b, G_b> through the module on the whole batch): its forward "
+            "mixes the batch's datums (a batch statistic, rows taken across the batch, a "
+            "loss over the batch), or an argument shared by the batch was split as each "
+            "datum's (gradlog splits every tensor argument whose first dimension equals the "
+            "batch size), so re-running it per datum would give wrong per-datum gradients. "
+            "Register a rule for it, keep the mixing out of the recorded modules, or use "
+            "backend='loop'."
         )
+
+
+_V = torch.Generator().manual_seed(0)  # the weights v_b of _check_weighted
+# Loose: a module mixing datums moves the weighted sums by their own size, while batched and
+# per-datum kernels round differently, and modules compute parts in narrower dtypes than
+# their parameters (transformers' float32 softmax in a float64 model, a bf16 matmul inside).
+_WEIGHTED_RTOL = {torch.float64: 1e-6, torch.float32: 1e-2}
+_WEIGHTED_RTOL_16BIT = 5e-2  # (16-bit parameters, or a re-run under autocast)
+
+
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except TypeError:  # (torch without the device argument)
+        return bool(torch.is_autocast_enabled())
 
 
 def _widest(params: Any) -> torch.dtype | None:
