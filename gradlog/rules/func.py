@@ -201,8 +201,11 @@ def func_grads(
                 if "random" in str(e):
                     raise BackendError(
                         f"{type(module).__name__} draws random numbers in its forward; gradlog "
-                        "re-runs it per datum and cannot reproduce the batch's random draws. Put "
-                        "it in eval mode, register a rule for it, or use backend='loop'."
+                        "re-runs it per datum and cannot reproduce the batch's random draws "
+                        "(nn.Dropout's masks it replays; the dropout inside "
+                        "F.scaled_dot_product_attention is drawn in the kernel: with "
+                        "transformers, attn_implementation='eager' records). Put it in eval "
+                        "mode, register a rule for it, or use backend='loop'."
                     ) from e
                 _LOOPED.add(module)
                 log.warning(
