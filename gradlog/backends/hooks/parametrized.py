@@ -7,12 +7,14 @@ tensor the parametrization computes, ``dW_b``. The parametrization is a function
 parameters alone, so the chain is linear per datum: each datum's gradients of its parameters
 are the parametrization's vector-Jacobian product at ``dW_b``, ``vmap``ed over the batch.
 
-The chain evaluates the parametrization again, in eval mode: ``spectral_norm`` then uses the
-power iteration its forward ran in this step (its buffers as that forward left them) instead
-of running another. A parametrization that changes its buffers even so is refused, its
-buffers put back as they were. Such state must also be the one each call used
-(:class:`States`): a parametrization evaluated again between a call and its backward, or
-evaluated twice within a call with its state changing between, is refused.
+gradlog evaluates parametrizations again (a rule reading ``module.weight``, a re-run, the
+chain) in eval mode only (:func:`evaluating`): ``spectral_norm`` then uses the power
+iteration its forward ran in this step (its buffers as that forward left them) instead of
+running another. Evaluated so, a parametrization must give the tensor its forward made
+(kept by :class:`States`' hooks), and leave its buffers alone (changed in place or
+reassigned: put back, and refused); the state must be the one each call used: one
+evaluated again between a call and its backward, or twice within a call with its state
+changing between, is refused.
 """
 
 from __future__ import annotations
