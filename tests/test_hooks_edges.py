@@ -973,15 +973,20 @@ def test_a_module_re_run_per_datum_that_mixes_the_batch_is_refused(how: str) -> 
 
 
 class _Counting(nn.Module):
-    """A module without a rule that counts its calls in a buffer and scales by the count."""
+    """A module without a rule that counts its calls in a buffer (in place, or reassigning
+    it) and scales by the count."""
 
-    def __init__(self) -> None:
+    def __init__(self, reassign: bool = False) -> None:
         super().__init__()
+        self.reassign = reassign
         self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
         self.register_buffer("calls", torch.zeros((), dtype=D64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        if self.reassign:
+            self.calls = self.calls + 1
+        else:
+            self.calls += 1
         return x * self.w * self.calls
 
 
@@ -1005,24 +1010,11 @@ def test_a_module_whose_re_run_changes_its_buffers_is_refused_and_they_are_put_b
         assert torch.equal(got, want), name
 
 
-class _Reassigning(nn.Module):
-    """A module without a rule counting its calls in a buffer it reassigns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
-        self.register_buffer("calls", torch.zeros((), dtype=D64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls = self.calls + 1
-        return x * self.w * self.calls
-
-
 def test_a_module_reassigning_its_buffer_in_a_re_run_is_refused_on_every_call() -> None:
     """Reassigned, not changed in place: on the checked calls the re-runs' copies took it
     (unseen: the re-run computed with the count moved on, wrong by a factor); on the others
     the model's buffer kept it. Refused on both, the model's count as its forwards left it."""
-    model = _Reassigning()
+    model = _Counting(reassign=True)
     x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
     for forwards in range(1, 4):  # (calls 1 and 2 are checked, 3 is not)
         with pytest.raises(BackendError, match=r"changes its state \['calls'\]"):
