@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gradlog._torch_private import tensor_version
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, widen
@@ -184,7 +183,7 @@ def func_grads(
     xs = [leaves[i] for i, _ in batched] + [widen(m, wide) for m in masks]
     gs = [g for _, _, g in outs]
     due = _check_due(module, cap, [s for _, s in batched])
-    with _buffers_kept(module, kept, checked=due):
+    with _buffers_kept(module, kept):
         if module not in _LOOPED:
             try:
                 per_datum = vmap(
@@ -217,8 +216,9 @@ def func_grads(
         if module in _LOOPED:
             result = _loop(diff, xs, gs, dims, outs, call, B)
         if due:  # (after the gradients: random draws are reported as such)
-            def whole(p: Mapping[str, torch.Tensor]) -> list[Any]:  # as its forward ran
-                a, kw = rebuild(list(leaves))
+            def whole(p: Mapping[str, torch.Tensor],
+                      xs: Mapping[int, torch.Tensor]) -> list[Any]:  # as its forward ran
+                a, kw = rebuild([xs.get(i, t) for i, t in enumerate(leaves)])
                 with replay(module, [widen(m, wide) for m in masks]) if masks else (
                         contextlib.nullcontext()):
                     state = kept.state(fixed, p)
@@ -226,7 +226,9 @@ def func_grads(
                     kept.after(state)
                     return out
 
-            _check_weighted(module, whole, diff, result, outs, B)
+            floating = [(i, spec.dim, leaves[i]) for i, spec in batched
+                        if spec.dim is not None and leaves[i].is_floating_point()]
+            _check_weighted(module, whole, diff, result, outs, floating, B)
     return result
 
 
@@ -237,8 +239,8 @@ _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 class _Kept:
-    """The module's buffers around its re-runs (:func:`_buffers_kept`): on checked calls the
-    re-runs get ``copies``, and a re-run reassigning one (``self.n = self.n + 1``, which
+    """The module's buffers around its re-runs (:func:`_buffers_kept`): the re-runs get
+    ``copies``, and a re-run reassigning one (``self.n = self.n + 1``, which
     ``functional_call`` writes back into the state it was given) is noted in ``moved``."""
 
     def __init__(self) -> None:
@@ -253,42 +255,32 @@ class _Kept:
 
 
 @contextlib.contextmanager
-def _buffers_kept(module: nn.Module, kept: _Kept, checked: bool) -> Iterator[None]:
-    """Refuse a module whose re-run changes its buffers, in place or by reassigning them,
-    or its Python numbers (BatchNorm's running statistics in training, a counter): re-runs
-    would change the model's state, and compute with it changed. ``checked`` (the checked
-    calls: its first above all): the re-runs get copies of its buffers, so the model's are
-    left alone; else a reassigned one is put back, as are its Python numbers."""
-    if checked:
-        kept.copies = {n: b.detach().clone() for n, b in module.named_buffers()}
-    seen = kept.copies.items() if checked else module.named_buffers()
-    versions = [(n, b, tensor_version(b)) for n, b in seen]
-    scalars = [(name, m, k, v) for name, m in module.named_modules()
+def _buffers_kept(module: nn.Module, kept: _Kept) -> Iterator[None]:
+    """The module's re-runs leave its state as its forward left it: they get copies of its
+    buffers, and its Python numbers are put back after them (a batch size noted, a counter).
+    A module whose re-run changes a buffer's values (in place or reassigning it: a batch
+    norm's running statistics in training mode, a counter) is refused: re-run per datum it
+    computes with its state moved on from the forward's."""
+    kept.copies = {n: b.detach().clone() for n, b in module.named_buffers()}
+    scalars = [(m, k, v) for m in module.modules()
                for k, v in vars(m).items() if type(v) in (int, float, bool)]
     try:
         yield
     finally:
+        changed = sorted(kept.moved | {n for n, b in module.named_buffers()
+                                       if not torch.equal(kept.copies[n], b)})
         kept.copies = {}
-        changed = sorted({n for n, b, version in versions if tensor_version(b) != version}
-                         | kept.moved)
-        for n, b, _ in versions if not checked else ():
-            owner, _, leaf = n.rpartition(".")
-            if module.get_buffer(n) is not b:  # reassigned: the model's own put back
-                setattr(module.get_submodule(owner), leaf, b)
-                changed.append(n)
-        for name, m, k, v in scalars:  # a Python counter: put back as the forward left it
-            if vars(m).get(k) is not v and vars(m).get(k) != v:
+        for m, k, v in scalars:
+            if vars(m).get(k) is not v:
                 vars(m)[k] = v
-                changed.append(f"{name}.{k}" if name else k)
         if changed:  # (in place of any error the change caused: vmap's, say)
             raise BackendError(
                 f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
-                f"changes its state {changed} when it runs (a batch norm's running "
-                "statistics in training mode, a counter): re-running it would change the "
-                "model's state, and compute with it changed. "
-                + ("Its re-runs changed copies, not the model's. " if checked else
-                   "What the forward left is put back where it can be. ")
-                + "Put it in eval mode, register a rule for it, or use backend='loop'."
+                f"changes its buffers {changed} when it runs (a batch norm's running "
+                "statistics in training mode, a counter): re-run per datum, it computes "
+                "with its state moved on from the forward's (its re-runs changed copies, "
+                "not the model's). Put it in eval mode, register a rule for it, or use "
+                "backend='loop'."
             )
 
 
@@ -302,65 +294,96 @@ def _check_due(module: nn.Module, cap: Capture, specs: Sequence[LeafSpec]) -> bo
             and all(s.unsqueeze for s in specs))
 
 
-def _check_weighted(module: nn.Module, whole: Callable[[Mapping[str, torch.Tensor]], list[Any]],
+def _check_weighted(module: nn.Module,
+                    whole: Callable[[Mapping[str, torch.Tensor], Mapping[int, torch.Tensor]],
+                                    list[Any]],
                     diff: Mapping[str, torch.Tensor], result: Mapping[str, torch.Tensor],
-                    outs: Sequence[tuple[int, int, torch.Tensor]], B: int) -> None:
-    """Refuse a module whose per-datum gradients from re-running it on each datum alone are
-    not its datums' gradients in the batch: the records weighted by random ``v_b`` against
-    the gradient of ``sum_b v_b <out_b, G_b>`` through the module run on the whole batch.
-    Equal for every ``v`` only if each datum's record is its own gradient, so a module
-    mixing the batch's datums (a batch statistic, rows taken across the batch) fails, and
-    one whose outputs merely differ alone without changing the gradients (a fake
-    quantisation scaled by the batch's detached maximum) passes."""
-    v = torch.randn(B, generator=_V, dtype=torch.float64)  # (B,)
+                    outs: Sequence[tuple[int, int, torch.Tensor]],
+                    inputs: Sequence[tuple[int, int, torch.Tensor]], B: int) -> None:
+    """Refuse a module whose re-run on each datum alone does not give its datums' gradients
+    in the batch. Through the module run on the whole batch, the gradient of
+    ``sum_b v_b <out_b, G_b>`` (random ``v``): at its parameters it must be the records
+    weighted by ``v`` (each record its own datum's gradient); at its batched inputs, row b
+    must be ``v_b`` times that of another draw ``u`` over ``u_b`` (no datum's output depends
+    on another's input: the gradients it hands the layers below are each datum's). A module
+    mixing the batch's datums (a batch statistic, rows taken across the batch) fails; one
+    whose outputs merely differ alone (a fake quantisation scaled by the batch's detached
+    maximum, rounding of other kernels under autocast) passes. ``inputs``: (leaf index,
+    batch dimension, tensor) of the call's batched floating arguments."""
+    v, u = torch.randn(2, B, generator=_V, dtype=torch.float64)  # (B,) each
     ps = {k: t.detach().requires_grad_(True) for k, t in diff.items()}
+    xs = {i: x.detach().requires_grad_(True) for i, _, x in inputs}
     with torch.enable_grad():
-        out = whole(ps)
-        terms = []
-        for j, d, g in outs:
-            o = out[j]
-            if not isinstance(o, torch.Tensor) or o.shape != g.shape:
-                return  # (rows the backend laid out by datum, (B*T, d): not weighed here)
-            w = v.to(g.device, g.dtype).view(*([1] * d), B, *([1] * (g.dim() - d - 1)))
-            terms.append((o * (g * w).to(o.dtype)).sum())
-        if not terms:
-            return
-        total = torch.stack(terms).sum()
-        found = (torch.autograd.grad(total, list(ps.values()), allow_unused=True)
-                 if total.requires_grad else (None,) * len(ps))  # (None: zero gradients)
+        out = whole(ps, xs)
+        if any(not isinstance(out[j], torch.Tensor) or out[j].shape != g.shape
+               for j, _, g in outs):
+            return  # (rows the backend laid out by datum, (B*T, d): not weighed here)
+
+        def weighted(w: torch.Tensor) -> torch.Tensor | None:
+            terms = [(out[j] * (g * w.to(g.device, g.dtype).view(
+                *([1] * d), B, *([1] * (g.dim() - d - 1)))).to(out[j].dtype)).sum()
+                for j, d, g in outs]
+            total = torch.stack(terms).sum() if terms else None
+            return total if total is not None and total.requires_grad else None
+
+        total, other = weighted(v), weighted(u)
+        wrt = [*ps.values(), *xs.values()]
+        found = (torch.autograd.grad(total, wrt, allow_unused=True, retain_graph=True)
+                 if total is not None else (None,) * len(wrt))  # (None: zero gradients)
+        again = (torch.autograd.grad(other, list(xs.values()), allow_unused=True)
+                 if other is not None and xs else (None,) * len(xs))
     first = next(iter(ps.values()))
     rtol = _WEIGHTED_RTOL_16BIT if _autocast_on(first.device) else _WEIGHTED_RTOL.get(
         first.dtype, _WEIGHTED_RTOL_16BIT)
-    rows, theirs_all, scales = [], [], []
-    for (k, _), theirs in zip(ps.items(), found):
+    ours, theirs, scales = [], [], []
+    for (k, _), got in zip(ps.items(), found):  # the records weighted by v
         per = result[k].to(torch.float64).reshape(B, -1)  # (B, n)
         vb = v.to(per.device)[:, None]  # (B, 1)
-        rows.append((vb * per).sum(0))
+        ours.append((vb * per).sum(0))
         scales.append((vb.abs() * per.abs()).sum(0))
-        theirs_all.append(torch.zeros_like(rows[-1]) if theirs is None
-                          else theirs.detach().to(torch.float64).reshape(-1))
-    ours, theirs_t = torch.cat(rows), torch.cat(theirs_all)
-    scale = torch.cat(scales) + theirs_t.abs()
-    finite = theirs_t.isfinite()
+        theirs.append(torch.zeros_like(ours[-1]) if got is None
+                      else got.detach().to(torch.float64).reshape(-1))
+    where = "its parameters' records"
+    if not _close(torch.cat(ours), torch.cat(theirs), torch.cat(scales), rtol):
+        _mixes(module, where)
+    a, c, s = [], [], []  # u_b * (v-gradient)_b against v_b * (u-gradient)_b at the inputs
+    for (_, d, _), gv, gu in zip(inputs, found[len(ps):], again):
+        if gv is None or gu is None:
+            continue
+        gv, gu = (t.detach().to(torch.float64).movedim(d, 0).reshape(B, -1) for t in (gv, gu))
+        vb, ub = v.to(gv.device)[:, None], u.to(gv.device)[:, None]
+        a.append((ub * gv).reshape(-1))
+        c.append((vb * gu).reshape(-1))
+        s.append((ub.abs() * gv.abs()).reshape(-1))
+    if a and not _close(torch.cat(a), torch.cat(c), torch.cat(s), rtol):
+        _mixes(module, "the gradients it hands the layers below")
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, rtol: float) -> bool:
+    """Entry by entry, to ``rtol`` of the entry's scale and of the largest one (gradients
+    that are rounding noise of the others: a key bias under softmax); entries where either
+    side is not finite compare only as non-finite on both."""
+    scale = scale + theirs.abs()
+    finite = ours.isfinite() & theirs.isfinite()
     floor = rtol * float(torch.where(finite, scale, 0).amax()) if scale.numel() else 0.0
-    bad = finite & ~((ours - theirs_t).abs() <= rtol * scale + floor)  # (NaN ours: bad)
-    if bool(bad.any()):
-        gap = float(torch.where(bad, (ours - theirs_t).abs(), 0).amax())
-        raise BackendError(
-            f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) gives "
-            "per-datum gradients that are not its datums' own in the batch (weighted by "
-            f"random v_b and summed, they differ by up to {gap:.3g} from the gradient of "
-            "sum_b v_b <output_b, G_b> through the module on the whole batch): its forward "
-            "mixes the batch's datums (a batch statistic, rows taken across the batch, a "
-            "loss over the batch), or an argument shared by the batch was split as each "
-            "datum's (gradlog splits every tensor argument whose first dimension equals the "
-            "batch size), so re-running it per datum would give wrong per-datum gradients. "
-            "Register a rule for it, keep the mixing out of the recorded modules, or use "
-            "backend='loop'."
-        )
+    near = (ours - theirs).abs() <= rtol * scale + floor
+    return bool(torch.where(finite, near, ours.isfinite() == theirs.isfinite()).all())
 
 
-_V = torch.Generator().manual_seed(0)  # the weights v_b of _check_weighted
+def _mixes(module: nn.Module, where: str) -> None:
+    raise BackendError(
+        f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) mixes "
+        f"the batch's datums: re-run on each datum alone, {where} are not what the batch's "
+        "run gives each datum (its records weighted by random v_b, against the gradient of "
+        "sum_b v_b <output_b, G_b> through it run on the whole batch). A batch statistic, "
+        "rows taken across the batch, a loss over the batch; or an argument shared by the "
+        "batch split as each datum's (gradlog splits every tensor argument whose first "
+        "dimension equals the batch size). Register a rule for it, keep the mixing out of "
+        "the model's forward, or use backend='loop'."
+    )
+
+
+_V = torch.Generator().manual_seed(0)  # the weights v_b, u_b of _check_weighted
 # Loose: a module mixing datums moves the weighted sums by their own size, while batched and
 # per-datum kernels round differently, and modules compute parts in narrower dtypes than
 # their parameters (transformers' float32 softmax in a float64 model, a bf16 matmul inside).
