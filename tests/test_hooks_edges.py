@@ -1056,20 +1056,24 @@ class _Noting(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=D64))
         self.bsz = 0
+        self.total = torch.zeros((), dtype=D64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.bsz = x.shape[0]
+        self.total = x.detach().sum()  # (a statistic kept for logging)
         return x * self.w
 
 
-def test_python_numbers_a_module_notes_are_left_as_its_forward_left_them() -> None:
-    """Its re-runs on one datum noted a batch size of 1, which stayed after the step (a
-    first fix refused the module for it on the calls the check skips)."""
+def test_what_a_module_notes_on_itself_is_left_as_its_forward_left_it() -> None:
+    """Its re-runs on one datum noted a batch size of 1, and left a functorch wrapper as
+    the statistic (float() on it raised), after the step (a first fix refused the module
+    for the batch size on the calls the check skips)."""
     model = _Noting()
     x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(0))
     for _ in range(3):  # (calls 1 and 2 are checked, 3 is not)
         assert_hooks_match_loop(model, lambda: squares(model(x)))
         assert model.bsz == B
+        assert float(model.total) == float(x.sum())
 
 
 class _MaskedBias(nn.Module):

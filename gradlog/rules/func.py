@@ -257,13 +257,15 @@ class _Kept:
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module, kept: _Kept) -> Iterator[None]:
     """The module's re-runs leave its state as its forward left it: they get copies of its
-    buffers, and its Python numbers are put back after them (a batch size noted, a counter).
+    buffers, and its Python numbers and plain tensor attributes are put back after them (a
+    batch size noted, a counter, a statistic kept for logging).
     A module whose re-run changes a buffer's values (in place or reassigning it: a batch
     norm's running statistics in training mode, a counter) is refused: re-run per datum it
     computes with its state moved on from the forward's."""
     kept.copies = {n: b.detach().clone() for n, b in module.named_buffers()}
-    scalars = [(m, k, v) for m in module.modules()
-               for k, v in vars(m).items() if type(v) in (int, float, bool)]
+    scalars = [(m, k, v) for m in module.modules()  # (and tensors kept as plain attributes:
+               for k, v in vars(m).items()          # re-runs left functorch's wrappers there)
+               if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)]
     try:
         yield
     finally:
