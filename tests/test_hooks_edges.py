@@ -998,6 +998,55 @@ def test_a_module_mixing_datums_in_what_it_hands_the_layers_below_is_refused() -
         per_datum(model, lambda: squares(model(x)), "hooks")
 
 
+class _TwoInputs(nn.Module):
+    """A module without a rule on two inputs: ``how`` "roll" mixes the datums of the one
+    whose gradients are far smaller; "data" adds the batch mean of an input that carries
+    no gradient (data, not an activation); "inplace" scales its input in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.how == "inplace":
+            return x.mul_(self.w[0]) + y
+        if self.how == "roll":
+            return 100 * (x @ self.w) + y.roll(1, 0)
+        return torch.tanh(x @ self.w) + y.mean(0, keepdim=True)
+
+
+class _TwoInputsModel(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.m = nn.Linear(4, 4), nn.Linear(4, 4), _TwoInputs(how)
+
+    def forward(self, x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        second = data if self.m.how == "data" else self.b(x)
+        return self.m(self.a(x), second)
+
+
+@pytest.mark.parametrize("how", ["roll", "data", "inplace"])
+def test_what_a_module_re_run_per_datum_takes_from_its_inputs(how: str) -> None:
+    """The check of the gradients a re-run module hands the layers below, input by input:
+    mixing in an input whose gradients are 100x smaller than another's passed under the
+    larger one's floor (the Linear below recorded another datum's gradient, float32);
+    the batch mean of an input that carries no gradient is not mixing (it was refused);
+    a forward writing into its input in place is refused up front (a re-run from the
+    captured, written input computes another function; it raised an internal error)."""
+    torch.manual_seed(0)
+    model = _TwoInputsModel(how)
+    x, data = torch.randn(B, 4), torch.randn(B, 4)
+    if how == "data":
+        assert_hooks_match_loop(model.double(), lambda: squares(model(x.double(),
+                                                                      data.double())))
+        return
+    match = ("writes into its input in place" if how == "inplace"
+             else "the gradients it hands the layers below are not")
+    with pytest.raises(BackendError, match=match):
+        per_datum(model, lambda: squares(model(x, data)), "hooks")
+
+
 class _Counting(nn.Module):
     """A module without a rule that counts its calls in a buffer (in place, or reassigning
     it) and scales by the count."""

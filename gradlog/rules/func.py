@@ -105,6 +105,8 @@ def func_grads(
     # the parameters are float32; the re-run is without autocast, in the parameters' dtype,
     # so the per-datum products accumulate in float32 (and mixed-dtype matmuls cannot fail).
     wide = _widest(params.values())
+    differentiable = {i for i, t in enumerate(leaves)
+                      if isinstance(t, torch.Tensor) and t.requires_grad}
     leaves = [widen(t.detach(), wide) if isinstance(t, torch.Tensor) else t for t in leaves]
     specs = (list(in_specs) if in_specs is not None
              else infer_specs(leaves, B, unsqueeze=not cap.flattened))
@@ -218,7 +220,8 @@ def func_grads(
         if due:  # (after the gradients: random draws are reported as such)
             def whole(p: Mapping[str, torch.Tensor],
                       xs: Mapping[int, torch.Tensor]) -> list[Any]:  # as its forward ran
-                a, kw = rebuild([xs.get(i, t) for i, t in enumerate(leaves)])
+                # (copies of the inputs: a forward may write into its input in place)
+                a, kw = rebuild([xs[i].clone() if i in xs else t for i, t in enumerate(leaves)])
                 with replay(module, [widen(m, wide) for m in masks]) if masks else (
                         contextlib.nullcontext()):
                     state = kept.state(fixed, p)
@@ -226,8 +229,8 @@ def func_grads(
                     kept.after(state)
                     return out
 
-            floating = [(i, spec.dim, leaves[i]) for i, spec in batched
-                        if spec.dim is not None and leaves[i].is_floating_point()]
+            floating = [(i, spec.dim, leaves[i]) for i, spec in batched  # (inputs that
+                        if spec.dim is not None and i in differentiable]  # carry a gradient)
             _check_weighted(module, whole, diff, result, outs, floating, B)
     return result
 
@@ -348,17 +351,14 @@ def _check_weighted(module: nn.Module,
     where = "its parameters' records"
     if not _close(torch.cat(ours), torch.cat(theirs), torch.cat(scales), rtol):
         _mixes(module, where)
-    a, c, s = [], [], []  # u_b * (v-gradient)_b against v_b * (u-gradient)_b at the inputs
-    for (_, d, _), gv, gu in zip(inputs, found[len(ps):], again):
-        if gv is None or gu is None:
+    for (_, d, _), gv, gu in zip(inputs, found[len(ps):], again):  # each input alone (one
+        if gv is None or gu is None:  # input's gradients may be far smaller than another's)
             continue
         gv, gu = (t.detach().to(torch.float64).movedim(d, 0).reshape(B, -1) for t in (gv, gu))
         vb, ub = v.to(gv.device)[:, None], u.to(gv.device)[:, None]
-        a.append((ub * gv).reshape(-1))
-        c.append((vb * gu).reshape(-1))
-        s.append((ub.abs() * gv.abs()).reshape(-1))
-    if a and not _close(torch.cat(a), torch.cat(c), torch.cat(s), rtol):
-        _mixes(module, "the gradients it hands the layers below")
+        if not _close((ub * gv).reshape(-1), (vb * gu).reshape(-1),
+                      (ub.abs() * gv.abs()).reshape(-1), rtol):
+            _mixes(module, "the gradients it hands the layers below")
 
 
 def _close(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, rtol: float) -> bool:

@@ -153,6 +153,7 @@ class HooksBackend(Backend):
         self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
         self._ops: OpCapture | None = None
         self._states = parametrized.States()  # (see attach)
+        self._writes = checks.InputWrites()
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class HooksBackend(Backend):
     def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
         self._states.enter(entry)
+        self._writes.enter(entry, args)
         for key in entry.param_ids:
             self._inside[key] = self._inside.get(key, 0) + 1
 
@@ -240,6 +242,7 @@ class HooksBackend(Backend):
                     kwargs: dict[str, Any], output: Any) -> Any:
         inside = self._inside  # (always called, also when the forward raised)
         self._states.leave(entry)
+        self._writes.leave(entry)
         for key in entry.param_ids:
             inside[key] = inside.get(key, 1) - 1
         if output is None or self._recomputing or not torch.is_grad_enabled():
@@ -308,7 +311,7 @@ class HooksBackend(Backend):
         chunk = current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
-        call.refusal = checks.refusal(entry, module, args, kwargs)
+        call.refusal = checks.refusal(entry, module, args, kwargs) or self._writes.refusal(entry)
         call.stamp = self._states.stamp(entry)  # (and why not, where its state went wrong)
         if call.refusal is None and call.stamp is not None:
             call.refusal = call.stamp.refusal

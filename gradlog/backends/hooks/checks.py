@@ -329,6 +329,36 @@ def refusal(entry: Entry, module: nn.Module, args: tuple[Any, ...],
     return reason
 
 
+class InputWrites:
+    """Whether a module re-run per datum wrote into an input in place during its forward
+    (timm's ``LayerScale(inplace=True)``: ``x.mul_(gamma)``): its captured input then holds
+    what the forward made of it, not what it took, and a re-run from it computes another
+    function, consistently, so no later check sees it. Such calls are refused."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, list[list[tuple[torch.Tensor, int]]]] = {}  # id(entry) -> calls
+        self.pending: dict[int, bool] = {}  # id(entry) -> its last call wrote into an input
+
+    def enter(self, entry: Entry, args: tuple[Any, ...]) -> None:
+        if entry.rule.uses_torch_func:
+            self.open.setdefault(id(entry), []).append(
+                [(t, tensor_version(t)) for t in args if isinstance(t, torch.Tensor)])
+
+    def leave(self, entry: Entry) -> None:
+        if entry.rule.uses_torch_func and self.open.get(id(entry)):
+            seen = self.open[id(entry)].pop()
+            self.pending[id(entry)] = any(tensor_version(t) != v for t, v in seen)
+
+    def refusal(self, entry: Entry) -> str | None:
+        """Why the call that just returned cannot be re-run (None: it can)."""
+        if not self.pending.pop(id(entry), False):
+            return None
+        return ("its forward writes into its input in place, so the input gradlog captured "
+                "is what the forward made of it, and a re-run per datum (it has no rule) "
+                "would compute another function. Use an out-of-place version (timm's "
+                "LayerScale(inplace=False)), register a rule for it, or use backend='loop'.")
+
+
 def refuse_double_backward(calls: Iterable[Call]) -> None:
     """Refuse a loss that differentiates a gradient taken through a hooked call."""
     twice = {c.entry.label for c in calls if c.twice and not c.done}
