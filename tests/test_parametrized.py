@@ -317,3 +317,22 @@ def test_parametrizations_gradlog_cannot_evaluate_again_faithfully_are_refused(
         backend_grads(model, lambda: (model(x) ** 2).sum(1))
     if kind == "reassigning":
         assert model[0].parametrizations.weight[0].calls.item() == 1  # (the forward's own)
+
+
+def test_a_parametrization_under_autocast_is_evaluated_again_under_it() -> None:
+    """Under bf16 autocast the forward makes orthogonal's weight with 16-bit matmuls; the
+    check that a parametrization gives its forward's weight again evaluated it in float32
+    and refused it. Evaluated under the forward's autocast, it records, near the oracle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    orthogonal(model[0])
+    x = torch.randn(B, 4)
+
+    def losses() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (model(x).float() ** 2).sum(1)
+
+    want, _, _ = backend_grads(model, losses, "loop")
+    got, _, _ = backend_grads(model, losses)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=3e-2, atol=1e-3)

@@ -535,7 +535,7 @@ class HooksBackend(Backend):
                 if entry.fallback and not entry.op and call.bd and not expanded:
                     rule = GENERIC_BATCH_DIM  # the module fallback, batch not first
                 with rule_precision(call, rule), parametrized.evaluating(
-                        entry.plists, cache=bool(entry.chains), made=self._states.made):
+                        entry.plists, bool(entry.chains), self._states.made, call.autocast):
                     result = rule.compute(entry.module, cap, entry.wanted)
                     if entry.chains:
                         result = parametrized.through(entry.chains, result)

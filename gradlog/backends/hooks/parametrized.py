@@ -86,7 +86,8 @@ _QUIET = [0]  # > 0 while gradlog evaluates parametrizations (States records non
 
 @contextlib.contextmanager
 def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
-               made: Mapping[int, torch.Tensor] | None = None) -> Iterator[None]:
+               made: Mapping[int, torch.Tensor] | None = None,
+               autocast: torch.dtype | None = None) -> Iterator[None]:
     """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
     re-run, the chain): in eval mode, and their buffers left as the forward left them: put
     back and refused if not (gradlog must not change training). ``cache``: each computed
@@ -94,7 +95,8 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
     must differentiate each datum's evaluation. ``made``: the tensor each parametrization
     (by id) made in the forward (:class:`States`): evaluated again, it must give it, or
     the per-datum gradients would be of another function (one that computes otherwise in
-    training mode, state that changed since)."""
+    training mode, state that changed since); ``autocast``: the dtype the forward's autocast
+    ran in (it is evaluated again so, to compare like with like)."""
     if not plists:
         yield
         return
@@ -105,7 +107,7 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
         plist.eval()
     _QUIET[0] += 1
     try:
-        _check_reproduces(plists, made or {})
+        _check_reproduces(plists, made or {}, autocast)
         with parametrize.cached() if cache else parametrize_cache_suspended():
             yield
     finally:
@@ -135,14 +137,16 @@ def _owner(plist: nn.Module, buffer: str) -> tuple[nn.Module, str]:
     return plist.get_submodule(owner), leaf
 
 
-def _check_reproduces(plists: tuple[nn.Module, ...], made: Mapping[int, torch.Tensor]) -> None:
-    """Refuse parametrizations that, evaluated again now (eval mode), do not give the
-    tensor they made in the forward."""
+def _check_reproduces(plists: tuple[nn.Module, ...], made: Mapping[int, torch.Tensor],
+                      autocast: torch.dtype | None) -> None:
+    """Refuse parametrizations that, evaluated again now (eval mode, the forward's
+    autocast), do not give the tensor they made in the forward."""
     for plist in plists:
         then = made.get(id(plist))
         if then is None:
             continue
-        with torch.no_grad(), torch.autocast(then.device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(then.device.type, dtype=autocast,
+                                             enabled=autocast is not None):
             now = plist()
         wide = then.dtype if torch.finfo(then.dtype).bits > 16 else torch.float32
         tol = 64 * torch.finfo(wide).eps * float(then.abs().amax()) if then.numel() else 0.0
