@@ -222,6 +222,57 @@ def test_autocast_matmuls_on_tensor_cores_equal_the_float32_ones(
                                        rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+class _LayerScaled(nn.Module):
+    """A module without a rule (re-run per datum and checked against the batch's run)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * self.gamma
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "bf16_autocast"])
+def test_parametrized_weights_and_re_run_modules_on_cuda_equal_the_loop(autocast: bool) -> None:
+    """weight_norm (wav2vec2's convolution), spectral_norm and orthogonal chained per datum,
+    and a module re-run per datum under its check, on CUDA: as the loop backend on CUDA;
+    spectral_norm's power iteration left as a plain step leaves it."""
+    from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+    from gradlog.testing.oracle import backend_grads
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.float64
+    model = nn.Sequential(nn.Conv1d(4, 6, 3, padding=1, groups=2), _LayerScaled(6),
+                          nn.Flatten(), nn.Linear(30, 8), nn.GELU(), nn.Linear(8, 3))
+    weight_norm(model[0], dim=2)
+    spectral_norm(model[3])
+    if not autocast:  # (under autocast: another test's, CPU)
+        orthogonal(model[5])
+    model = model.to(CUDA, dtype).train()
+    x = torch.randn(4, 4, 5, device=CUDA, dtype=dtype)
+
+    def losses() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return (model(x).float() ** 2).sum(1)
+
+    start = copy.deepcopy(model.state_dict())
+    want, _, _ = backend_grads(model, losses, "loop")
+    after_loop = copy.deepcopy(model.state_dict())
+    model.load_state_dict(start)
+    got, _, described = backend_grads(model, losses)
+    assert "1" in described["fallback"]
+    for name in want:
+        if autocast:
+            torch.testing.assert_close(got[name], want[name], rtol=3e-2, atol=1e-3)
+        else:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, after_loop[name]), name
+
+
 @pytest.mark.gpu
 def test_one_pass_float64_norms_on_cuda_equal_the_naive_sums() -> None:
     from gradlog.grads import float64_sqnorms
