@@ -544,6 +544,34 @@ def test_a_rule_leaving_out_a_parameter_it_was_asked_for_is_an_error() -> None:
         RULES.pop(Offset)
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """transformers' scaled word embeddings (BART's, Gemma 3's): the lookup times a constant;
+    ``shifted``: a forward computing something else (a learned position table's)."""
+
+    def __init__(self, shifted: bool = False) -> None:
+        super().__init__(11, 3, padding_idx=0)
+        self.shifted = shifted
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shifted:
+            return super().forward((ids + 2) % 11)
+        return super().forward(ids) * 3.5
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_an_embedding_scaling_its_lookup_gets_the_embeddings_rows_scaled(shifted: bool) -> None:
+    """Such a subclass had no rule (its own forward): re-run per datum, its per-datum
+    gradients materialised, (B, V, D), for a vocabulary of 262K in Gemma 3. A replay finds
+    the constant; a forward computing otherwise keeps the re-run, right either way."""
+    layer = built(lambda: _ScaledEmbedding(shifted), 0)
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    ids[0, :2] = 0  # (padding rows get nothing)
+    assert_like_loop(layer, lambda: datum_loss(layer(ids)), rule="scaled_embedding")
+    from gradlog.rules.embedding import _SCALES
+
+    assert _SCALES.get(layer) == (None if shifted else pytest.approx(3.5))
+
+
 def test_subclasses_keep_a_rule_only_without_their_own_forward() -> None:
     class Plain(nn.Linear):
         pass

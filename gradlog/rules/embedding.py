@@ -6,13 +6,18 @@ these rows as :class:`~gradlog.grads.Rows`; the backend adds them into the
 gradients, so that tensor is allocated once, zeroed, and never densified twice; a tied head
 adds its dense part into the same tensor). Shared indices (``[1, T]`` or ``[T]`` position ids)
 arrive expanded to the batch size: each datum uses the shared indices with its own output
-gradient.
+gradient. A subclass whose forward scales the lookup by a constant (transformers' scaled
+word embeddings) gets the same rows, scaled, once a replay has found the constant.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from gradlog.errors import BackendError
 from gradlog.grads import Rows
@@ -24,7 +29,7 @@ from gradlog.rules.base import (
     register_rule,
 )
 
-__all__ = ["embedding"]
+__all__ = ["embedding", "is_scaled_embedding", "scaled_embedding"]
 
 
 @register_rule(nn.Embedding, name="embedding", feature_dims=one_feature_dim,
@@ -52,3 +57,65 @@ def embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str]) -> Rul
         counts = torch.bincount(used.reshape(-1), minlength=module.num_embeddings)  # (V,)
         values = values / counts[index].unsqueeze(-1).to(values.dtype)  # (B, N, D)
     return {"weight": Rows(index, values, module.num_embeddings, cap.scale)}
+
+
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` subclass with a forward of its own (transformers' scaled word
+    embeddings: BART's, Gemma 3's, ...), which :func:`scaled_embedding` replays."""
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+
+
+_SCALES: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_REPLAY_ELEMENTS = 1 << 23  # at most this many entries in each of the replay's two tables
+
+
+@register_rule(name="scaled_embedding", accepts=is_scaled_embedding,
+               feature_dims=one_feature_dim, covers=attributes("weight"))
+def scaled_embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """``c * embedding(idx)`` for a constant ``c`` (``embed_scale``): the rows of
+    :func:`embedding`, scaled. The first call is replayed in float64 at two random weights
+    against ``F.embedding``; ``c`` is their ratio, the same at both (a forward computing
+    otherwise, or scaling by something else than a constant, is re-run per datum: without
+    this rule every such embedding's per-datum gradients were materialised, (B, V, D))."""
+    from gradlog.rules.func import generic
+    from gradlog.rules.replay import replays
+
+    tensors = [t for t in (*cap.args, *cap.kwargs.values()) if isinstance(t, torch.Tensor)]
+    if len(tensors) != 1 or tensors[0].is_floating_point() or module.max_norm is not None:
+        return generic(module, cap, wanted)
+    idx = tensors[0]
+    # The replay's tables hold only the rows this call reads (its indices renumbered), not
+    # the vocabulary: Gemma 3's, 262K x 2560, twice in float64, would take 10 GiB.
+    used, renumbered = torch.unique(idx, return_inverse=True)
+    rows = max(used.numel(), -1 if module.padding_idx is None else module.padding_idx + 1)
+    if rows * module.embedding_dim > _REPLAY_ELEMENTS and module not in _SCALES:
+        return generic(module, cap, wanted)
+    made: dict[str, torch.Tensor] = {}  # (built on the first call only: replays caches)
+
+    def probe() -> tuple[torch.Tensor, torch.Tensor]:
+        if not made:
+            generator = torch.Generator().manual_seed(0)
+            made["w"] = torch.randn(2, rows, module.embedding_dim, dtype=torch.float64,
+                                    generator=generator).to(idx.device)
+        return renumbered, made["w"]
+
+    def theirs() -> torch.Tensor:
+        ids, w = probe()
+        return torch.stack([functional_call(module, {"weight": w_}, (ids,)) for w_ in w])
+
+    def ours() -> tuple[torch.Tensor]:
+        ids, w = probe()
+        plain = torch.stack([F.embedding(ids, w_, module.padding_idx) for w_ in w])
+        got = theirs()
+        made["c"] = (got * plain).sum() / (plain * plain).sum().clamp_min(1e-300)
+        return (made["c"] * plain,)
+
+    if replays(module, "", theirs, ours, 1) and "c" in made:  # (the first call's verdict)
+        _SCALES[module] = float(made["c"])
+    if not replays(module, "", theirs, ours, 1) or module not in _SCALES:
+        return generic(module, cap, wanted)
+    out = embedding(module, cap, wanted)
+    rows = out.get("weight")
+    if isinstance(rows, Rows):
+        out["weight"] = Rows(rows.index, rows.values, rows.num_rows, rows.scale * _SCALES[module])
+    return out
