@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["replays"]
+__all__ = ["replayed_otherwise", "replays"]
 
 log = logging.getLogger("gradlog")
 
@@ -61,6 +61,12 @@ def replays(module: nn.Module, variant: str, theirs: Callable[[], torch.Tensor],
             log.info("gradlog: %s computes something other than its rule's formula; it is "
                      "re-run per datum", type(module).__name__)
     return seen[variant]
+
+
+def replayed_otherwise(module: nn.Module) -> bool:
+    """Whether a replay of ``module`` found it computing something else than its rule's
+    formula (it is then re-run per datum, like a module without a rule)."""
+    return any(not ok for ok in _SEEN.get(module, {}).values())
 
 
 def _near(own: Own, k: int) -> bool:

@@ -101,6 +101,7 @@ from gradlog.params import check_differentiable
 from gradlog.rules import track_dropout
 from gradlog.rules.base import Capture, RuleResult
 from gradlog.rules.ops import GENERIC_BATCH_DIM
+from gradlog.rules.replay import replayed_otherwise
 
 __all__ = ["BATCH_GRADS", "REUSES_BUFFERS", "HooksBackend"]
 
@@ -219,7 +220,8 @@ class HooksBackend(Backend):
             "name": self.name,
             "modules": [{"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
                          "params": sorted(set(e.names.values()))} for e in self._entries],
-            "fallback": [e.name for e in self._entries if e.fallback],
+            "fallback": list(dict.fromkeys(  # (or a replay found it computing otherwise)
+                e.name for e in self._entries if e.fallback or replayed_otherwise(e.module))),
             "ops": sorted({f"{e.name}: {e.rule.name}"
                            for e in (self._ops.entries.values() if self._ops else ())}),
             "batch_grad": self.batch_grad,
