@@ -1631,3 +1631,27 @@ def test_rows_plus_a_vector_of_every_datum_are_refused_not_an_internal_error() -
     h = torch.randn(2, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     with pytest.raises(BackendError, match="no batch dimension"):
         per_datum(model, lambda: model(h), "hooks")
+
+
+class _DroppedTable(nn.Module):
+    """Dropout on a parameter of a submodule, shared by the batch and added to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.table = nn.Embedding(5, 4).double()
+            self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + F.dropout(self.table.weight, 0.5, self.training))
+
+
+def test_a_dropout_on_a_parameter_shared_by_the_batch_is_refused_not_drawn_again() -> None:
+    """Its per-datum vector-Jacobian product differentiated the op again and drew another
+    mask: wrong, caught by the spot check only where the gradients were large enough (on
+    DeBERTa's relative position table they were not). Refused, naming the draw."""
+    model = _DroppedTable().train()
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match=r"dropout draws random numbers"):
+        per_datum(model, lambda: squares(model(x)), "hooks")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import vjp, vmap
 
-from gradlog._torch_private import linear_ops
+from gradlog._torch_private import cuda_devices, linear_ops, rng_states
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.grads import Rows
@@ -270,8 +270,16 @@ def _per_op_vjp(func: Any, leaves: list[Any], cap: Capture,
                 rows = [datum(tuple(x[b] for x in xs), g[b]) for b in range(B)]
                 got = tuple(torch.stack(r) for r in zip(*rows))
         else:
+            before = rng_states(cuda_devices(views))
             pair = vjp(lambda *vs: run(vs, ()), *views)
             out, back = pair[0], pair[1]
+            if any(not torch.equal(v, rng_states(cuda_devices(views))[k])
+                   for k, v in before.items()):
+                raise BackendError(
+                    f"{getattr(func, '__name__', func)} draws random numbers (a dropout on "
+                    "a parameter): gradlog differentiates it again per datum and cannot "
+                    "reproduce the forward's draw. Apply it after a layer, not to the "
+                    "parameter itself, put the model in eval mode, or use backend='loop'.")
             if cap.expanded:  # a shared output: each datum's gradient from its consumer
                 per = g.reshape(B, *out.shape)  # (B, *out)
             else:  # the output has the batch at bd (g: moved first by the backend)
