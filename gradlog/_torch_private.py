@@ -39,6 +39,7 @@ __all__ = [
     "autograd_node_nll_target",
     "autograd_node_output_dtypes",
     "autograd_node_output_shape",
+    "autograd_node_repeats",
     "autograd_node_saved_alpha",
     "autograd_node_saved_condition",
     "autograd_node_shapes_known",
@@ -334,6 +335,15 @@ def autograd_node_saved_condition(node: Any) -> torch.Tensor | None:
     return cond if isinstance(cond, torch.Tensor) else None
 
 
+def autograd_node_repeats(node: Any) -> tuple[int, ...] | None:
+    """The repeats a ``RepeatBackward0`` node saved (``x.repeat(*repeats)``, new leading
+    dimensions first). Private API: ``_saved_repeats``. Fallback: None (the caller refuses)."""
+    try:
+        return tuple(int(n) for n in node._saved_repeats)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     """How many copies along dimension 0 a ``repeat``, ``cat``, ``index`` or
     ``index_select`` node made of an input of ``ndim`` dimensions whose dimension 0 has size
@@ -346,7 +356,7 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     kind = type(node).__name__
     try:
         if kind == "RepeatBackward0":
-            repeats = [int(n) for n in node._saved_repeats]  # (new leading dimensions first)
+            repeats = autograd_node_repeats(node) or ()
             return math.prod(repeats[: len(repeats) - ndim + 1]) if len(repeats) >= ndim else None
         if kind == "CatBackward0":  # the same input at every place: one tensor, copied
             inputs = {id(fn) for fn, _ in node.next_functions}

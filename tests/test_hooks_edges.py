@@ -22,7 +22,7 @@ from torch import nn
 
 import gradlog
 from gradlog.backends import BACKENDS
-from gradlog.errors import BackendError, UnsupportedLayerError
+from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.params import select_params
 
 D64 = torch.float64
@@ -326,7 +326,7 @@ class _SharedPrompt(nn.Module):
         return self.head(torch.cat([shared, x], dim=1))
 
 
-@pytest.mark.parametrize("copy", ["repeat", "new-dim", "cat", "index", "index_select"])
+@pytest.mark.parametrize("copy", ["cat", "index", "index_select"])
 def test_an_output_copied_over_the_batch_is_refused_whatever_its_sizes(copy: str) -> None:
     """With n == B the prompt's second dimension passed for the batch; a backward hook (no
     datum check) let that through, wrong. Refused from the graph, as with n != B."""
@@ -335,6 +335,21 @@ def test_an_output_copied_over_the_batch_is_refused_whatever_its_sizes(copy: str
     model.head.register_full_backward_hook(lambda *_: None)
     x = torch.randn(B, 5, 3, dtype=D64)
     with pytest.raises(BackendError, match=r"shape \(1, 4, 3\), with no batch dimension"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+@pytest.mark.parametrize("copy", ["repeat", "new-dim"])
+def test_an_output_repeated_over_the_batch_is_verified_whatever_its_sizes(copy: str) -> None:
+    """A repeat of B copies along dimension 0 records each datum's copy, checked by the
+    datum check at the layout's first step (a reordering of the batch after the repeat, or
+    B copies of something else, would still sum to p.grad); where that check cannot run (a
+    backward hook of the user's), refused up front, also where n == B."""
+    torch.manual_seed(0)
+    model = _SharedPrompt(B, copy).double()
+    x = torch.randn(B, 5, 3, dtype=D64)
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+    model.head.register_full_backward_hook(lambda *_: None)
+    with pytest.raises(UnsupportedLayerError, match=r"an expand or a repeat copies"):
         per_datum(model, lambda: squares(model(x)), "hooks")
 
 
@@ -1547,7 +1562,7 @@ def test_window_major_rows_are_never_recorded(batch: int) -> None:
     (it said "broadcast over the batch in more than one step ... position_ids.expand")."""
     model = _Windows(order="windows").double()
     x = torch.randn(batch, 4, 4, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
-    message = "no batch dimension" if batch == 3 else "could not prove those rows"
+    message = "no batch dimension|could not prove those rows"
     with pytest.raises(BackendError, match=message):
         per_datum(model, lambda: squares(model(x)), "hooks")
 
@@ -1633,6 +1648,132 @@ def test_rows_plus_a_vector_of_every_datum_are_refused_not_an_internal_error() -
         per_datum(model, lambda: model(h), "hooks")
 
 
+class _Repeated(nn.Module):
+    """A layer's output shared by the batch (an Embedding or a Linear on positions), copied
+    over it by ``repeat``: ``"new"`` as a new leading dimension ``(T, d) -> (B, T, d)``,
+    ``"one"`` along a leading dimension of size 1, ``"tiled"`` with copies of its own in a
+    datum (summed), ``"heads"`` as DeBERTa's relative positions, ``(H, T, dh)`` to ``(B H,
+    T, dh)`` against each datum's ``H`` heads of queries (``"heads, head-major"``: queries
+    laid out ``(H B)``, so the ``b``-th copy is not datum ``b``'s)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.pos = nn.Embedding(5, 4).double()
+            self.rel = nn.Linear(4, 4).double()
+            self.q = nn.Linear(4, 4).double()
+        self.register_buffer("table", torch.randn(5, 4, dtype=D64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T=5, 4)
+        n, T = x.shape[:2]
+        if self.kind == "new":
+            return x + self.pos(torch.arange(T)).repeat(n, 1, 1)
+        if self.kind == "one":
+            return x * self.pos(torch.arange(T)[None]).repeat(n, 1, 1)
+        if self.kind == "tiled":
+            return x + self.rel(self.table).repeat(n, 2, 1)[:, 1:T + 1]
+        keys = self.rel(self.table).view(T, 2, 2).transpose(0, 1)  # (H, T, dh)
+        q = self.q(x).view(n, T, 2, 2)
+        if self.kind == "heads":
+            q = q.transpose(1, 2).reshape(n * 2, T, 2)  # (B H, T, dh): datum-major
+        else:
+            q = q.permute(2, 0, 1, 3).reshape(2 * n, T, 2)  # (H B, T, dh)
+        scores = torch.bmm(q, keys.repeat(n, 1, 1).transpose(1, 2))  # (B H, T, T) or (H B..)
+        if self.kind == "heads":
+            return scores.view(n, 2, T, T)
+        return scores.view(2, n, T, T).transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", ["new", "one", "tiled", "heads"])
+def test_a_shared_output_repeated_over_the_batch_records_like_the_loop(kind: str) -> None:
+    """``repeat`` copies a shared output over the batch as an expand does: datum b's
+    gradient is its copy's (its own copies summed). It was refused as a shared output."""
+    model = _Repeated(kind)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_repeat_whose_copies_are_not_the_datums_is_refused(hooked: bool) -> None:
+    """Copies of ``H`` rows each, read as each datum's ``H`` where the queries are laid out
+    ``(H B)``: their records would still sum to p.grad, so the layout is recorded only once
+    a datum check passed on it. Here it fails; and where no datum check can run (a backward
+    hook of the user's), the layout is refused up front, as flattened rows are."""
+    model = _Repeated("heads, head-major")
+    if hooked:
+        model.q.register_full_backward_hook(lambda *_: None)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    match = r"check cannot run here" if hooked else r"differ from the datums' own gradients"
+    with pytest.raises(GradlogError, match=match):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+    if not hooked:  # the layout that is each datum's passes its check
+        good = _Repeated("heads")
+        good.q.register_full_backward_hook(lambda *_: None)
+        with pytest.raises(GradlogError, match=r"check cannot run here"):
+            per_datum(good, lambda: squares(good(x)), "hooks")
+
+
+class _Fed(nn.Module):
+    """A table normalised outside any layer (an op on parameters, shared by the batch), then
+    taken by Linear layers whose outputs are copied over the batch, as DeBERTa's relative
+    positions are (``kind``: what lies between; ``"heads"``: DeBERTa's own layout)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.table = nn.Embedding(6, 4).double()
+            self.norm = nn.LayerNorm(4).double()
+            self.q, self.k, self.out = (nn.Linear(4, 4).double() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 5, 4)
+        n, kind = x.shape[0], self.kind
+        t = F.layer_norm(self.table.weight, (4,), self.norm.weight, self.norm.bias)  # (6, 4)
+        if kind == "module":  # the norm a module called on the table
+            t = self.norm(self.table.weight)
+        if kind == "masked":  # a dropout-like mask of the table's own on the way
+            t = t * (torch.arange(24).view(6, 4) % 3 != 0)
+        if kind == "heads":
+            keys = self.k(t[:5].unsqueeze(0)).view(1, 5, 2, 2).permute(0, 2, 1, 3)
+            keys = keys.contiguous().view(-1, 5, 2).repeat(n, 1, 1)  # (B H, 5, 2)
+            q = self.q(x).view(n, 5, 2, 2).transpose(1, 2).reshape(n * 2, 5, 2)
+            return torch.bmm(q, keys.transpose(1, 2)).view(n, 2, 5, 5)
+        if kind == "two":  # two Linears take it, each copied over the batch its own way
+            t = t[:5].unsqueeze(0)
+            return self.out(self.q(x) * self.k(t).repeat(n, 1, 1) + self.q(t).expand(n, -1, -1))
+        if kind == "stacked":  # a Linear of a Linear of it
+            return self.out(self.q(x) + self.k(self.q(t[:5])).repeat(n, 1, 1))
+        if kind == "direct":  # also added to the batch as it is: not only through Linears
+            return self.out(self.q(x) + self.q(t[:5]).repeat(n, 1, 1) + t[:5])
+        if kind == "gelu":  # a function of it on the way, not a mask or a view
+            return self.out(self.q(x) + self.q(F.gelu(t[:5])).repeat(n, 1, 1))
+        return self.out(self.q(x) + self.q(t[1:]).repeat(n, 1, 1))
+
+
+@pytest.mark.parametrize("kind", ["plain", "module", "masked", "heads", "two", "stacked"])
+def test_a_shared_output_taken_by_linears_copied_over_the_batch_records_like_the_loop(
+        kind: str) -> None:
+    """Each datum's gradient of the table is its gradient of the Linears' input, ``g_b W``,
+    taken back through the views and masks between and summed over the Linears (it was
+    refused: DeBERTa's relative position table)."""
+    model = _Fed(kind)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+@pytest.mark.parametrize("kind", ["direct", "gelu"])
+def test_a_shared_output_also_used_otherwise_is_refused(kind: str) -> None:
+    """Every use of the output and of each tensor on the way must be a Linear's input: a use
+    elsewhere would be a gradient the Linears do not give."""
+    model = _Fed(kind)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match=r"op layer_norm.*no batch dimension"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
 class _DroppedTable(nn.Module):
     """Dropout on a parameter of a submodule, shared by the batch and added to it."""
 
@@ -1654,4 +1795,36 @@ def test_a_dropout_on_a_parameter_shared_by_the_batch_is_refused_not_drawn_again
     model = _DroppedTable().train()
     x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     with pytest.raises(BackendError, match=r"dropout draws random numbers"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+@pytest.mark.parametrize(("hooked", "scale"), [(False, 1.0), (True, 1.0), (False, 1e-8)])
+def test_an_expanded_shared_output_whose_copies_are_reordered_is_refused(
+        hooked: bool, scale: float) -> None:
+    """``pos.expand(B, ...).flip(0)``: datum b gets copy B-1-b, and the records still sum to
+    p.grad. The datum check refuses it, also where the table's gradients are 1e-8 of the
+    model's (they were under the check's floor, taken from the largest gradient of all);
+    where that check cannot run (a backward hook), an expanded or repeated shared output is
+    refused up front (it was recorded wrong)."""
+
+    class Flipped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.pos, self.lin = nn.Embedding(5, 4).double(), nn.Linear(4, 4).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            copies = self.pos(torch.arange(5))[None].expand(x.shape[0], -1, -1)
+            return self.lin(x + scale * x * (copies.flip(0) if self.kind else copies))
+
+    model = Flipped()
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    model.kind = False
+    assert_hooks_match_loop(model, lambda: squares(model(x)))  # (in order: each datum's)
+    model.kind = True
+    if hooked:
+        model.lin.register_full_backward_hook(lambda *_: None)
+    match = r"an expand or a repeat copies" if hooked else r"differ from the datums' own"
+    with pytest.raises(GradlogError, match=match):
         per_datum(model, lambda: squares(model(x)), "hooks")

@@ -132,21 +132,27 @@ def test_vmap_at_step_0_records_zero_gradients_and_leaves_zero_grads(tmp_path: P
 
 
 @pytest.mark.parametrize("virtual", [B, B + 1])
-def test_prompt_tuning_is_refused_even_when_its_prompt_length_is_the_batch_size(
-        tmp_path: Path, virtual: int) -> None:
+def test_prompt_tuning_records_like_the_loop_and_is_verified(tmp_path: Path,
+                                                             virtual: int) -> None:
     """PEFT's prompt embedding is computed once, ``(1, n, d)``, then repeated over the batch:
-    every datum shares all of it. With ``n == B`` its second dimension passed for the batch
-    (each datum got one virtual token's gradient), caught only by the step-0 datum check,
-    which a module backward hook turns off: refused by the graph itself now."""
+    each datum's gradient is its copy's (it was refused). With ``n == B`` its second
+    dimension once passed for the batch, caught only by the step-0 datum check; a repeat's
+    copies are read as the datums' only once that check passed on the layout, so where it
+    cannot run (a module backward hook) the step is refused."""
     model = peft.get_peft_model(_llama(), peft.PromptTuningConfig(
-        task_type="CAUSAL_LM", num_virtual_tokens=virtual)).train()
-    model.base_model.lm_head.register_full_backward_hook(lambda *_: None)  # no datum check
+        task_type="CAUSAL_LM", num_virtual_tokens=virtual)).to(D64).train()
     ids = _batch()["ids"]
-    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec:
+
+    def losses() -> torch.Tensor:
         logits = model(input_ids=ids).logits[:, -T:][:, :-1]
-        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
-        with pytest.raises(gradlog.errors.BackendError, match=r"through \['RepeatBackward0'\]"):
-            rec.backward(losses)
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+    described = assert_like_loop(model, losses, rtol=1e-4, atol=1e-6)
+    assert described["fallback"] == []
+    model.base_model.lm_head.register_full_backward_hook(lambda *_: None)  # no datum check
+    refused = pytest.raises(gradlog.errors.UnsupportedLayerError, match=r"a repeat copies")
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog", dtype="float64") as rec, refused:
+        rec.backward(losses())
 
 
 def test_ia3_records_like_the_loop_oracle() -> None:

@@ -14,51 +14,42 @@ and raw parameters used in a module's own forward, use a per-module ``torch.func
 computation (:data:`gradlog.rules.GENERIC`); ``describe()`` lists them.
 
 The captured output gradient is that of ``sum_b w_b losses[b]`` (``w_b = 1/B`` for a mean
-batch loss), so rules multiply by ``1 / w_b``. A module called several times (reuse, tied
-weights) contributes once per call, summed. Errors inside the backward are kept and raised
-after it, so ``p.grad`` is never left half accumulated.
+batch loss), so rules multiply by ``1 / w_b``; a module called several times contributes
+once per call. Errors inside the backward are raised after it (``p.grad`` complete).
 
 ``batch_grad="sum"``. Recorded ``nn.Linear``/``Conv1D`` layers then take their weight
 gradient from the sum of their per-datum gradients instead of autograd's own matmul
 (:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
 
-Chosen layers. Only modules owning recorded parameters are hooked, so recording
-``params="layers.40.*"`` of a deep model costs that layer's captured inputs (for Linear and
-LayerNorm what autograd saves anyway) and per-datum gradients. Only parameters that require
-grad are selected; one frozen later is refused by name (``params.check_differentiable``).
+Chosen layers. Only modules owning recorded parameters are hooked: ``params="layers.40.*"``
+costs that layer's captured inputs and per-datum gradients; a parameter frozen later is
+refused by name (``params.check_differentiable``).
 
-Autocast. Captured tensors may be 16-bit while parameters are float32: rules accumulate in
-the parameters' dtype (a Linear keeps its operands as autocast's matmul took them,
-``Factors.held``). ``p.grad`` is then rounded: :attr:`low_precision` names those parameters
-and the checks of ``sum_b w_b g_b`` against it allow ``LOW_PRECISION_RTOL`` of its epsilon.
+Autocast. Rules accumulate 16-bit captures in the parameters' dtype; ``p.grad`` is then
+rounded: :attr:`low_precision` names those parameters, whose checks allow for it.
 
-Batch dimension. Every per-datum result must have B rows. Layers that treat leading
-dimensions alike (Linear, Embedding, LayerNorm) may have the batch in any leading dimension
-(sequence-first models); it is found by size, and refused as ambiguous when the model has
-sequence-first layers and the sequence length equals B.
+Batch dimension. Layers that treat leading dimensions alike (Linear, Embedding, LayerNorm)
+may have the batch in any of them (sequence-first models): found by size, refused where
+ambiguous (sequence-first layers and a sequence length equal to B).
 
 Shared inputs. An output with no batch dimension of size B (position ids ``[1, T]``) is
-broadcast over the batch by the op consuming it, its own gradient summed over datums: when
-that op adds, subtracts or expands, each datum's gradient is taken from its output gradient
-(found by a walk of the graph before the backward); other consumers are refused first.
+broadcast over the batch by the op consuming it: when that op adds, subtracts, expands or
+repeats it, each datum's gradient is taken from its output gradient (found by a walk of the
+graph before the backward); when it reaches the batch only through Linear layers so routed,
+from theirs (:mod:`.feeds`, DeBERTa's relative positions); other uses are refused first.
 
 Chunked heads and layers on the batch's tokens flattened to ``(B*T, d)``: :mod:`.layout`.
 
 Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured per
-op by a ``TorchFunctionMode`` around the root's forward (:mod:`.operations`, rules in
-:mod:`gradlog.rules.ops`) when ``watch_ops`` says; a ``torch.compile``'d forward runs eagerly.
+op around the root's forward (:mod:`.operations`; rules: :mod:`gradlog.rules.ops`).
 
-Checks. A parameter that received a gradient without any hooked call or op seeing its use
-is an error (used outside the model's forward, e.g. in the loss code). On every backward a
-spot check compares ``sum_b w_b g_b`` with autograd's gradient at a few random entries per
-parameter (partial uses, wrong rules); the recorder's self-check runs every ``check_every``.
+Checks (:mod:`.checks`): a gradient no hooked call or op saw is an error; every backward
+compares ``sum_b w_b g_b`` with autograd's gradient at a few random entries per parameter.
 
-Activation checkpointing. Forward hooks fire again when ``torch.utils.checkpoint``
-recomputes a segment in the backward. With ``use_reentrant=False`` the original call is
-captured and the recomputed one (told apart by torch's recomputation saved-tensor hooks) is
-not; with ``use_reentrant=True`` the original ran without grad and the recomputed call is the
-one that counts. Per-datum gradients equal those without checkpointing; recorded modules'
-captured inputs live until their layer's backward (``bench_memory.py --sections layers``).
+Activation checkpointing. Hooks fire again when ``torch.utils.checkpoint`` recomputes a
+segment: with ``use_reentrant=False`` the original call counts (recomputations are told apart
+by torch's saved-tensor hooks), with ``use_reentrant=True`` the recomputed one (the original
+ran without grad). Per-datum gradients equal those without checkpointing.
 """
 
 from __future__ import annotations
@@ -66,7 +57,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -89,7 +80,8 @@ from gradlog.backends.hooks import checks, datum_check, graph, parametrized
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
 from gradlog.backends.hooks.datum_check import HOOK_KINDS
-from gradlog.backends.hooks.graph import alias_outputs, consumer_factor, hook_target
+from gradlog.backends.hooks.feeds import Feeds
+from gradlog.backends.hooks.graph import alias_outputs, consumer_gradient, hook_target
 from gradlog.backends.hooks.layout import batch_first, consumer_inputs, locate_batch, shared_outputs
 from gradlog.backends.hooks.operations import WATCH, OpCapture
 from gradlog.backends.hooks.pool import _BASELINE, BufferPool
@@ -356,6 +348,8 @@ class HooksBackend(Backend):
             for call in self._partial:  # calls some of whose outputs got no gradient
                 if not call.done:
                     self._finish(call)
+            for fed, per in self._feeds.leftover():
+                self._routed(fed, per)
             checks.raise_kept_error(self._error)
             results = self._results
             materials = results.merge_materials()
@@ -379,7 +373,7 @@ class HooksBackend(Backend):
                 datum_check.check_datum(datum, out, self.params, narrow, trusted=not foreign,
                                         required=bool(self._rows.pending),
                                         loss_scaled=self.seed_scale != 1,
-                                        rerun=self._spot.rerun)
+                                        rerun=self._spot.rerun, own=self._rows.own)
                 self._rows.passed()
             return out
         finally:
@@ -438,6 +432,7 @@ class HooksBackend(Backend):
         self._partial: list[Call] = []
         self._touched: list[Call] = []
         self._consumer_handles: list[Any] = []
+        self._feeds = Feeds()
         self._error: tuple[Entry, BaseException] | None = None
         self._spot.draw(batch_size, full=bool(batch_size and survey is not None and self._ops
                                               and self._ops.unverified(survey)))
@@ -570,30 +565,35 @@ class HooksBackend(Backend):
         live = [c for c in (r() for r in self._live)
                 if c is not None and not c.done and c.args is not None]
         self._live = [weakref.ref(c) for c in live]
-        for call, found in shared_outputs(live, survey, B, self._sequence_first):
+        for call, found, feeds in shared_outputs(live, survey, B, self._sequence_first):
             self._touched.append(call)
+            self._feeds.note(call, len(found) if not feeds else 1, feeds)
             for node, slot, chain, at in found:
                 hook = functools.partial(self._on_consumer_grad, call,
-                                         consumer_factor(node, slot), chain, at)
+                                         consumer_gradient(node, slot, at, B), chain, at)
                 self._consumer_handles.append(node.register_prehook(hook))
 
-    def _on_consumer_grad(self, call: Call, factor: float | torch.Tensor,
+    def _on_consumer_grad(self, call: Call, taken: Callable[[torch.Tensor], torch.Tensor],
                           chain: tuple[Any, ...], at: tuple[int, ...],
                           grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-        g = grad_outputs[0] if grad_outputs else None
-        if not self._armed or g is None or call.args is None or self._error is not None:
+        if self._armed and grad_outputs and grad_outputs[0] is not None:
+            self._routed(call, grad_outputs[0], chain, at, taken)
+
+    def _routed(self, call: Call, g: torch.Tensor, chain: tuple[Any, ...] = (),
+                at: tuple[int, ...] = (), taken: Callable[..., torch.Tensor] | None = None) -> None:
+        """A shared call's rule on per-datum output gradients from consumer gradient ``g``
+        (``taken``: :func:`.graph.consumer_gradient`); then the calls it feeds (:mod:`.feeds`)."""
+        if call.args is None or self._error is not None:
             return
-        if isinstance(factor, torch.Tensor):  # torch.where's condition: where it took it
-            g = torch.where(factor, g, g.new_zeros(()))
-        elif factor != 1.0:
-            g = g * factor
         try:
+            g = taken(g) if taken is not None else g
             per, args, kwargs, expand = consumer_inputs(call, g, self._batch, chain, at)
             if call.entry.op and call.entry.fallback:  # a per-op vjp: re-run on its own inputs
                 args, kwargs, expand = call.args, call.kwargs, True
         except BackendError as e:
             self._error = (call.entry, e)
             return
-        grads: list[torch.Tensor | None] = [None] * len(call.grads)
-        grads[call.primary] = per
+        grads = [per if k == call.primary else None for k in range(len(call.grads))]
         self._compute(call, grads, args=args, kwargs=kwargs, expanded=expand)
+        for fed, per_fed in self._feeds.deliver(call, per):
+            self._routed(fed, per_fed)

@@ -93,6 +93,7 @@ class Call:
         "autocast",
         "bd",
         "chunk",
+        "copied",
         "datum_rows",
         "done",
         "entry",
@@ -137,6 +138,7 @@ class Call:
         self.stamp: Stamp | None = None  # its stateful parametrizations' state (.parametrized)
         self.chunk: Any = None  # gradlog.memory.ChunkInfo: the call saw rows of (B, T) inputs
         self.datum_rows = 0  # via_consumers: each datum's rows at its consumers (0: one)
+        self.copied = False  # via_consumers: read at copies over the batch (expand, repeat)
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn

@@ -147,7 +147,8 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
                 records: Mapping[str, Any], params: Mapping[str, nn.Parameter],
                 narrow: Iterable[torch.dtype], *, trusted: bool = True,
                 required: bool = False, loss_scaled: bool = False,
-                rerun: Mapping[str, str] | None = None) -> None:
+                rerun: Mapping[str, str] | None = None,
+                own: frozenset[str] = frozenset()) -> None:
     """The records weighted by random ``v`` (``sum_b v_b g_b``) against autograd's gradient
     of ``sum_b v_b losses[b]`` at the sampled entries. Every datum is checked at once: a
     split between datums that keeps their sum (the spot check's blind spot: two datums'
@@ -170,6 +171,9 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
         loss_scaled: Whether the batch's backward carried a loss scale (a GradScaler's) that
             the check's own unscaled backward does not: records that overflowed under it
             (a step the scaler skips) are not compared.
+        own: Parameters whose split is what this check verifies (outputs an expand or a
+            repeat copies over the batch): compared with a floor of their own largest
+            entry, not the model's (:func:`.checks.over_tolerance`).
     """
     v, sampled = datum
     names, ours, theirs, scales = list(sampled), [], [], []
@@ -191,7 +195,7 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
     a, c = (torch.stack([t.to(device) for t in ts]).reshape(-1) for ts in (ours, theirs))
     scale = torch.stack([t.to(device) for t in scales]).reshape(-1) + c.abs()
     bad = over_tolerance(names, a, c, scale, rtol, atol, "datum check",
-                          compare_non_finite=not loss_scaled).bad()
+                          compare_non_finite=not loss_scaled, own=own).bad()
     if bad and not trusted and not required:
         warnings.warn(
             f"gradlog's datum check: the per-datum gradients of {bad[:6]}, weighted by random "

@@ -9,13 +9,14 @@ each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradlog._torch_private import (
     autograd_node_forward_class,
+    autograd_node_repeats,
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
     view_base,
@@ -34,7 +35,8 @@ __all__ = [
     "VIEW_NODES",
     "GraphSurvey",
     "alias_outputs",
-    "consumer_factor",
+    "batch_repeat",
+    "consumer_gradient",
     "consumers_through_views",
     "foreign_functions",
     "hook_target",
@@ -77,10 +79,10 @@ def row_wise(node: Any) -> bool:
     return bool(signed) and all(d % len(sizes) == len(sizes) - 1 for d in signed)
 
 
-PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0", "WhereBackward0")
-"""Autograd nodes through which a shared output's per-datum gradient is the consumer's
-(times :func:`consumer_factor`: ``torch.where``'s, its condition: T5's relative position
-bias put into SDPA's mask)."""
+PASS_THROUGH = ("AddBackward0", "SubBackward0", "ExpandBackward0", "WhereBackward0",
+                "RepeatBackward0")
+"""Autograd nodes through which a shared output's per-datum gradient is the consumer's, as
+:func:`consumer_gradient` takes it (a repeat only over the batch: :func:`batch_repeat`)."""
 VIEW_NODES = frozenset({
     "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
     "SqueezeBackward2", "SqueezeBackward3", "ViewBackward0", "UnsafeViewBackward0",
@@ -259,23 +261,48 @@ class GraphSurvey:
         self._consumers = consumers
 
 
-def consumer_factor(node: Any, slot: int) -> float | torch.Tensor:
-    """d(node output)/d(input ``slot``) of a pass-through node: 1, alpha or -alpha; for
-    ``torch.where(condition, x, y)``, where the output is that input: the condition (x) or
-    its negation (y), a boolean mask to keep the consumer's gradient at."""
+def consumer_gradient(node: Any, slot: int, at: tuple[int, ...], B: int
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How the gradient at a pass-through node's output gives its input ``slot``'s (of shape
+    ``at``), the batch kept: times 1, alpha or -alpha; ``torch.where(condition, x, y)``'s
+    kept where the output is that input (T5's relative position bias put into SDPA's mask);
+    a repeat over the batch's, each datum's copy, ``(B, *at)`` (:func:`batch_repeat`)."""
     kind = type(node).__name__
     if kind == "WhereBackward0":
         cond = autograd_node_saved_condition(node)
         if cond is None:
             raise BackendError("torch.where's condition is not readable from its autograd "
                                "node in this torch version; use backend='loop'.")
-        return cond if slot == 0 else ~cond
+        keep = cond if slot == 0 else ~cond
+        return lambda g: torch.where(keep, g, g.new_zeros(()))
+    if kind == "RepeatBackward0":
+        repeats = autograd_node_repeats(node) or ()
+        padded = (1,) * (len(repeats) - len(at)) + tuple(at)
+        split = [n for pair in zip(repeats, padded, strict=True) for n in pair]
+        copies = tuple(range(2, 2 * len(repeats), 2))  # (r1, r2, ...): a datum's own copies
+
+        def unrepeat(g: torch.Tensor) -> torch.Tensor:  # (r0 s0, r1 s1, ...) -> (B, *at)
+            g = g.reshape(split)
+            return (g.sum(copies) if copies else g).reshape(B, *at)
+
+        return unrepeat
     alpha = autograd_node_saved_alpha(node)
-    if kind == "AddBackward0" and slot == 1:
-        return alpha
-    if kind == "SubBackward0" and slot == 1:
-        return -alpha
-    return 1.0
+    factor = -alpha if kind == "SubBackward0" and slot == 1 else (
+        alpha if kind == "AddBackward0" and slot == 1 else 1.0)
+    return (lambda g: g) if factor == 1.0 else (lambda g: g * factor)
+
+
+def batch_repeat(node: Any, at: tuple[int, ...], B: int) -> int | None:
+    """For a ``repeat`` that copies a shared tensor of shape ``at`` B times along dimension
+    0 (``pos.repeat(B, 1, 1)``; DeBERTa's ``(H, 2k, d).repeat(B, 1, 1)`` to ``(B H, 2k,
+    d)``): the rows of that dimension each copy has, datum ``b``'s copy the ``b``-th; None
+    for another node or repeat."""
+    if type(node).__name__ != "RepeatBackward0":
+        return None
+    repeats = autograd_node_repeats(node)
+    if not repeats or len(repeats) < len(at) or repeats[0] != B:
+        return None
+    return at[0] if len(repeats) == len(at) else 1
 
 
 Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)

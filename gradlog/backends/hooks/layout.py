@@ -24,11 +24,13 @@ from gradlog._torch_private import (
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Call
+from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
     VIEW_NODES,
     Chain,
     GraphSurvey,
+    batch_repeat,
     consumers_through_views,
     through_views,
 )
@@ -99,12 +101,14 @@ def _on_parameters_alone(call: Call) -> bool:
                if isinstance(t, torch.Tensor) and t.numel() > 1)
 
 
-def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
-                   sequence_first: list[str]) -> Iterator[tuple[Call, Consumers]]:
+def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first: list[str]
+                   ) -> Iterator[tuple[Call, Consumers, list[tuple[Call, Path]] | None]]:
     """Before the backward: settle each captured call's batch dimension, and yield the calls
     whose output an op broadcasts over the batch, with the consumers to take their
-    per-datum output gradients from (each call so yielded gets batch dimension 0 and
-    ``via_consumers``). Raises, as it goes, for what cannot be computed.
+    per-datum output gradients from, or (last) the calls whose output reaches the batch
+    only through such calls' Linear layers, with the paths there (:func:`.feeds.feeds_of`;
+    each call so yielded gets batch dimension 0 and ``via_consumers``). Raises for what
+    cannot be computed.
 
     Args:
         live: The calls captured for this backward.
@@ -115,6 +119,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
     root = graph.root
     if not live or root is None:
         return
+    deferred: list[tuple[Call, list[tuple[Any, int]], BackendError]] = []
     # Node._input_metadata (shapes of a node's forward outputs) tells exactly which
     # captured outputs an op broadcast; without it (older torch) a shape heuristic picks
     # the calls to check, and any call reaching the loss only through pass-through ops
@@ -149,11 +154,10 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 f"{entry.rule.name!r}): {call.refusal} Nothing was computed; p.grad is "
                 "untouched."
             )
-        passing = all(type(node).__name__ in PASS_THROUGH for node, _ in found)
         shape = tuple(call.out_shape)
+        passing = all(_passes(node, shape, B) for node, _ in found)
         if exact:
-            shared = any(type(node).__name__ in PASS_THROUGH
-                         and _leading_broadcast(shape, autograd_node_output_shape(node))
+            shared = any(_passes(node, shape, B) and _broadcast(node, shape, B)
                          for node, _ in found)  # ((B, 1) + (B, d) is not: its own batch)
             if not shared and shape and shape[0] == 1 != B and not sequence_first:
                 shared = _replicated(found, graph, shape, B)
@@ -164,19 +168,23 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
             call.bd, call.lead = 0, B  # the consumer's gradient has the batch first
             call.via_consumers = True
             if exact:  # (or each datum's rows of it: Swin's windows)
-                call.datum_rows = max(consumer_rows(node, B, graph, bool(sequence_first))
-                                      for node, _ in found)
+                rows = [_copies(node, shape, B) for node, _ in found]
+                call.copied = any(rows)
+                call.datum_rows = max(r or consumer_rows(node, B, graph, bool(sequence_first))
+                                      for r, (node, _) in zip(rows, found, strict=True))
                 _refuse_unproved_rows(call, found, B)
-            yield call, [(node, slot, (), shape) for node, slot in found]
+            yield call, [(node, slot, (), shape) for node, slot in found], None
             continue
         if exact:
             locate_batch(call, B, sequence_first)
         if (shared or call.lead != B) and first and call.hooked == 1:
-            chained = _through_views(found, graph, shape)
+            chained = _through_views(found, graph, shape, B)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
                 call.via_consumers = True
-                yield call, chained
+                call.datum_rows = max(_copies(node, at, B) for node, _, _, at in chained)
+                call.copied = call.datum_rows > 0
+                yield call, chained, None
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
@@ -186,13 +194,14 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                       if any(type(n).__name__ in VIEW_NODES for n, _ in found) else None)
             if beyond:  # name what the views lead to
                 ops += [f"then {n}" for n in sorted({type(n).__name__ for n, _, _ in beyond})]
-            raise BackendError(
+            deferred.append((call, found, BackendError(
                 f"the output of {entry.label} has shape {shape}, with no batch dimension "
                 f"of size B={B} of its own, and reaches the loss through {ops}. gradlog "
                 "takes per-datum gradients of a shared output only when additions, "
-                "subtractions or expands alone broadcast it over the batch, directly or "
-                "after views and permutes (position embeddings, T5's relative attention "
-                "bias; with attention implementations that take the bias into a fused "
+                "subtractions, expands or repeats over the batch alone broadcast it, directly "
+                "or after views and permutes, or Linear layers so broadcast take it "
+                "(position embeddings, T5's relative attention bias, DeBERTa's relative "
+                "positions; with attention implementations that take the bias into a fused "
                 "kernel, such as SDPA, use the eager one). Give the layer a batched input (e.g. "
                 "position_ids.expand(B, -1)), keep the batch as one dimension (a Linear "
                 "accepts (B, T, d); flattened to (B*T, d) or to windows (B*windows, L, d), "
@@ -200,8 +209,31 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int,
                 "ops, batched matmuls, views; README's table of layouts), give one loss per "
                 "row the "
                 "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
-                "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
-            )
+                "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else ""))))
+    yield from _fed(deferred, [c for c in live if c.via_consumers], graph, B, exact)
+
+
+def _fed(deferred: list[tuple[Call, list[tuple[Any, int]], BackendError]], routed: list[Call],
+         graph: GraphSurvey, B: int, exact: bool
+         ) -> Iterator[tuple[Call, Consumers, list[tuple[Call, Path]] | None]]:
+    """The shared calls left whose outputs feed routed Linear calls (:func:`.feeds.feeds_of`),
+    level by level; raises the first refusal of those that do not."""
+    while deferred and exact:
+        left = []
+        for call, found, error in deferred:
+            feeds = feeds_of(call, found, routed, graph)
+            if feeds is None:
+                left.append((call, found, error))
+                continue
+            call.bd, call.lead, call.via_consumers = 0, B, True
+            call.copied = any(c.copied for c, _ in feeds)  # (its split is theirs)
+            routed.append(call)
+            yield call, [], feeds
+        if len(left) == len(deferred):
+            break
+        deferred = left
+    if deferred:
+        raise deferred[0][2]
 
 
 _OP_ON_PARAMETERS = (
@@ -243,14 +275,38 @@ def _refuse_unproved_rows(call: Call, found: list[tuple[Any, int]], B: int) -> N
     )
 
 
-def _leading_broadcast(at: tuple[int, ...], wide: tuple[int, ...]) -> bool:
-    """Whether a tensor of shape ``at`` is broadcast to ``wide`` over leading dimensions (a
-    new one, or one of size 1), where a batch would be."""
+def _passes(node: Any, at: tuple[int, ...], B: int) -> bool:
+    """Whether ``node`` is a pass-through op (:data:`PASS_THROUGH`) for what it received, of
+    shape ``at``: a repeat only when it copies it over the batch (:func:`batch_repeat`)."""
+    kind = type(node).__name__
+    return kind in PASS_THROUGH and (kind != "RepeatBackward0"
+                                     or batch_repeat(node, at, B) is not None)
+
+
+def _broadcast(node: Any, at: tuple[int, ...], B: int) -> bool:
+    """Whether pass-through ``node`` broadcasts a tensor of shape ``at`` over leading
+    dimensions (a new one, or one of size 1), where a batch would be; or repeats it over
+    the batch."""
+    if batch_repeat(node, at, B) is not None:
+        return True
+    wide = autograd_node_output_shape(node)
     return len(at) < len(wide) or (len(at) == len(wide) and at[:1] == (1,) != wide[:1])
 
 
+def _copies(node: Any, at: tuple[int, ...], B: int) -> int:
+    """Each datum's rows in what a repeat or an expand copies over the batch (1 for an
+    expand), for the first datum check to verify (:class:`.rows.RowLayouts`): that datum
+    ``b``'s copy is the ``b``-th is the layout's reading, which a reordering of the batch
+    after the copy, or B copies of something else (heads, when there are B of them), makes
+    wrong while the records still sum to p.grad; 0 for other nodes."""
+    rows = batch_repeat(node, at, B)
+    if rows is None and type(node).__name__ == "ExpandBackward0":
+        return 1
+    return rows or 0
+
+
 def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
-                   shape: tuple[int, ...]) -> Consumers | None:
+                   shape: tuple[int, ...], B: int) -> Consumers | None:
     """The consumers of a shared output past views and permutes, when every one of them
     is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
     batch (a new leading dimension, or a leading dimension of size 1), and the shapes are
@@ -266,8 +322,7 @@ def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
     out: Consumers = []
     for node, slot, chain in chained:
         at = autograd_node_output_shape(chain[-1]) if chain else shape  # what node received
-        if type(node).__name__ not in PASS_THROUGH or not _leading_broadcast(
-                at, autograd_node_output_shape(node)):
+        if not _passes(node, at, B) or not _broadcast(node, at, B):
             return None
         out.append((node, slot, chain, at))
     return out

@@ -293,13 +293,17 @@ class RowLayouts:
     def __init__(self) -> None:
         self.verified: set[tuple[str, tuple[int, ...]]] = set()
         self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
+        self.own: frozenset[str] = frozenset()
 
     def note(self, calls: Iterable[Call], B: int) -> bool:
-        """This backward's layouts not verified yet (one datum needs none); True if any."""
+        """This backward's layouts not verified yet (one datum needs none); True if any;
+        :attr:`own`: the parameters of copies over the batch among them."""
+        calls = list(calls)
         self.pending = set() if B < 2 else {
             (c.entry.name, tuple(c.chunk.lead_shape)) if c.chunk is not None
             else (c.entry.name, (B, c.datum_rows)) for c in calls
             if (c.chunk is not None and c.chunk.flattened) or c.datum_rows} - self.verified
+        self.own = frozenset(n for c in calls if c.copied for n in c.entry.names.values())
         return bool(self.pending)
 
     def require(self, checked: bool) -> None:
@@ -308,12 +312,13 @@ class RowLayouts:
             names = sorted({name for name, _ in self.pending})
             self.pending = set()
             raise UnsupportedLayerError(
-                f"{names[:3]} ran on the batch's tokens flattened to rows, whose datums "
+                f"{names[:3]} ran on the batch's tokens flattened to rows, or gave an output "
+                "shared by the batch that an expand or a repeat copies over it, whose datums "
                 "gradlog verifies with a datum check at the layout's first step, and that "
                 "check cannot run here (under FSDP or DDP(static_graph=True), with backward "
                 "hooks of your own, or a reentrant activation checkpoint). Keep the batch as "
-                "its own dimension ((B, T, d) into the layer), run one step without those, or "
-                "use backend='loop'.")
+                "its own dimension ((B, T, d) into the layer; a shared output added to "
+                "batched data), run one step without those, or use backend='loop'.")
 
     def passed(self) -> None:
         self.verified |= self.pending
