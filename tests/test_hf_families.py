@@ -398,3 +398,18 @@ def test_lora_on_opts_feed_forward_layers_alone_records_like_the_loop_oracle() -
     described = assert_like_loop(model, _causal(model), reductions=("mean",), rtol=1e-4,
                                  atol=1e-6)
     assert any("lora_A" in m["module"] for m in described["modules"])
+
+
+def test_deberta_with_a_batch_of_one_records_like_the_loop_oracle() -> None:
+    """With one datum nothing is split: a shared output's gradient is the datum's, whatever
+    its consumers (DeBERTa's table was refused at B=1, as a training run's last batch of
+    one would be: its projections, (1, 2k, d), looked batched, so nothing fed it)."""
+    model, _ = _encoder("deberta", "eager")
+    ids, mask = (t[:1] for t in _ids())
+
+    def forward() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return F.cross_entropy(logits, torch.tensor([1]), reduction="none")  # (1,)
+
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-9, atol=1e-18)
+    assert described["fallback"] == []

@@ -227,6 +227,15 @@ def test_shared_output_broadcast_by_another_op_is_refused_before_the_backward() 
     assert emb.weight.grad is None  # refused before the backward: p.grad untouched
 
 
+def test_shared_output_of_a_batch_of_one_records_whatever_its_consumer() -> None:
+    """With one datum there is nothing to split: the output's own gradient is the datum's,
+    whatever op broadcasts it (a product, refused above with B > 1)."""
+    emb = built(lambda: nn.Embedding(7, 3), 0)
+    other = randn(1, 5, 3, seed=1)
+    ids = torch.tensor([0, 3, 3, 6, 1])  # (T,): shared, no batch dimension
+    assert_like_loop(emb, lambda: datum_loss(other * emb(ids)), rule="embedding")
+
+
 # -- normalisation ---------------------------------------------------------------------------
 @RULE_SETTINGS
 @given(

@@ -232,8 +232,14 @@ def _fed(deferred: list[tuple[Call, list[tuple[Any, int]], BackendError]], route
         if len(left) == len(deferred):
             break
         deferred = left
-    if deferred:
-        raise deferred[0][2]
+    for call, found, error in deferred:
+        made, nr = found[0][0].next_functions[found[0][1]]
+        if B != 1 or nr != 0 or call.hooked != 1:
+            raise error
+        # one datum: its gradient of the output is the output's (a batch of one at the end
+        # of an epoch), taken where the output is made
+        call.bd, call.lead, call.via_consumers = 0, B, True
+        yield call, [(made, 0, (), tuple(call.out_shape))], None
 
 
 _OP_ON_PARAMETERS = (
@@ -344,6 +350,8 @@ def consumer_inputs(
         BackendError: The output is broadcast over the batch in more than one step.
     """
     shape = tuple(at) if chain else tuple(call.out_shape)
+    if B == 1 and not chain and tuple(g.shape) == shape and shape[:1] != (1,):
+        g = g.unsqueeze(0)  # (one datum, the output's own gradient: all of it is its)
     k = call.datum_rows
     if k and g.dim() and g.shape[0] == B * k:  # each datum's k rows (rows.consumer_rows)
         g = g.reshape(B, k, *g.shape[1:]).sum(1)
