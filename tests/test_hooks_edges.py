@@ -1775,27 +1775,35 @@ def test_a_shared_output_also_used_otherwise_is_refused(kind: str) -> None:
 
 
 class _DroppedTable(nn.Module):
-    """Dropout on a parameter of a submodule, shared by the batch and added to it."""
+    """Dropout on a parameter of a submodule, shared by the batch and copied over it."""
 
-    def __init__(self) -> None:
+    def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.table = nn.Embedding(5, 4).double()
             self.lin = nn.Linear(4, 4).double()
+        self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x + F.dropout(self.table.weight, 0.5, self.training))
+        table = F.dropout(self.table.weight, self.p, self.training)
+        return self.lin(x * table.expand(x.shape[0], -1, -1))
 
 
 def test_a_dropout_on_a_parameter_shared_by_the_batch_is_refused_not_drawn_again() -> None:
     """Its per-datum vector-Jacobian product differentiated the op again and drew another
     mask: wrong, caught by the spot check only where the gradients were large enough (on
-    DeBERTa's relative position table they were not). Refused, naming the draw."""
-    model = _DroppedTable().train()
+    DeBERTa's relative position table they were not). Refused, naming the draw. In eval
+    mode, or at rate 0, the dropout returns the parameter itself: no op of its own (it was
+    captured as one with the parameter for output, hooking the parameter, so the datum
+    check took the hook for the user's and could not run: DeBERTa with dropout 0 was
+    refused), and the step records."""
     x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    model = _DroppedTable().train()
     with pytest.raises(BackendError, match=r"dropout draws random numbers"):
         per_datum(model, lambda: squares(model(x)), "hooks")
+    for quiet in (_DroppedTable().eval(), _DroppedTable(p=0.0).train()):
+        assert_hooks_match_loop(quiet, lambda m=quiet: squares(m(x)))
 
 
 @pytest.mark.parametrize(("hooked", "scale"), [(False, 1.0), (True, 1.0), (False, 1e-8)])

@@ -260,7 +260,8 @@ class OpCapture(TorchFunctionMode):
         lone = func not in VIEWS and func not in _RANDOM and alone and self._tracked(args[0])
         before = rng_states(cuda_devices([args[0]])) if lone else None  # (a random draw?)
         out = func(*args, **kwargs)
-        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        if not isinstance(out, torch.Tensor) or not out.requires_grad or any(
+                out is a for a in args):  # (its input itself: a dropout at p=0 or in eval)
             return out
         uses = self._uses(args, kwargs)
         if not uses or not self.active():
