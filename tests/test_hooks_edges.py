@@ -1674,6 +1674,9 @@ class _Repeated(nn.Module):
             return x * self.pos(torch.arange(T)[None]).repeat(n, 1, 1)
         if self.kind == "tiled":
             return x + self.rel(self.table).repeat(n, 2, 1)[:, 1:T + 1]
+        if self.kind == "adapter":  # (a LoRA: scaled, added to a frozen layer's output)
+            shared = torch.sigmoid(self.rel(self.table)) * 0.5 + self.table.flip(1)
+            return x * shared.unsqueeze(0).repeat(n, 1, 1)
         keys = self.rel(self.table).view(T, 2, 2).transpose(0, 1)  # (H, T, dh)
         q = self.q(x).view(n, T, 2, 2)
         if self.kind == "heads":
@@ -1686,10 +1689,12 @@ class _Repeated(nn.Module):
         return scores.view(2, n, T, T).transpose(0, 1)
 
 
-@pytest.mark.parametrize("kind", ["new", "one", "tiled", "heads"])
+@pytest.mark.parametrize("kind", ["new", "one", "tiled", "heads", "adapter"])
 def test_a_shared_output_repeated_over_the_batch_records_like_the_loop(kind: str) -> None:
     """``repeat`` copies a shared output over the batch as an expand does: datum b's
-    gradient is its copy's (its own copies summed). It was refused as a shared output."""
+    gradient is its copy's (its own copies summed), taken back through ops of it alone
+    before the copy (``"adapter"``: a sigmoid, a scaling, an addition of a constant). It
+    was refused as a shared output."""
     model = _Repeated(kind)
     x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     assert_hooks_match_loop(model, lambda: squares(model(x)))

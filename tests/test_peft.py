@@ -155,6 +155,39 @@ def test_prompt_tuning_records_like_the_loop_and_is_verified(tmp_path: Path,
         rec.backward(losses())
 
 
+def test_lora_on_debertas_attention_records_like_the_loop_oracle() -> None:
+    """LoRA on DeBERTa-v3's query and value projections (PEFT's default targets): the query
+    projection also takes the relative position table, shared by the batch, and its LoRA
+    output, scaled and added to the frozen layer's, is repeated over the batch; each
+    datum's gradient is taken back through the scaling and the addition (refused before)."""
+    config = transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=32, num_labels=2,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, pooler_dropout=0.1,
+        pooler_hidden_size=16, relative_attention=True, position_buckets=8,
+        max_relative_positions=16, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+        share_att_key=True)
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = transformers.DebertaV2ForSequenceClassification(config)
+        model = peft.get_peft_model(base, peft.LoraConfig(
+            r=2, target_modules=["query_proj", "value_proj"], lora_dropout=0.1,
+            task_type="SEQ_CLS")).to(D64).train()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.1)
+    ids, mask = _batch()["ids"], _batch()["mask"]
+
+    def losses() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return F.cross_entropy(logits, torch.tensor([0, 1, 1]), reduction="none")
+
+    described = assert_like_loop(model, losses, rtol=1e-9, atol=1e-18)
+    assert described["fallback"] == []
+
+
 def test_ia3_records_like_the_loop_oracle() -> None:
     """IA3 scales activations by a vector built outside any layer (refused until its
     layer got a rule, gradlog/rules/adapters.py): attention and feed-forward forms."""

@@ -9,6 +9,7 @@ each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import torch
 
 from gradlog._torch_private import (
     autograd_node_forward_class,
+    autograd_node_output_shape,
     autograd_node_repeats,
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PASS_THROUGH",
+    "SHARED_ALONG",
     "TAG",
     "VIEW_NODES",
     "GraphSurvey",
@@ -308,19 +311,35 @@ def batch_repeat(node: Any, at: tuple[int, ...], B: int) -> int | None:
 Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)
 
 
-def consumers_through_views(graph: GraphSurvey, found: list[tuple[Any, int]]
+SHARED_ALONG = VIEW_NODES | {
+    "SliceBackward0", "SelectBackward0", "NativeDropoutBackward0", "ToCopyBackward0",
+    "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0",
+    "AddBackward0", "SubBackward0", "SigmoidBackward0", "TanhBackward0", "ReluBackward0",
+    "GeluBackward0", "SiluBackward0", "ExpBackward0", "SoftplusBackward0",
+}
+"""Nodes a shared output may cross before what broadcasts it over the batch, when one of
+their inputs alone carries a gradient and they make no more elements than it has (a LoRA
+adapter's ``lora_B(...) * scaling`` added to its frozen base layer's output, then repeated
+over the batch: DeBERTa's relative positions): each datum's gradient at the broadcast is
+taken back through them, exactly (:func:`through_views`)."""
+
+
+def consumers_through_views(graph: GraphSurvey, found: list[tuple[Any, int]],
+                            along: frozenset[str] = VIEW_NODES
                             ) -> list[tuple[Any, int, Chain]] | None:
-    """The consumers of a call's output past any chain of view nodes (:data:`VIEW_NODES`):
-    each (node, input slot, the view nodes between, first to last). ``found`` are the
-    direct consumers (:meth:`GraphSurvey.consumers`). None when a view node's output has no
-    consumer in the graph (it cannot be followed). Reads the survey's map of each node's
-    consumers (:meth:`GraphSurvey.parents`: one walk of the whole graph a backward, shared
-    by every call asking; each call walked it once, 16 walks a step of a small Swin)."""
+    """The consumers of a call's output past any chain of view nodes (:data:`VIEW_NODES`;
+    ``along``: also :data:`SHARED_ALONG`'s, one input carrying a gradient, no broadcast):
+    each (node, input slot, the nodes between, first to last). ``found`` are the direct
+    consumers (:meth:`GraphSurvey.consumers`). None when a node's output has no consumer in
+    the graph (it cannot be followed). Reads the survey's map of each node's consumers
+    (:meth:`GraphSurvey.parents`: one walk of the whole graph a backward, shared by every
+    call asking; each call walked it once, 16 walks a step of a small Swin)."""
     out: list[tuple[Any, int, Chain]] = []
     stack: list[tuple[Any, int, Chain]] = [(node, slot, ()) for node, slot in found]
     while stack:
         node, slot, chain = stack.pop()
-        if type(node).__name__ not in VIEW_NODES:
+        kind = type(node).__name__
+        if kind not in along or (kind not in VIEW_NODES and not _keeps(node, slot)):
             out.append((node, slot, chain))
             continue
         up = graph.parents(node)
@@ -330,6 +349,17 @@ def consumers_through_views(graph: GraphSurvey, found: list[tuple[Any, int]]
     return out
 
 
+def _keeps(node: Any, slot: int) -> bool:
+    """Whether ``node`` takes a gradient at input ``slot`` alone and makes no more elements
+    than that input has (no broadcast: the batch cannot come in there)."""
+    edges = node.next_functions
+    if sum(child is not None for child, _ in edges) != 1 or edges[slot][0] is None:
+        return False
+    child, nr = edges[slot]
+    return math.prod(autograd_node_output_shape(node)) <= math.prod(
+        autograd_node_output_shape(child, nr))
+
+
 def through_views(chain: Chain, per: torch.Tensor) -> torch.Tensor:
     """Per-datum gradients ``(B, *shape)`` at the end of a chain of view nodes, as gradients
     of its start: each node's own backward, per datum (``vmap`` over the batch)."""
@@ -337,8 +367,8 @@ def through_views(chain: Chain, per: torch.Tensor) -> torch.Tensor:
 
     def back(g: torch.Tensor) -> torch.Tensor:
         for node in reversed(chain):
-            got = node(g)
-            g = got[0] if isinstance(got, tuple) else got
+            got = node(g)  # (one input carrying a gradient: the chain's)
+            g = next(t for t in got if t is not None) if isinstance(got, tuple) else got
         return g
 
     return vmap(back)(per)

@@ -27,6 +27,7 @@ from gradlog.backends.hooks.calls import Call
 from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
+    SHARED_ALONG,
     VIEW_NODES,
     Chain,
     GraphSurvey,
@@ -317,12 +318,12 @@ def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
     is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
     batch (a new leading dimension, or a leading dimension of size 1), and the shapes are
     known; else None. Views do not mix datums, so the output is then shared whole."""
-    if not all(type(n).__name__ in VIEW_NODES or type(n).__name__ in PASS_THROUGH
+    if not all(type(n).__name__ in SHARED_ALONG or type(n).__name__ in PASS_THROUGH
                for n, _ in found):
         return None
     if not autograd_node_shapes_known(graph.root):
         return None
-    chained = consumers_through_views(graph, found)
+    chained = consumers_through_views(graph, found, SHARED_ALONG)
     if not chained:
         return None
     out: Consumers = []
