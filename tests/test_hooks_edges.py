@@ -1841,3 +1841,51 @@ def test_an_expanded_shared_output_whose_copies_are_reordered_is_refused(
     match = r"an expand or a repeat copies" if hooked else r"differ from the datums' own"
     with pytest.raises(GradlogError, match=match):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _Table(nn.Module):
+    """A Linear on a ``(T, 3)`` table, shared by the batch: ``"view"`` viewed and added to
+    the batch's ``(B, T, 4)`` activations (with T == B its length looked like a batch);
+    ``"fake"`` added to B zeros and summed away (a new leading dimension of B that is not
+    the batch)."""
+
+    def __init__(self, kind: str, T: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.shared, self.inp = nn.Linear(3, 4).double(), nn.Linear(4, 4).double()
+        self.register_buffer("table", torch.randn(T, 3, dtype=D64))
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4)
+        s, h = self.shared(self.table), self.inp(x)
+        if self.kind == "view":
+            return torch.tanh(s.unsqueeze(0) + h)
+        zeros = torch.zeros(x.shape[0], *s.shape, dtype=s.dtype)
+        return torch.tanh((s * 2 + zeros).sum(0) + h)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_table_as_long_as_the_batch_viewed_then_broadcast_records_like_the_loop(
+        hooked: bool) -> None:
+    """With T == B the table's output, (B, 4), was taken for a batched one, each row a
+    datum's: wrong where no datum check runs (a backward hook). A tensor with fewer
+    dimensions than the batch's, viewed and then broadcast over the batch, is shared."""
+    model = _Table("view", T=B)
+    if hooked:  # (a tensor hook of the user's on a parameter: no datum check)
+        model.inp.weight.register_hook(lambda g: None)
+    x = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+def test_an_addition_onto_a_constant_of_b_rows_is_verified() -> None:
+    """``s * 2 + zeros(B, T, d)``, summed over that dimension: a broadcast over B rows that
+    are not datums, read as each datum's; an addition onto what carries no gradient is now
+    a copy (verified; refused where no datum check runs), as an expand is."""
+    model = _Table("fake", T=5)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BackendError, match=r"differ from the datums' own"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+    model.inp.weight.register_hook(lambda g: None)
+    with pytest.raises(UnsupportedLayerError, match=r"an expand or a repeat copies"):
+        per_datum(model, lambda: squares(model(x)), "hooks")

@@ -126,6 +126,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
     # the calls to check, and any call reaching the loss only through pass-through ops
     # counts as shared.
     exact = autograd_node_shapes_known(root)
+    widest = max((len(c.out_shape) for c in live), default=0)
     if exact:
         candidates = live
     else:
@@ -176,9 +177,12 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 _refuse_unproved_rows(call, found, B)
             yield call, [(node, slot, (), shape) for node, slot in found], None
             continue
-        if exact:
+        table = False  # a table whose length is B ((T, d) with T == B, fewer dimensions than
+        if exact:  # the batch's tensors): viewed, then broadcast over it, shared all the same
             locate_batch(call, B, sequence_first)
-        if (shared or call.lead != B) and first and call.hooked == 1:
+            table = call.lead == B and len(shape) < widest and all(
+                type(n).__name__ in VIEW_NODES for n, _ in found)
+        if (shared or call.lead != B or table) and first and call.hooked == 1:
             chained = _through_views(found, graph, shape, B)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
@@ -302,14 +306,19 @@ def _broadcast(node: Any, at: tuple[int, ...], B: int) -> bool:
 
 def _copies(node: Any, at: tuple[int, ...], B: int) -> int:
     """Each datum's rows in what a repeat or an expand copies over the batch (1 for an
-    expand), for the first datum check to verify (:class:`.rows.RowLayouts`): that datum
+    expand, or an addition onto a tensor that carries no gradient: its rows need not be
+    datums'), for the first datum check to verify (:class:`.rows.RowLayouts`): that datum
     ``b``'s copy is the ``b``-th is the layout's reading, which a reordering of the batch
     after the copy, or B copies of something else (heads, when there are B of them), makes
     wrong while the records still sum to p.grad; 0 for other nodes."""
     rows = batch_repeat(node, at, B)
-    if rows is None and type(node).__name__ == "ExpandBackward0":
-        return 1
-    return rows or 0
+    kind = type(node).__name__
+    if rows is None and (kind == "ExpandBackward0" or (
+            kind in ("AddBackward0", "SubBackward0")
+            and sum(child is not None for child, _ in node.next_functions) == 1
+            and autograd_node_output_shape(node)[:1] == (B,))):
+        return 1  # (an addition onto B rows of what carries no gradient: a copy too; onto
+    return rows or 0  # k B rows, .rows.consumer_rows proves them or they are refused)
 
 
 def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
