@@ -323,10 +323,11 @@ def _copies(node: Any, at: tuple[int, ...], B: int) -> int:
 
 def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
                    shape: tuple[int, ...], B: int) -> Consumers | None:
-    """The consumers of a shared output past views and permutes, when every one of them
-    is a pass-through op (:data:`PASS_THROUGH`) that broadcasts what it receives over the
-    batch (a new leading dimension, or a leading dimension of size 1), and the shapes are
-    known; else None. Views do not mix datums, so the output is then shared whole."""
+    """The consumers of a shared output past views, permutes and ops of it alone
+    (:data:`.graph.SHARED_ALONG`), when every one of them is a pass-through op
+    (:data:`PASS_THROUGH`) that broadcasts what it receives over the batch (a new leading
+    dimension, or a leading dimension of size 1; a repeat over it), and the shapes are
+    known; else None. None of those mixes datums, so the output is then shared whole."""
     if not all(type(n).__name__ in SHARED_ALONG or type(n).__name__ in PASS_THROUGH
                for n, _ in found):
         return None
