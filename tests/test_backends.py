@@ -383,3 +383,20 @@ def test_a_drop_path_that_is_not_a_mask_is_refused() -> None:
     x = torch.randn(4, 5, 3, dtype=torch.float64)
     with pytest.raises(BackendError, match="named like a drop path"):
         backend_grads(model, lambda: model(x).pow(2).sum((1, 2)))
+
+
+def test_the_oracle_compares_each_parameter_to_its_own_scale() -> None:
+    """``assert_like_loop``'s absolute tolerance passes a parameter whose gradients are
+    1e-8 of the model's however wrong they are (DeBERTa's relative position table was so):
+    each parameter is also compared to its own largest entry; ones below 1e-9 of the
+    model's largest (a key bias, rounding noise of a zero gradient) are left to atol."""
+    from gradlog.testing.oracle import _each_to_its_own_scale
+
+    want = {"big": torch.ones(2, 3), "small": torch.full((2, 3), 1e-8),
+            "noise": torch.full((2, 3), 1e-12)}
+    got = {n: t.clone() for n, t in want.items()}
+    got["noise"] = -got["noise"]  # (noise: its sign is rounding's)
+    _each_to_its_own_scale(got, want, 1e-9, "here")
+    got["small"] = got["small"] * torch.tensor([[1.0], [2.0]])  # (one datum's doubled)
+    with pytest.raises(AssertionError, match=r"here small: off by"):
+        _each_to_its_own_scale(got, want, 1e-9, "here")
