@@ -1846,8 +1846,9 @@ def test_an_expanded_shared_output_whose_copies_are_reordered_is_refused(
 class _Table(nn.Module):
     """A Linear on a ``(T, 3)`` table, shared by the batch: ``"view"`` viewed and added to
     the batch's ``(B, T, 4)`` activations (with T == B its length looked like a batch);
-    ``"fake"`` added to B zeros and summed away (a new leading dimension of B that is not
-    the batch)."""
+    ``"scaled"`` and ``"gated"`` taken through ops of it alone first (``s * 2``, a sigmoid
+    times a no-grad tensor of the data's); ``"fake"`` added to B zeros and summed away (a
+    new leading dimension of B that is not the batch)."""
 
     def __init__(self, kind: str, T: int) -> None:
         super().__init__()
@@ -1861,17 +1862,24 @@ class _Table(nn.Module):
         s, h = self.shared(self.table), self.inp(x)
         if self.kind == "view":
             return torch.tanh(s.unsqueeze(0) + h)
+        if self.kind == "scaled":
+            return torch.tanh(s * 2 + h)
+        if self.kind == "gated":
+            return torch.tanh((torch.sigmoid(s) * x[:, 0, :1].detach()).unsqueeze(0) + h)
         zeros = torch.zeros(x.shape[0], *s.shape, dtype=s.dtype)
         return torch.tanh((s * 2 + zeros).sum(0) + h)
 
 
+@pytest.mark.parametrize("kind", ["view", "scaled", "gated"])
 @pytest.mark.parametrize("hooked", [False, True])
 def test_a_table_as_long_as_the_batch_viewed_then_broadcast_records_like_the_loop(
-        hooked: bool) -> None:
+        hooked: bool, kind: str) -> None:
     """With T == B the table's output, (B, 4), was taken for a batched one, each row a
-    datum's: wrong where no datum check runs (a backward hook). A tensor with fewer
-    dimensions than the batch's, viewed and then broadcast over the batch, is shared."""
-    model = _Table("view", T=B)
+    datum's: wrong where no datum check runs (a backward hook), refused by the datum check
+    where one runs. A tensor with fewer dimensions than the batch's, viewed or taken
+    through ops of it alone (:data:`graph.SHARED_ALONG`), then broadcast over the batch,
+    is shared."""
+    model = _Table(kind, T=B)
     if hooked:  # (a tensor hook of the user's on a parameter: no datum check)
         model.inp.weight.register_hook(lambda g: None)
     x = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))

@@ -178,10 +178,10 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
             yield call, [(node, slot, (), shape) for node, slot in found], None
             continue
         table = False  # a table whose length is B ((T, d) with T == B, fewer dimensions than
-        if exact:  # the batch's tensors): viewed, then broadcast over it, shared all the same
-            locate_batch(call, B, sequence_first)
+        if exact:  # the batch's tensors): viewed or taken through ops of it alone, then
+            locate_batch(call, B, sequence_first)  # broadcast over it, shared all the same
             table = call.lead == B and len(shape) < widest and all(
-                type(n).__name__ in VIEW_NODES for n, _ in found)
+                type(n).__name__ in SHARED_ALONG for n, _ in found)
         if (shared or call.lead != B or table) and first and call.hooked == 1:
             chained = _through_views(found, graph, shape, B)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
