@@ -59,11 +59,14 @@ class SpotCheck:
         self.cells: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # 2-D: (rows, cols)
         self.full = False  # this backward compares every entry
         self.pending: Verdict | None = None  # the last check's, until settled
-        self._shapes: tuple[torch.Size, ...] = ()  # the parameters' shapes; as tensors,
-        self._sizes = torch.empty(0, 1, dtype=torch.float64)  # their sizes
+        self._layout: tuple[tuple[torch.Size, torch.device], ...] = ()  # (_lay_out's)
+        self._sizes = torch.empty(0, 1, dtype=torch.float64)  # their sizes, as a tensor
         self._widths = torch.ones(0, 1, dtype=torch.long)  # and rows' widths (2-D)
-        self._nonempty: list[tuple[int, str]] = []  # (position, name) of those with entries
-        self._matrices: list[tuple[int, str]] = []  # and of the 2-D ones among them
+        self._uniform = torch.empty(0, _SPOT_ENTRIES, dtype=torch.float64)  # a draw's
+        self._drawn = torch.empty(3, 0, _SPOT_ENTRIES, dtype=torch.long)  # its entries
+        self._on: list[torch.Tensor] = []  # _drawn, and a copy per other device
+        self._index: dict[str, torch.Tensor] = {}  # views of those, per parameter
+        self._cells: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rerun: dict[str, str] = {}  # parameters re-run per datum: name -> module label
 
     def draw(self, batch_size: int, full: bool = False) -> None:
@@ -78,36 +81,45 @@ class SpotCheck:
             self.index = {n: torch.arange(p.numel(), device=p.device)
                           for n, p in self.params.items() if p.numel()}
         elif batch_size and self.params:
-            shapes = tuple(p.shape for p in self.params.values())
-            if shapes != self._shapes:
-                self._shapes = shapes
-                self._sizes = torch.tensor([s.numel() for s in shapes],
-                                           dtype=torch.float64).unsqueeze(1)  # (n, 1)
-                self._widths = torch.tensor([s[1] if len(s) == 2 and s[1] else 1
-                                             for s in shapes]).unsqueeze(1)  # (n, 1)
-                named = list(enumerate(zip(self.params, shapes)))
-                self._nonempty = [(i, n) for i, (n, s) in named if s.numel()]
-                self._matrices = [(i, n) for i, (n, s) in named if s.numel() and len(s) == 2]
-            draw = torch.rand((len(shapes), _SPOT_ENTRIES), generator=self.generator,
-                              dtype=torch.float64)
-            index = draw.mul_(self._sizes).long()  # (n_params, k) flat entries
-            # and their rows and columns in 2-D parameters: factor records' entries need
-            # them (two ops a step here, not two a record in _compare)
-            drawn = torch.stack((index, index // self._widths, index % self._widths))
-            devices = {p.device for p in self.params.values()}
-            on = {d: [t.unbind(0) for t in drawn.to(d, non_blocking=True).unbind(0)]
-                  for d in devices}  # flat, rows, cols: each (k,) per parameter
-            if len(on) == 1:
-                flat, rows, cols = next(iter(on.values()))
-                self.index = {n: flat[i] for i, n in self._nonempty}
-                self.cells = {n: (rows[i], cols[i]) for i, n in self._matrices}
-                return
-            for i, n in self._nonempty:
-                flat, rows, cols = on[self.params[n].device]
-                self.index[n] = flat[i]
-            for i, n in self._matrices:
-                _, rows, cols = on[self.params[n].device]
-                self.cells[n] = (rows[i], cols[i])
+            layout = tuple((p.shape, p.device) for p in self.params.values())
+            if layout != self._layout:
+                self._lay_out(layout)
+            # drawn in place into the buffers the parameters' views look at: a step makes no
+            # new tensor per parameter (~1 ms of host work a step at GPT-2 small's depth)
+            torch.rand(self._uniform.shape, generator=self.generator, dtype=torch.float64,
+                       out=self._uniform)
+            flat, rows, cols = self._drawn.unbind(0)  # (n_params, k) each
+            flat.copy_(self._uniform.mul_(self._sizes))  # (truncated: entries below size)
+            torch.div(flat, self._widths, rounding_mode="floor", out=rows)
+            torch.remainder(flat, self._widths, out=cols)
+            for on in self._on:
+                if on is not self._drawn:
+                    on.copy_(self._drawn, non_blocking=True)
+            self.index, self.cells = self._index, self._cells
+
+    def _lay_out(self, layout: tuple[tuple[torch.Size, torch.device], ...]) -> None:
+        """The buffers a draw fills, one ``(3, n_params, k)`` (flat entries, their rows and
+        columns in 2-D parameters) per device, and each parameter's views of its own."""
+        self._layout = layout
+        shapes = [shape for shape, _ in layout]
+        self._sizes = torch.tensor([s.numel() for s in shapes],
+                                   dtype=torch.float64).unsqueeze(1)  # (n, 1)
+        self._widths = torch.tensor([s[1] if len(s) == 2 and s[1] else 1
+                                     for s in shapes]).unsqueeze(1)  # (n, 1)
+        self._uniform = torch.empty(len(shapes), _SPOT_ENTRIES, dtype=torch.float64)
+        self._drawn = torch.empty(3, len(shapes), _SPOT_ENTRIES, dtype=torch.long)
+        on = {torch.device("cpu"): self._drawn}
+        for p in self.params.values():
+            if p.device not in on:
+                on[p.device] = torch.empty_like(self._drawn, device=p.device)
+        self._on = list(on.values())
+        self._index, self._cells = {}, {}
+        for i, (n, p) in enumerate(self.params.items()):
+            if p.numel():
+                flat, rows, cols = on[p.device][:, i]  # each (k,)
+                self._index[n] = flat
+                if p.dim() == 2:
+                    self._cells[n] = (rows, cols)
 
     def observe(self, name: str, grad: torch.Tensor) -> None:
         """A few entries of this backward's gradient of the parameter (summed over its
