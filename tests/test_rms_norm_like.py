@@ -169,15 +169,15 @@ def test_what_is_not_an_rms_norm_gets_no_such_rule() -> None:
 def test_the_replay_compares_element_by_element_and_never_trusts_16_bits() -> None:
     """Rounding passes; a formula 5% off, or off where outputs cancel, does not; nothing in
     16 bits does (a correct bf16 forward rounds as much as a formula a few percent off)."""
-    from gradlog.rules.replay import _close
+    from gradlog.rules.replay import close
 
     g = torch.Generator().manual_seed(0)
     ours = torch.randn(64, 512, dtype=D64, generator=g)
     rounded = ours.float().double()
-    assert _close(rounded, ours, 512, torch.float32)
-    assert not _close(1.05 * ours, ours, 512, torch.float32)
+    assert close(rounded, ours, 512, torch.float32)
+    assert not close(1.05 * ours, ours, 512, torch.float32)
     shifted = ours.clone()
     shifted[0, 0] += 1e-2 * ours.abs().max()  # (one element off)
-    assert not _close(shifted, ours, 512, torch.float32)
-    assert not _close(ours.bfloat16(), ours, 512, torch.float32)
-    assert not _close(ours, ours, 512, torch.bfloat16)
+    assert not close(shifted, ours, 512, torch.float32)
+    assert not close(ours.bfloat16(), ours, 512, torch.float32)
+    assert not close(ours, ours, 512, torch.bfloat16)

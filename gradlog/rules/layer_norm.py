@@ -8,6 +8,7 @@ from the captured input with the same functional op as the forward (one elementw
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -18,7 +19,15 @@ from torch import nn
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, RuleResult, attributes, register_rule, widen
 
-__all__ = ["is_rms_norm_like", "layer_norm", "per_datum_sum", "rms_norm", "rms_norm_like"]
+__all__ = [
+    "is_layer_norm_like",
+    "is_rms_norm_like",
+    "layer_norm",
+    "layer_norm_like",
+    "per_datum_sum",
+    "rms_norm",
+    "rms_norm_like",
+]
 
 _WEIGHT_BIAS = attributes("weight", "bias")  # not e.g. prune's weight_orig
 
@@ -160,5 +169,124 @@ def _probes(module: nn.Module, x: torch.Tensor, eps: float) -> tuple[
         x64, w = probe()
         x_hat = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
         return torch.stack([w_ * x_hat for w_ in w]), torch.stack([(1 + w_) * x_hat for w_ in w])
+
+    return theirs, ours
+
+
+def is_layer_norm_like(module: nn.Module) -> bool:
+    """A LayerNorm class of a library's or the user's own, other than ``nn.LayerNorm``'s
+    forward (transformers' ``CohereLayerNorm``, ``NemotronLayerNorm1P``, ``DebertaLayerNorm``,
+    ConvNeXt's, SAM's, and T5-style RMS norms named ``...LayerNorm``: Pix2Struct's, Udop's,
+    SwitchTransformers'): one weight over the last dimension, maybe a bias of its size, and
+    an epsilon. Its forward is replayed before it is trusted (:func:`layer_norm_like`)."""
+    if not type(module).__name__.endswith(("LayerNorm", "LayerNorm1P")):
+        return False
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        return False  # (nn.LayerNorm's rule)
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) not in ({"weight"}, {"weight", "bias"}) or params["weight"].dim() != 1 or (
+            "bias" in params and params["bias"].shape != params["weight"].shape):
+        return False
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False
+    return _epsilon(module) is not None
+
+
+_NORMALISED = {  # x_hat over the last dimension, by what a replay may find the forward does
+    "layer": lambda x, eps: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+        x.var(-1, unbiased=False, keepdim=True) + eps),
+    "rms": lambda x, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps),
+}
+
+
+_FOUND: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+"""Which ``x_hat`` of :data:`_NORMALISED` each module's forward was found computing."""
+
+
+@register_rule(name="layer_norm_like", accepts=is_layer_norm_like, feature_dims=lambda m: 1,
+               covers=_WEIGHT_BIAS)
+def layer_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
+    """``w * x_hat + b`` or ``(1 + w) * x_hat + b`` (Nemotron's), the bias optional, with
+    ``x_hat`` a layer norm's or an RMS norm's over the last dimension, in float32 at least:
+    datum b's weight gradient is ``sum_n g * x_hat``, its bias's ``sum_n g``. Which ``x_hat``
+    it is, the first call's forward at random weights tells; the replay then checks that
+    one (:func:`.replay.replays`). Another forward (channels first, another normalisation)
+    matches neither and is re-run per datum."""
+    from gradlog.rules.func import generic
+    from gradlog.rules.replay import replays
+
+    tensors = [t for t in (*cap.args, *cap.kwargs.values()) if isinstance(t, torch.Tensor)]
+    weight, eps = module.weight, _epsilon(module)
+    if len(tensors) != 1 or eps is None or not isinstance(weight, torch.Tensor):
+        return generic(module, cap, wanted)
+    bias = getattr(module, "bias", None)
+    bias = bias if isinstance(bias, torch.Tensor) else None
+    dtype = _param_dtype(module)
+    x = tensors[0].to(torch.promote_types(dtype, torch.float32))
+    found = _FOUND.get(module)
+    if found is None:
+        found = _FOUND[module] = _which(module, tensors[0], eps, bias is not None)
+    normalised = _NORMALISED[found]
+
+    def formula() -> tuple[torch.Tensor, torch.Tensor]:  # (at the module's weight and bias)
+        x_hat = normalised(x, eps)
+        w = weight.detach().to(x_hat.dtype)
+        b = 0 if bias is None else bias.detach().to(x_hat.dtype)
+        return w * x_hat + b, (1 + w) * x_hat + b
+
+    own = (lambda: module.forward(tensors[0]), formula)  # (run on the first call only)
+    theirs, ours = _affine_probes(module, tensors[0], eps, normalised, bias is not None)
+    if not replays(module, found, theirs, ours, x.shape[-1], torch.float32, own):
+        return generic(module, cap, wanted)
+    return _affine(normalised(x, eps), cap, wanted, 1, dtype)
+
+
+def _which(module: nn.Module, x: torch.Tensor, eps: float, biased: bool) -> str:
+    """The ``x_hat`` (:data:`_NORMALISED`) whose candidates the module's forward gives at
+    random weights, in float64 (the first, when none does: its replay then fails)."""
+    from gradlog.rules.replay import close
+
+    try:
+        with torch.no_grad():
+            for variant, normalised in _NORMALISED.items():
+                theirs, ours = _affine_probes(module, x, eps, normalised, biased)
+                got = theirs()
+                if any(close(got, c, x.shape[-1], torch.float32) for c in ours()):
+                    return variant
+    except Exception:  # (a forward that takes other arguments: the replay says so)
+        pass
+    return next(iter(_NORMALISED))
+
+
+def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float,
+                   normalised: Callable[[torch.Tensor, float], torch.Tensor], biased: bool
+                   ) -> tuple[Callable[[], torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]:
+    """:func:`_probes` for a norm with a bias: the forward and the formula's candidates in
+    float64 at two random weights and biases."""
+    from torch.func import functional_call
+
+    made: dict[str, torch.Tensor] = {}  # (built on the first call only: replays caches)
+
+    def probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not made:
+            generator = torch.Generator().manual_seed(0)
+            made["x"] = x.detach().to(torch.float64)
+            made["w"], made["b"] = torch.randn(2, 2, x.shape[-1], dtype=torch.float64,
+                                               generator=generator).to(x.device)
+            if not biased:
+                made["b"] = torch.zeros_like(made["b"])
+        return made["x"], made["w"], made["b"]
+
+    def theirs() -> torch.Tensor:
+        x64, w, b = probe()
+        return torch.stack([
+            functional_call(module, {"weight": w_, "bias": b_} if biased else {"weight": w_},
+                            (x64,)) for w_, b_ in zip(w, b, strict=True)])
+
+    def ours() -> tuple[torch.Tensor, ...]:
+        x64, w, b = probe()
+        x_hat = normalised(x64, eps)
+        return (torch.stack([w_ * x_hat + b_ for w_, b_ in zip(w, b, strict=True)]),
+                torch.stack([(1 + w_) * x_hat + b_ for w_, b_ in zip(w, b, strict=True)]))
 
     return theirs, ours

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["replayed_otherwise", "replays"]
+__all__ = ["close", "replayed_otherwise", "replays"]
 
 log = logging.getLogger("gradlog")
 
@@ -46,13 +46,13 @@ def replays(module: nn.Module, variant: str, theirs: Callable[[], torch.Tensor],
     x_hat``), to rounding of sums of ``width`` terms in the coarsest of their dtypes and
     ``computed_in`` (transformers' norms compute in float32 whatever their inputs), and, where
     ``own`` gives a 16-bit output, whether that is the same candidate to :data:`_OWN_EPS`;
-    decided once per module and ``variant`` (:func:`_close`)."""
+    decided once per module and ``variant`` (:func:`close`)."""
     seen = _SEEN.setdefault(module, {})
     if variant not in seen:
         try:
             with torch.no_grad():
                 got = theirs()
-                matched = [k for k, c in enumerate(ours()) if _close(got, c, width, computed_in)]
+                matched = [k for k, c in enumerate(ours()) if close(got, c, width, computed_in)]
                 seen[variant] = bool(matched) and (own is None or _near(own, matched[0]))
         except Exception as e:  # (a forward that takes other arguments)
             log.debug("gradlog: replay of %s failed (%s)", type(module).__name__, e)
@@ -82,7 +82,7 @@ def _near(own: Own, k: int) -> bool:
     return bool(err <= _OWN_EPS * torch.finfo(got.dtype).eps * ref.norm())
 
 
-def _close(theirs: torch.Tensor, ours: torch.Tensor, width: int,
+def close(theirs: torch.Tensor, ours: torch.Tensor, width: int,
            computed_in: torch.dtype) -> bool:
     """Element by element, to rounding of sums of ``width`` terms (relative to the element,
     and to the outputs' root mean square where terms cancel). Never in 16 bits: there the

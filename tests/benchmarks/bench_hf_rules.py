@@ -1,7 +1,8 @@
 """What do the rules found by what a module looks like save? transformers' models from configs.
 
-transformers' experts classes (``gradlog/rules/experts.py``) and RMSNorm classes
-(``rms_norm_like`` in ``gradlog/rules/layer_norm.py``) share no base class; without those
+transformers' experts classes (``gradlog/rules/experts.py``), RMSNorm and LayerNorm classes
+(``rms_norm_like``, ``layer_norm_like`` in ``gradlog/rules/layer_norm.py``: ``--model cohere``,
+``--model nemotron``) share no base class; without those
 rules they are re-run per datum by the ``torch.func`` fallback. This script times a training
 step (forward, ``rec.backward``, SGD step, ``rec.flush()``) of a Mixtral or Llama built from
 a config with random weights (float32, or ``--dtype bfloat16`` weights), in these variants:
@@ -56,12 +57,17 @@ def build(shape: dict[str, int], impl: str, kind: str = "mixtral",
         cfg = transformers.MixtralConfig(**common, num_local_experts=shape["experts"],
                                          num_experts_per_tok=shape["k"])
         cfg._experts_implementation = impl
+    elif kind == "cohere":
+        cfg = transformers.CohereConfig(**common, use_qk_norm=False)
+    elif kind == "nemotron":
+        cfg = transformers.NemotronConfig(**common, head_dim=shape["hidden"] // 4)
     else:
         cfg = transformers.LlamaConfig(**common)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = (transformers.MixtralForCausalLM if kind == "mixtral"
-             else transformers.LlamaForCausalLM)(cfg).to(dtype).train()
+    model = {"mixtral": transformers.MixtralForCausalLM, "cohere": transformers.CohereForCausalLM,
+             "nemotron": transformers.NemotronForCausalLM}.get(
+                 kind, transformers.LlamaForCausalLM)(cfg).to(dtype).train()
     ids = torch.randint(0, 256, (shape["B"], shape["T"]),
                         generator=torch.Generator().manual_seed(1))
     return model, ids
@@ -147,7 +153,9 @@ def run(kind: str, shape_name: str, impl: str, form: str, reps: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mixtral", "llama"], default="mixtral")
+    parser.add_argument("--model", choices=["mixtral", "llama", "cohere", "nemotron"],
+                        default="mixtral",
+                        help="cohere, nemotron: their LayerNorm classes (layer_norm_like)")
     parser.add_argument("--shape", choices=list(SHAPES), nargs="+", default=["small", "wide"])
     parser.add_argument("--impl", nargs="+", default=["eager", "grouped_mm"],
                         help="transformers' experts implementations")
