@@ -1,8 +1,8 @@
 """LayerNorm classes of libraries and users (gradlog/rules/layer_norm.py, ``layer_norm_like``):
 transformers' Cohere (no bias, float32), Nemotron (``1 + w``), DeBERTa, ConvNeXt (channels
-last) and Pix2Struct (an RMS norm named LayerNorm) norms in closed form against the loop
-oracle; a forward other than the formulas (channels first, an unbiased variance) is
-replayed, caught and re-run per datum; whole Cohere and Nemotron models from configs."""
+last and first) and Pix2Struct (an RMS norm named LayerNorm) norms in closed form against
+the loop oracle; a forward other than the formulas (an unbiased variance, an instance norm)
+is replayed, caught and re-run per datum; whole Cohere and Nemotron models from configs."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ class _ChannelsFirst(nn.Module):
 
 
 class OtherLayerNorm(nn.Module):
-    """Named like a LayerNorm, computing something else: the unbiased variance (n - 1), or
-    the bias added before the weight scales."""
+    """Named like a LayerNorm, computing something else: the unbiased variance (n - 1), the
+    bias added before the weight scales, or each channel normalised over its positions."""
 
     def __init__(self, d: int, kind: str) -> None:
         super().__init__()
@@ -103,6 +103,10 @@ class OtherLayerNorm(nn.Module):
         self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "over_space":  # (B, C, H, W)
+            centred = x - x.mean((2, 3), keepdim=True)
+            x_hat = centred / torch.sqrt(x.var((2, 3), unbiased=False, keepdim=True) + self.eps)
+            return self.weight[:, None, None] * x_hat + self.bias[:, None, None]
         centred = x - x.mean(-1, keepdim=True)
         if self.kind == "unbiased":
             return self.weight * centred / torch.sqrt(x.var(-1, keepdim=True) + self.eps) + (
@@ -111,11 +115,41 @@ class OtherLayerNorm(nn.Module):
         return self.weight * (x_hat + self.bias)
 
 
-@pytest.mark.parametrize("kind", ["channels_first", "unbiased", "bias_first"])
+def test_convnext_channels_first_norm_uses_the_formula(calls_to: Counter) -> None:
+    """ConvNeXt's norm over the channels of (B, C, H, W) (its stem and downsampling layers)
+    was re-run per datum: each datum's weight gradient sums over H and W."""
+    torch.manual_seed(0)
+    model = _ChannelsFirst().double()
+    with torch.no_grad():
+        for p in model.norm.parameters():
+            p.normal_()
+    x = torch.randn(3, 2, 5, 5, dtype=D64, generator=torch.Generator().manual_seed(1))
+    calls = calls_to(func, "generic")
+    described = assert_like_loop(model, lambda: (model(x) ** 3).flatten(1).sum(1),
+                                 reductions=("mean", "sum"))
+    assert {m["module"]: m["rule"] for m in described["modules"]}["norm"] == "layer_norm_like"
+    assert not described["fallback"]
+    assert not calls
+
+
+class _OverSpace(nn.Module):
+    """Named like a LayerNorm, normalising each channel over its positions (an instance
+    norm): no formula's ``x_hat``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3)
+        self.norm = OtherLayerNorm(6, "over_space")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+@pytest.mark.parametrize("kind", ["unbiased", "bias_first", "over_space"])
 def test_a_forward_other_than_the_formulas_is_re_run(kind: str, calls_to: Counter) -> None:
     torch.manual_seed(0)
-    if kind == "channels_first":
-        model: nn.Module = _ChannelsFirst().double()
+    if kind == "over_space":
+        model: nn.Module = _OverSpace().double()
         x = torch.randn(3, 2, 5, 5, dtype=D64, generator=torch.Generator().manual_seed(1))
 
         def losses() -> torch.Tensor:

@@ -48,10 +48,13 @@ def _normalized_dims(module: nn.Module) -> int:
 
 
 def _affine(
-    x_hat: torch.Tensor, cap: Capture, wanted: frozenset[str], n_trailing: int, dtype: torch.dtype
+    x_hat: torch.Tensor, cap: Capture, wanted: frozenset[str], n_trailing: int, dtype: torch.dtype,
+    channels_first: bool = False,
 ) -> RuleResult:
     B = cap.batch_size
     g = cap.grad_output.to(dtype)  # (B, ..., *shape)
+    if channels_first:  # (B, C, ...): the features last
+        g, x_hat = g.movedim(1, -1), x_hat.movedim(1, -1)
     out: RuleResult = {}
     if "weight" in wanted:
         out["weight"] = per_datum_sum(g * x_hat.to(dtype), B, n_trailing).mul_(cap.scale)
@@ -192,11 +195,25 @@ def is_layer_norm_like(module: nn.Module) -> bool:
     return _epsilon(module) is not None
 
 
-_NORMALISED = {  # x_hat over the last dimension, by what a replay may find the forward does
-    "layer": lambda x, eps: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
-        x.var(-1, unbiased=False, keepdim=True) + eps),
-    "rms": lambda x, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps),
+def _layer(x: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+    return (x - x.mean(dim, keepdim=True)) * torch.rsqrt(
+        x.var(dim, unbiased=False, keepdim=True) + eps)
+
+
+def _rms(x: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(dim, keepdim=True) + eps)
+
+
+_NORMALISED: dict[str, tuple[Callable[[torch.Tensor, float, int], torch.Tensor], int]] = {
+    "layer": (_layer, -1),  # x_hat, and the dimension it normalises (the weight's), by what
+    "rms": (_rms, -1),  # a replay may find the forward does
+    "layer, channels first": (_layer, 1),  # ((B, C, H, W): ConvNeXt's, SAM's)
 }
+
+
+def _along(p: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+    """A ``(d,)`` weight or bias shaped to broadcast along dimension ``dim`` of ``ndim``."""
+    return p if dim == -1 or ndim < 3 else p.view(-1, *[1] * (ndim - 2))
 
 
 _FOUND: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -207,11 +224,12 @@ _FOUND: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
                covers=_WEIGHT_BIAS)
 def layer_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> RuleResult:
     """``w * x_hat + b`` or ``(1 + w) * x_hat + b`` (Nemotron's), the bias optional, with
-    ``x_hat`` a layer norm's or an RMS norm's over the last dimension, in float32 at least:
+    ``x_hat`` a layer norm's or an RMS norm's over the last dimension, or a layer norm's over
+    the channels of ``(B, C, ...)`` (ConvNeXt's ``channels_first``), in float32 at least:
     datum b's weight gradient is ``sum_n g * x_hat``, its bias's ``sum_n g``. Which ``x_hat``
     it is, the first call's forward at random weights tells; the replay then checks that
-    one (:func:`.replay.replays`). Another forward (channels first, another normalisation)
-    matches neither and is re-run per datum."""
+    one (:func:`.replay.replays`). Another forward (another normalisation) matches none and
+    is re-run per datum."""
     from gradlog.rules.func import generic
     from gradlog.rules.replay import replays
 
@@ -226,19 +244,21 @@ def layer_norm_like(module: nn.Module, cap: Capture, wanted: frozenset[str]) -> 
     found = _FOUND.get(module)
     if found is None:
         found = _FOUND[module] = _which(module, tensors[0], eps, bias is not None)
-    normalised = _NORMALISED[found]
+    normalised, dim = _NORMALISED[found]
 
     def formula() -> tuple[torch.Tensor, torch.Tensor]:  # (at the module's weight and bias)
-        x_hat = normalised(x, eps)
-        w = weight.detach().to(x_hat.dtype)
-        b = 0 if bias is None else bias.detach().to(x_hat.dtype)
+        x_hat = normalised(x, eps, dim)
+        w = _along(weight.detach().to(x_hat.dtype), dim, x_hat.dim())
+        b = 0 if bias is None else _along(bias.detach().to(x_hat.dtype), dim, x_hat.dim())
         return w * x_hat + b, (1 + w) * x_hat + b
 
     own = (lambda: module.forward(tensors[0]), formula)  # (run on the first call only)
-    theirs, ours = _affine_probes(module, tensors[0], eps, normalised, bias is not None)
-    if not replays(module, found, theirs, ours, x.shape[-1], torch.float32, own):
+    theirs, ours = _affine_probes(module, tensors[0], eps, found, bias is not None)
+    width = x.shape[dim] if x.dim() > max(dim, 0) else 0
+    if not replays(module, found, theirs, ours, width, torch.float32, own) or (
+            width != weight.shape[0]):  # (a call of another layout than the first's)
         return generic(module, cap, wanted)
-    return _affine(normalised(x, eps), cap, wanted, 1, dtype)
+    return _affine(normalised(x, eps, dim), cap, wanted, 1, dtype, channels_first=dim == 1)
 
 
 def _which(module: nn.Module, x: torch.Tensor, eps: float, biased: bool) -> str:
@@ -246,32 +266,32 @@ def _which(module: nn.Module, x: torch.Tensor, eps: float, biased: bool) -> str:
     random weights, in float64 (the first, when none does: its replay then fails)."""
     from gradlog.rules.replay import close
 
-    try:
-        with torch.no_grad():
-            for variant, normalised in _NORMALISED.items():
-                theirs, ours = _affine_probes(module, x, eps, normalised, biased)
+    for variant, (_, dim) in _NORMALISED.items():
+        try:
+            with torch.no_grad():
+                theirs, ours = _affine_probes(module, x, eps, variant, biased)
                 got = theirs()
-                if any(close(got, c, x.shape[-1], torch.float32) for c in ours()):
+                if any(close(got, c, x.shape[dim], torch.float32) for c in ours()):
                     return variant
-    except Exception:  # (a forward that takes other arguments: the replay says so)
-        pass
+        except Exception:  # (a forward that takes other arguments, an input this variant
+            continue  # cannot normalise: the replay says so)
     return next(iter(_NORMALISED))
 
 
-def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float,
-                   normalised: Callable[[torch.Tensor, float], torch.Tensor], biased: bool
+def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float, variant: str, biased: bool
                    ) -> tuple[Callable[[], torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]:
-    """:func:`_probes` for a norm with a bias: the forward and the formula's candidates in
-    float64 at two random weights and biases."""
+    """:func:`_probes` for a norm with a bias: the forward and the formula's candidates
+    (``variant`` of :data:`_NORMALISED`) in float64 at two random weights and biases."""
     from torch.func import functional_call
 
+    normalised, dim = _NORMALISED[variant]
     made: dict[str, torch.Tensor] = {}  # (built on the first call only: replays caches)
 
     def probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not made:
             generator = torch.Generator().manual_seed(0)
             made["x"] = x.detach().to(torch.float64)
-            made["w"], made["b"] = torch.randn(2, 2, x.shape[-1], dtype=torch.float64,
+            made["w"], made["b"] = torch.randn(2, 2, x.shape[dim], dtype=torch.float64,
                                                generator=generator).to(x.device)
             if not biased:
                 made["b"] = torch.zeros_like(made["b"])
@@ -285,8 +305,10 @@ def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float,
 
     def ours() -> tuple[torch.Tensor, ...]:
         x64, w, b = probe()
-        x_hat = normalised(x64, eps)
-        return (torch.stack([w_ * x_hat + b_ for w_, b_ in zip(w, b, strict=True)]),
-                torch.stack([(1 + w_) * x_hat + b_ for w_, b_ in zip(w, b, strict=True)]))
+        x_hat = normalised(x64, eps, dim)
+        pairs = [(_along(w_, dim, x_hat.dim()), _along(b_, dim, x_hat.dim()))
+                 for w_, b_ in zip(w, b, strict=True)]
+        return (torch.stack([w_ * x_hat + b_ for w_, b_ in pairs]),
+                torch.stack([(1 + w_) * x_hat + b_ for w_, b_ in pairs]))
 
     return theirs, ours
