@@ -359,28 +359,49 @@ def test_dropouts_at_rate_0_draw_nothing_to_replay(tmp_path: Any) -> None:
     assert len(gradlog.open(tmp_path / "r.gradlog").steps) == 1
 
 
-def test_a_libraries_drop_path_is_replayed_in_the_torch_func_fallback() -> None:
+def _re_run_containers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers re-run per datum, as before their own parameters were taken op by op
+    (gradlog/backends/hooks/containers.py): the fallback these tests are about."""
+    from gradlog.backends.hooks import containers
+
+    monkeypatch.setattr(containers.Containers, "enter", lambda self, entry: False)
+
+
+@pytest.mark.parametrize("by_ops", [False, True])
+def test_a_libraries_drop_path_is_replayed_in_the_torch_func_fallback(
+        by_ops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drop paths (named ``...DropPath``, with a ``drop_prob``) were not replayed, so BEiT's
     and ConvNeXt's layers were refused in training ("draws random numbers"); their masks
-    are now rebuilt and applied per datum, as nn.Dropout's."""
+    are now rebuilt and applied per datum, as nn.Dropout's. Taken op by op, the layer
+    scale needs no replay."""
     from gradlog.testing.oracle import assert_like_loop
 
+    if not by_ops:
+        _re_run_containers(monkeypatch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = torch.nn.Sequential(_ScaledResidual(), _ScaledResidual()).double().train()
     x = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     described = assert_like_loop(model, lambda: model(x).pow(2).sum((1, 2)))
-    assert sorted(described["fallback"]) == ["0", "1"]
+    assert sorted(described["fallback"]) == ([] if by_ops else ["0", "1"])
 
 
-def test_a_drop_path_that_is_not_a_mask_is_refused() -> None:
+@pytest.mark.parametrize("by_ops", [False, True])
+def test_a_drop_path_that_is_not_a_mask_is_refused(by_ops: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Matched by name, so each call is checked: a module named so that adds noise is
-    refused, never re-run with other draws."""
+    refused, never re-run with other draws. Taken op by op, nothing is re-run: the noise
+    is what the forward drew, and the records are the loop's."""
     from gradlog.errors import BackendError
-    from gradlog.testing.oracle import backend_grads
+    from gradlog.testing.oracle import assert_like_loop, backend_grads
 
+    if not by_ops:
+        _re_run_containers(monkeypatch)
     model = torch.nn.Sequential(_ScaledResidual("noise")).double().train()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
+    if by_ops:
+        assert_like_loop(model, lambda: model(x).pow(2).sum((1, 2)))
+        return
     with pytest.raises(BackendError, match="named like a drop path"):
         backend_grads(model, lambda: model(x).pow(2).sum((1, 2)))
 

@@ -318,13 +318,20 @@ def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:
     assert "vit.embeddings" in described["fallback"]
 
 
-def test_convnext_drop_path_inside_a_fallback_module() -> None:
-    """ConvNeXt's layer owns layer_scale_parameter (no rule: torch.func per layer) and ends
-    in a drop path (torch.rand in a function): its masks are replayed per datum (it was
-    refused: "draws random numbers")."""
+@pytest.mark.parametrize("by_ops", [True, False])
+def test_convnext_drop_path_inside_a_fallback_module(by_ops: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """ConvNeXt's layer owns layer_scale_parameter and ends in a drop path (torch.rand in a
+    function). Its layer scale is taken op by op (.containers): nothing is re-run. Re-run
+    per layer (``torch.func``, as before; here with op capture off), the drop path's masks
+    are replayed per datum (it was refused: "draws random numbers")."""
+    from gradlog.backends.hooks import containers
+
+    if not by_ops:
+        monkeypatch.setattr(containers.Containers, "enter", lambda self, entry: False)
     model, forward = _vision("convnext", "eager", dropout=DROP)
     described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
-    assert any(name.endswith("layers.0") for name in described["fallback"])
+    assert any(name.endswith("layers.0") for name in described["fallback"]) != by_ops
 
 
 @pytest.mark.slow
@@ -354,12 +361,20 @@ def test_random_draws_a_fallback_cannot_replay_are_refused_not_wrong() -> None:
 
 
 @pytest.mark.skipif(not hasattr(transformers, "JambaConfig"), reason="no Jamba in transformers")
-def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop() -> None:
+@pytest.mark.parametrize("by_ops", [True, False])
+def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop(
+        by_ops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Jamba builds a cache in training and its Mamba mixer (the torch.func fallback) writes
     its states into it; the re-run per datum continued from them (B 1: the mixer's D 63%
-    off, only the spot check refused; B 2: a shape error reported as a gradlog bug)."""
+    off, only the spot check refused; B 2: a shape error reported as a gradlog bug): with
+    the cache, refused. The mixer's own parameters (``A_log``, ``D``) are now taken op by op
+    (.containers): nothing is re-run, and the cache does not matter."""
+    from gradlog.backends.hooks import containers
     from gradlog.errors import UnsupportedLayerError
     from gradlog.testing.oracle import backend_grads
+
+    if not by_ops:
+        monkeypatch.setattr(containers.Containers, "enter", lambda self, entry: False)
 
     config = transformers.JambaConfig(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -375,8 +390,13 @@ def test_jamba_with_its_cache_is_refused_and_without_it_records_like_the_loop() 
         return lambda: F.cross_entropy(model(input_ids=ids, **options).logits[:, :-1].transpose(
             1, 2), labels, reduction="none").mean(1)  # (B,)
 
-    with pytest.raises(UnsupportedLayerError, match="use_cache=False"):
-        backend_grads(model, forward())
+    if by_ops:
+        described = assert_like_loop(model, forward(), reductions=("mean",), rtol=1e-4,
+                                     atol=1e-6)
+        assert not described["fallback"]
+    else:
+        with pytest.raises(UnsupportedLayerError, match="use_cache=False"):
+            backend_grads(model, forward())
     assert_like_loop(model, forward(use_cache=False), reductions=("mean",), rtol=1e-4,
                      atol=1e-6)
 

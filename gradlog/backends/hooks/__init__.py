@@ -39,9 +39,9 @@ graph before the backward); when it reaches the batch only through Linear layers
 from theirs (:mod:`.feeds`, DeBERTa's relative positions); other uses are refused first.
 
 Chunked heads and layers on the batch's tokens flattened to ``(B*T, d)``: :mod:`.layout`.
-
 Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured per
-op around the root's forward (:mod:`.operations`; rules: :mod:`gradlog.rules.ops`).
+op around the root's forward (:mod:`.operations`; rules: :mod:`gradlog.rules.ops`), and so are
+a container's own parameters (a layer scale) where they can all be (:mod:`.containers`).
 
 Checks (:mod:`.checks`): a gradient no hooked call or op saw is an error; every backward
 compares ``sum_b w_b g_b`` with autograd's gradient at a few random entries per parameter.
@@ -55,7 +55,6 @@ ran without grad). Per-datum gradients equal those without checkpointing.
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -65,7 +64,6 @@ from torch import nn
 
 from gradlog._torch_private import (
     cuda_devices,
-    forked_rng,
     in_autograd_backward,
     in_checkpoint_recompute,
     rng_states,
@@ -79,6 +77,7 @@ from gradlog.backends.heap import keep_heap_resident
 from gradlog.backends.hooks import checks, datum_check, graph, parametrized
 from gradlog.backends.hooks.accumulate import Accumulator
 from gradlog.backends.hooks.calls import Call, Entry, plan_entries
+from gradlog.backends.hooks.containers import Containers
 from gradlog.backends.hooks.datum_check import HOOK_KINDS
 from gradlog.backends.hooks.feeds import Feeds
 from gradlog.backends.hooks.graph import alias_outputs, consumer_gradient, hook_target
@@ -96,8 +95,6 @@ from gradlog.rules.ops import GENERIC_BATCH_DIM
 from gradlog.rules.replay import replayed_otherwise
 
 __all__ = ["BATCH_GRADS", "REUSES_BUFFERS", "HooksBackend"]
-
-log = logging.getLogger("gradlog")
 
 BATCH_GRADS = ("autograd", "sum")
 """``p.grad`` of recorded Linear weights: autograd's own (bitwise), or the sum of the
@@ -145,7 +142,8 @@ class HooksBackend(Backend):
         self._saved_tensor_hooks = "none"  # the calls' saved-tensor hooks (HOOK_KINDS)
         self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
         self._ops: OpCapture | None = None
-        self._states = parametrized.States()  # (see attach)
+        self._containers = Containers(None, self._capturing)  # (see attach)
+        self._states = parametrized.States()
         self._writes = checks.InputWrites()
         self._reset(0)
 
@@ -179,6 +177,7 @@ class HooksBackend(Backend):
         # uses of recorded parameters that no hooked module call covers (see .operations)
         self._ops = OpCapture(self.model, self.params, self._capture, self._inside,
                               self._entries, self._capturing, self.watch_ops)
+        self._containers = Containers(self._ops, self._capturing)
         self._handles.append(self.model.register_forward_pre_hook(self._ops.enter, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._ops.leave,
                                                               always_call=True))
@@ -198,6 +197,7 @@ class HooksBackend(Backend):
         self._entries = []
         self._inside.clear()
         self._ops = None
+        self._containers = Containers(None, self._capturing)
         self._pool = BufferPool()  # let go of buffers kept for reuse
 
     @property
@@ -213,7 +213,9 @@ class HooksBackend(Backend):
             "modules": [{"module": e.name, "class": type(e.module).__name__, "rule": e.rule.name,
                          "params": sorted(set(e.names.values()))} for e in self._entries],
             "fallback": list(dict.fromkeys(  # (or a replay found it computing otherwise)
-                e.name for e in self._entries if e.fallback or replayed_otherwise(e.module))),
+                e.name for e in self._entries if (e.fallback and e.name not in
+                                                  self._containers.by_ops)
+                or replayed_otherwise(e.module))),
             "ops": sorted({f"{e.name}: {e.rule.name}"
                            for e in (self._ops.entries.values() if self._ops else ())}),
             "batch_grad": self.batch_grad,
@@ -225,8 +227,9 @@ class HooksBackend(Backend):
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
         self._states.enter(entry)
         self._writes.enter(entry, args)
-        for key in entry.param_ids:
-            self._inside[key] = self._inside.get(key, 0) + 1
+        if not self._containers.enter(entry):  # (a container's own, op by op: uncovered)
+            for key in entry.param_ids:
+                self._inside[key] = self._inside.get(key, 0) + 1
 
     def _capturing(self) -> bool:
         """Whether an op seen now is captured (not while rules run, nor without grad)."""
@@ -237,16 +240,23 @@ class HooksBackend(Backend):
         inside = self._inside  # (always called, also when the forward raised)
         self._states.leave(entry)
         self._writes.leave(entry)
-        for key in entry.param_ids:
+        inner = self._containers.leave(entry)
+        for key in entry.param_ids if inner is None else ():
             inside[key] = inside.get(key, 1) - 1
         if output is None or self._recomputing or not torch.is_grad_enabled():
             return None
         if not any(p.requires_grad for p in entry.params):
             return None
+        last = self._live[-1] if self._live else None
         if self._ops is None or not self._ops.watching:  # (the mode is pushed only then)
-            return self._capture(entry, module, args, kwargs, output)
-        with torch_function_mode_paused(self._ops):  # (its ops are not the model's)
-            return self._capture(entry, module, args, kwargs, output)
+            out = self._capture(entry, module, args, kwargs, output)
+        else:
+            with torch_function_mode_paused(self._ops):  # (its ops are not the model's)
+                out = self._capture(entry, module, args, kwargs, output)
+        call = self._live[-1]() if self._live and self._live[-1] is not last else None
+        if inner is not None and call is not None:
+            call.inner = inner
+        return out
 
     def _capture(self, entry: Entry, module: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any], output: Any) -> Any:
@@ -310,6 +320,8 @@ class HooksBackend(Backend):
         if call.refusal is None and call.stamp is not None:
             call.refusal = call.stamp.refusal
         self._live.append(weakref.ref(call))
+        if entry.op:
+            self._containers.note(call)
         if len(self._live) % 256 == 0:
             self._live = [r for r in self._live if r() is not None]
         return output if replaced else None
@@ -401,25 +413,13 @@ class HooksBackend(Backend):
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
-        """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries
-        per parameter (None: autograd refused; no check); see :func:`datum_check.check_datum`.
-        The global RNG is forked and set to ``rng``: the backward's random draws repeat."""
-        names = [n for n, p in self.params.items() if p.numel()]
-        v = torch.randn(losses.shape[0], generator=self._spot_rng, dtype=torch.float64)
-        devices = cuda_devices(self.model)
-        self._probing = True  # the hooks let this backward pass (see _on_output_grad)
+        """:func:`datum_check.probe`, its backward let pass by the hooks."""
+        self._probing = True  # (see _on_output_grad)
         try:
-            with forked_rng(devices, rng):
-                weighted = (losses * v.to(losses.device, losses.dtype)).sum()
-                got = torch.autograd.grad(weighted, [self.params[n] for n in names],
-                                          retain_graph=keep_graph, allow_unused=True)
-        except Exception as e:  # selective checkpointing ("backward an extra time"), a
-            # Function whose backward uses up its state: no check (p.grad is unaffected)
-            log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
-            return None
+            return datum_check.probe(losses, self.params, self._spot_rng,
+                                     cuda_devices(self.model), rng, keep_graph)
         finally:
             self._probing = False
-        return v, datum_check.sample_entries(names, got, self.params, self._spot_rng)
 
     def _reset(self, batch_size: int, survey: graph.GraphSurvey | None = None) -> None:
         if batch_size:
@@ -562,6 +562,7 @@ class HooksBackend(Backend):
     def _route_shared_outputs(self, survey: graph.GraphSurvey, B: int) -> None:
         """Before the backward: settle each captured call's batch dimension, and hook the
         consumers of outputs an op broadcasts over the batch (see :func:`shared_outputs`)."""
+        self._containers.settle([c for c in (r() for r in self._live) if c is not None], B)
         live = [c for c in (r() for r in self._live)
                 if c is not None and not c.done and c.args is not None]
         self._live = [weakref.ref(c) for c in live]

@@ -52,6 +52,7 @@ class Entry:
     op: str = ""  # an op call seen by operations.OpCapture (module: the root), not a module's
     chains: tuple[Chain, ...] = ()  # parametrized tensors whose parameters are recorded
     plists: tuple[nn.Module, ...] = ()  # the parametrizations its rule may evaluate again
+    deferrable: bool = False  # its own parameters may be taken op by op (.containers)
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:
@@ -101,6 +102,7 @@ class Call:
         "grads",
         "handles",
         "hooked",
+        "inner",
         "kwargs",
         "lead",
         "out_shape",
@@ -142,6 +144,7 @@ class Call:
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn
+        self.inner: list[Call] | None = None  # a container's op calls (.containers)
 
     def tag(self, metadata: dict[str, Any], output_nr: int) -> None:
         """Note this call in its output's ``grad_fn.metadata`` (:data:`TAG`): how the walks
@@ -237,10 +240,15 @@ def _plan(model: nn.Module, params: Mapping[str, nn.Parameter],
             rest = {attr: name for attr, name in rest.items()
                     if id(module.get_parameter(attr)) not in below}
         # (the torch.func re-run passes the parametrization's parameters, not its tensor)
-        rest.update(_chained(tuple(c for c in chains if how[id(c)] is None), module, by_id))
+        chained = _chained(tuple(c for c in chains if how[id(c)] is None), module, by_id)
+        # a module below the root holding raw parameters beside children with theirs (a
+        # layer scale, BEiT's lambda_1): may take its own op by op (.containers)
+        deferrable = bool(rest) and not chained and bool(mname) and any(
+            True for child in module.children() for _ in child.parameters())
+        rest.update(chained)
         if rest:
             entries.append(_entry(params, batch_grad, module, mname, GENERIC, rest,
-                                  fallback=True))
+                                  fallback=True, deferrable=deferrable))
     return entries
 
 
@@ -253,7 +261,7 @@ def _chained(chains: tuple[Chain, ...], module: nn.Module,
 
 def _entry(params: Mapping[str, nn.Parameter], batch_grad: str, module: nn.Module, name: str,
            rule: Rule, names: dict[str, str], *, fallback: bool,
-           chains: tuple[Chain, ...] = ()) -> Entry:
+           chains: tuple[Chain, ...] = (), deferrable: bool = False) -> Entry:
     owned = tuple(params[n] for n in dict.fromkeys(names.values()))
     fused = (batch_grad == "sum" and not fallback and "weight" in names
              and rule.name in ("linear", "conv1d_gpt2") and fusable(module))
@@ -261,7 +269,7 @@ def _entry(params: Mapping[str, nn.Parameter], batch_grad: str, module: nn.Modul
     own = rule if not fallback else find_rule(module)
     hook_base = own is not None and own.views_own_result
     return Entry(module, name, rule, names, owned, fallback, fused, hook_base, chains=chains,
-                 plists=plists_in(module))
+                 plists=plists_in(module), deferrable=deferrable)
 
 
 def _refuse_parametrization(name: str, module: nn.Module, recorded: Mapping[int, str],

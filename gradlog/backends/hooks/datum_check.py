@@ -10,6 +10,7 @@ couples the datums) still sums to ``p.grad`` and passes the spot check
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import (
+    forked_rng,
     global_module_backward_hooks_on,
     module_has_backward_hooks,
     tensor_hook_count,
@@ -35,11 +37,14 @@ __all__ = [
     "check_datum",
     "datum_check_mode",
     "datum_check_possible",
+    "probe",
     "sample_entries",
     "wants_datum_check",
 ]
 
 _DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
+
+log = logging.getLogger("gradlog")
 
 Layout = tuple[str, int, tuple[int, ...]]  # (module, calls of it, dims of size B): checked
 
@@ -127,6 +132,26 @@ def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
         return None, False  # (an unknown Function may talk to the other ranks: no check)
     late = foreign or saved_tensor_hooks in ("selective", "other")
     return ("after" if late else "before"), foreign
+
+
+def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
+          generator: torch.Generator, devices: list[int], rng: dict[str, torch.Tensor] | None,
+          keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries per
+    parameter (None: autograd refused; no check); see :func:`check_datum`. The global RNG
+    is forked and set to ``rng``: the backward's random draws repeat."""
+    names = [n for n, p in params.items() if p.numel()]
+    v = torch.randn(losses.shape[0], generator=generator, dtype=torch.float64)
+    try:
+        with forked_rng(devices, rng):
+            weighted = (losses * v.to(losses.device, losses.dtype)).sum()
+            got = torch.autograd.grad(weighted, [params[n] for n in names],
+                                      retain_graph=keep_graph, allow_unused=True)
+    except Exception as e:  # selective checkpointing ("backward an extra time"), a
+        # Function whose backward uses up its state: no check (p.grad is unaffected)
+        log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
+        return None
+    return v, sample_entries(names, got, params, generator)
 
 
 def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],

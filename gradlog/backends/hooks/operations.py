@@ -146,6 +146,8 @@ class OpCapture(TorchFunctionMode):
         self.held = _Accumulators()
         self.restore: Callable[[], None] | None = None  # the prior torch.compile stance
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
+        self.deferred: dict[int, int] = {}  # parameter id -> running calls of containers
+        # taking it op by op (.containers): uses there do not make every forward watched
         self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse]] = {
             id(p): (weakref.ref(p), ParamUse(n, p)) for n, p in params.items()
         }
@@ -275,7 +277,8 @@ class OpCapture(TorchFunctionMode):
             return out
         free = {k: u for k, u in uses.items() if not self.inside.get(id(u.param))}
         if free:  # (a use inside a covering module's call is its rule's)
-            self.free += 1
+            if any(not self.deferred.get(id(u.param)) for u in free.values()):
+                self.free += 1
             self.capture(self._entry(func, args, kwargs, free), self.model, args, kwargs, out)
         return out
 
