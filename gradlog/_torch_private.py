@@ -37,6 +37,7 @@ __all__ = [
     "autograd_node_forward_class",
     "autograd_node_leading_copies",
     "autograd_node_nll_target",
+    "autograd_node_output_dims",
     "autograd_node_output_dtypes",
     "autograd_node_output_shape",
     "autograd_node_repeats",
@@ -301,6 +302,12 @@ def autograd_node_output_shape(node: Any, output: int = 0) -> tuple[int, ...]:
     :func:`autograd_node_shapes_known` first.
     """
     return tuple(node._input_metadata[output].shape)
+
+
+def autograd_node_output_dims(node: Any) -> int:
+    """Dimensions of the node's first forward output (0: it has none). Private API, as
+    :func:`autograd_node_output_shape`."""
+    return len(node._input_metadata[0].shape) if node._input_metadata else 0
 
 
 def autograd_node_shapes_known(node: Any) -> bool:

@@ -1897,3 +1897,75 @@ def test_an_addition_onto_a_constant_of_b_rows_is_verified() -> None:
     model.inp.weight.register_hook(lambda g: None)
     with pytest.raises(UnsupportedLayerError, match=r"an expand or a repeat copies"):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _Pooled(nn.Module):
+    """A classifier on a pooled ``(B, d)``: fewer dimensions than the batch's ``(B, T, d)``,
+    as a table of length B has, but taken from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.Linear(4, 4).double(), nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.enc(x)).mean(1))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("case", ["table", "repeated", "pooled"])
+def test_without_node_shapes_what_sizes_alone_read_is_verified(
+        case: str, hooked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before torch 2.6 autograd's nodes carry no output shapes, and the layout is read from
+    sizes: a table of length B was taken for batched, a repeat over the batch trusted, with
+    no datum check to see it (a backward hook): recorded wrong (the table 4x off). Such
+    layouts are now verified as copies are (refused where no check runs); an output taken
+    from the batch's tensors (a pooled classifier's) records as before."""
+    from gradlog.backends.hooks import layout
+
+    monkeypatch.setattr(layout, "autograd_node_shapes_known", lambda node: False)
+    model: nn.Module = {"table": lambda: _Table("view", T=B),
+                        "repeated": lambda: _Repeated("new"), "pooled": _Pooled}[case]()
+    if hooked:  # (a tensor hook of the user's on a parameter: no datum check)
+        next(model.parameters()).register_hook(lambda g: None)
+    T = B if case == "table" else 5
+    x = torch.randn(B, T, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    if case == "pooled" or (case == "repeated" and not hooked):
+        assert_hooks_match_loop(model, lambda: squares(model(x)))
+        return
+    match = r"check cannot run here" if hooked else r"differ from the datums' own"
+    with pytest.raises(GradlogError, match=match):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _CheckpointedTable(nn.Module):
+    """:class:`_Table`'s model with its batched Linear in a reentrant checkpoint: the forward
+    runs it without grad, so it is captured only in the backward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.t = _Table(kind, T=B)
+        self.checkpointed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        s = self.t.shared(self.t.table)
+        h = checkpoint(self.t.inp, x, use_reentrant=True) if self.checkpointed else self.t.inp(x)
+        return torch.tanh(s.unsqueeze(0) + h if self.t.kind == "view" else s * 2 + h)
+
+
+@pytest.mark.parametrize("kind", ["view", "scaled"])
+def test_a_table_as_long_as_the_batch_beside_a_reentrant_checkpoint(kind: str) -> None:
+    """The calls seen before the backward were the table's alone, so its ``(B, 4)`` looked
+    as wide as the batch's tensors and was read as batched, with no datum check under a
+    reentrant checkpoint: recorded wrong (4.9 off). The batch's dimensions are then read
+    from the graph."""
+    model = _CheckpointedTable(kind)
+    x = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    model.checkpointed = False  # (the loop cannot take a reentrant checkpoint: its oracle)
+    want = per_datum(model, lambda: squares(model(x)), "loop")
+    model.checkpointed = True
+    got = per_datum(model, lambda: squares(model(x)), "hooks")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12, msg=n)

@@ -21,12 +21,8 @@ once per call. Errors inside the backward are raised after it (``p.grad`` comple
 gradient from the sum of their per-datum gradients instead of autograd's own matmul
 (:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
 
-Chosen layers. Only modules owning recorded parameters are hooked: ``params="layers.40.*"``
-costs that layer's captured inputs and per-datum gradients; a parameter frozen later is
-refused by name (``params.check_differentiable``).
-
-Autocast. Rules accumulate 16-bit captures in the parameters' dtype; ``p.grad`` is then
-rounded: :attr:`low_precision` names those parameters, whose checks allow for it.
+Chosen layers: only modules owning recorded parameters are hooked. Autocast: rules
+accumulate 16-bit captures in the parameters' dtype; :attr:`low_precision` names them.
 
 Batch dimension. Layers that treat leading dimensions alike (Linear, Embedding, LayerNorm)
 may have the batch in any of them (sequence-first models): found by size, refused where
@@ -37,8 +33,8 @@ broadcast over the batch by the op consuming it: when that op adds, subtracts, e
 repeats it, each datum's gradient is taken from its output gradient (found by a walk of the
 graph before the backward); when it reaches the batch only through Linear layers so routed,
 from theirs (:mod:`.feeds`, DeBERTa's relative positions); other uses are refused first.
-
 Chunked heads and layers on the batch's tokens flattened to ``(B*T, d)``: :mod:`.layout`.
+
 Uses outside a covering module (a head tied by hand, PEFT's LoRA embedding) are captured per
 op around the root's forward (:mod:`.operations`; rules: :mod:`gradlog.rules.ops`), and so are
 a container's own parameters (a layer scale) where they can all be (:mod:`.containers`).
@@ -49,7 +45,7 @@ compares ``sum_b w_b g_b`` with autograd's gradient at a few random entries per 
 Activation checkpointing. Hooks fire again when ``torch.utils.checkpoint`` recomputes a
 segment: with ``use_reentrant=False`` the original call counts (recomputations are told apart
 by torch's saved-tensor hooks), with ``use_reentrant=True`` the recomputed one (the original
-ran without grad). Per-datum gradients equal those without checkpointing.
+ran without grad: such calls are unseen when the layout is read, :func:`shared_outputs`).
 """
 
 from __future__ import annotations
@@ -143,8 +139,7 @@ class HooksBackend(Backend):
         self._inside: dict[int, int] = {}  # parameter id -> running calls of covering modules
         self._ops: OpCapture | None = None
         self._containers = Containers(None, self._capturing)  # (see attach)
-        self._states = parametrized.States()
-        self._writes = checks.InputWrites()
+        self._states, self._writes = parametrized.States(), checks.InputWrites()
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -243,6 +238,8 @@ class HooksBackend(Backend):
         inner = self._containers.leave(entry)
         for key in entry.param_ids if inner is None else ():
             inside[key] = inside.get(key, 1) - 1
+        if not torch.is_grad_enabled() and self._ops and self._ops.grad and self._ops.depth:
+            self._unseen = True  # (in a forward with grad: a reentrant checkpoint's segment)
         if output is None or self._recomputing or not torch.is_grad_enabled():
             return None
         if not any(p.requires_grad for p in entry.params):
@@ -424,6 +421,8 @@ class HooksBackend(Backend):
     def _reset(self, batch_size: int, survey: graph.GraphSurvey | None = None) -> None:
         if batch_size:
             self.low_precision = {}
+        else:
+            self._unseen = False  # (calls a forward ran without grad: see _on_forward)
         self._batch = batch_size
         self._scale = (batch_size if self.batch_reduction == "mean" else 1) / self.seed_scale
         self._results = Accumulator(self.params, self._pool, batch_size, self.keep_material,
@@ -566,7 +565,8 @@ class HooksBackend(Backend):
         live = [c for c in (r() for r in self._live)
                 if c is not None and not c.done and c.args is not None]
         self._live = [weakref.ref(c) for c in live]
-        for call, found, feeds in shared_outputs(live, survey, B, self._sequence_first):
+        for call, found, feeds in shared_outputs(live, survey, B, self._sequence_first,
+                                                 self._unseen):
             self._touched.append(call)
             self._feeds.note(call, len(found) if not feeds else 1, feeds)
             for node, slot, chain, at in found:

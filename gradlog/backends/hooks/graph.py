@@ -17,6 +17,7 @@ import torch
 
 from gradlog._torch_private import (
     autograd_node_forward_class,
+    autograd_node_output_dims,
     autograd_node_output_shape,
     autograd_node_repeats,
     autograd_node_saved_alpha,
@@ -217,6 +218,11 @@ class GraphSurvey:
                     if child is not None:
                         self._parents.setdefault(id(child), []).append((parent, slot))
         return self._parents.get(id(node), [])
+
+    def widest(self) -> int:
+        """The most dimensions of any tensor the graph's nodes made (shapes known: torch >=
+        2.6); a walk of its own, for a forward some of whose calls went unseen."""
+        return max(map(autograd_node_output_dims, graph_nodes(self.root)), default=0)
 
     def uses(self, accumulators: Mapping[int, str]) -> tuple[dict[str, int], dict[int, int]]:
         """For each parameter (its gradient accumulator's id -> its name,

@@ -23,7 +23,7 @@ from gradlog._torch_private import (
     storage_key,
 )
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import Call
+from gradlog.backends.hooks.calls import TAG, Call
 from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
@@ -102,7 +102,8 @@ def _on_parameters_alone(call: Call) -> bool:
                if isinstance(t, torch.Tensor) and t.numel() > 1)
 
 
-def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first: list[str]
+def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first: list[str],
+                   unseen: bool = False
                    ) -> Iterator[tuple[Call, Consumers, list[tuple[Call, Path]] | None]]:
     """Before the backward: settle each captured call's batch dimension, and yield the calls
     whose output an op broadcasts over the batch, with the consumers to take their
@@ -116,6 +117,9 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
         graph: The batch loss's graph.
         B: The batch size.
         sequence_first: The model's modules with ``batch_first=False``.
+        unseen: Whether calls ran in the forward without grad, to be captured in the
+            backward (a reentrant checkpoint's segment): the batch's tensors' dimensions
+            are then read from the graph, not from the calls seen.
     """
     root = graph.root
     if not live or root is None:
@@ -127,6 +131,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
     # counts as shared.
     exact = autograd_node_shapes_known(root)
     widest = max((len(c.out_shape) for c in live), default=0)
+    if exact and unseen:  # (a table of length B among the calls seen would look widest)
+        widest = max(widest, graph.widest())
     if exact:
         candidates = live
     else:
@@ -175,6 +181,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 call.datum_rows = max(r or consumer_rows(node, B, graph, bool(sequence_first))
                                       for r, (node, _) in zip(rows, found, strict=True))
                 _refuse_unproved_rows(call, found, B)
+            else:  # (no shapes to prove the broadcast: the datum check must, _unproved)
+                _unproved(call)
             yield call, [(node, slot, (), shape) for node, slot in found], None
             continue
         table = False  # a table whose length is B ((T, d) with T == B, fewer dimensions than
@@ -193,6 +201,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
+        if not exact and not shared and call.lead == B and not _from_the_batch(call, B, widest):
+            _unproved(call)  # (a size of B taken for the batch: a table of length B?)
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
             beyond = (consumers_through_views(graph, found)
@@ -256,6 +266,38 @@ _OP_ON_PARAMETERS = (
     "parameters for the layer whose forward uses them, record with backend='loop', or "
     "leave their parameters out (params=)."
 )
+
+def _unproved(call: Call) -> None:
+    """Without the shapes autograd's nodes carry from torch 2.6 on, a call whose layout
+    the shapes would settle (an output taken for shared, or one of the batch's size whose
+    dimensions set it apart: a table of length B, a copy over the batch) is read by size
+    alone: trusted once a datum check passed on it, refused where none can run, as a copy
+    over the batch is (:class:`.rows.RowLayouts`)."""
+    call.copied, call.datum_rows = True, max(call.datum_rows, 1)
+
+
+def _from_the_batch(call: Call, B: int, widest: int) -> bool:
+    """Whether an input of the call comes, in the autograd graph, from the output of a call
+    with the batch's size first and the batch's tensors' dimensions (a classifier on a
+    pooled ``(B, d)``: from the encoder's ``(B, T, d)``); a table of length B made from
+    parameters and constants does not. (A pooling over the batch would couple the datums'
+    losses, which gradlog requires not to.)"""
+    stack: list[Any] = [t.grad_fn for t in flatten((call.args, call.kwargs))[0]
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    held = []  # (nodes alive while their ids are keys)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        held.append(node)
+        for _, other in node.metadata.get(TAG, ()):
+            if other is not call and other.lead == B and len(other.out_shape) >= widest:
+                return True
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
+
 
 def _replicated(found: list[tuple[Any, int]], graph: GraphSurvey, shape: tuple[int, ...],
                 B: int) -> bool:
