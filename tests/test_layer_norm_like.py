@@ -125,8 +125,9 @@ def test_convnext_channels_first_norm_uses_the_formula(calls_to: Counter) -> Non
             p.normal_()
     x = torch.randn(3, 2, 5, 5, dtype=D64, generator=torch.Generator().manual_seed(1))
     calls = calls_to(func, "generic")
+    # (transformers before 5 normalised channels first in float32: float32 tolerances)
     described = assert_like_loop(model, lambda: (model(x) ** 3).flatten(1).sum(1),
-                                 reductions=("mean", "sum"))
+                                 reductions=("mean", "sum"), rtol=1e-4, atol=1e-7)
     assert {m["module"]: m["rule"] for m in described["modules"]}["norm"] == "layer_norm_like"
     assert not described["fallback"]
     assert not calls
