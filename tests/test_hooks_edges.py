@@ -1954,15 +1954,24 @@ class _CheckpointedTable(nn.Module):
         return torch.tanh(s.unsqueeze(0) + h if self.t.kind == "view" else s * 2 + h)
 
 
+@pytest.mark.parametrize("node_shapes", [True, False], ids=["node shapes", "torch < 2.6"])
 @pytest.mark.parametrize("kind", ["view", "scaled"])
-def test_a_table_as_long_as_the_batch_beside_a_reentrant_checkpoint(kind: str) -> None:
+def test_a_table_as_long_as_the_batch_beside_a_reentrant_checkpoint(
+        kind: str, node_shapes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The calls seen before the backward were the table's alone, so its ``(B, 4)`` looked
     as wide as the batch's tensors and was read as batched, with no datum check under a
     reentrant checkpoint: recorded wrong (4.9 off). The batch's dimensions are then read
-    from the graph."""
+    from the graph; without its shapes (torch < 2.6) such a table is refused."""
+    from gradlog.backends.hooks import layout
+
     model = _CheckpointedTable(kind)
     x = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1),
                     requires_grad=True)
+    if not node_shapes:
+        monkeypatch.setattr(layout, "autograd_node_shapes_known", lambda node: False)
+        with pytest.raises(GradlogError, match=r"check cannot run here"):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+        return
     model.checkpointed = False  # (the loop cannot take a reentrant checkpoint: its oracle)
     want = per_datum(model, lambda: squares(model(x)), "loop")
     model.checkpointed = True

@@ -145,6 +145,10 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                                                and c.out_shape[0] == 1 != B]
         candidates = [c for c in live if c.lead != B or len(c.out_shape) < widest
                       or c.refusal is not None or any(c is b for b in broadcast)]
+        for call in live if unseen else ():  # (the widest seen may be a table of length B)
+            if call.lead == B and len(call.out_shape) <= 2 and call not in candidates and (
+                    not _from_the_batch(call, B, widest)):
+                _unproved(call)
     if not candidates:
         return
     consumers = graph.consumers({id(c) for c in candidates})
@@ -181,8 +185,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 call.datum_rows = max(r or consumer_rows(node, B, graph, bool(sequence_first))
                                       for r, (node, _) in zip(rows, found, strict=True))
                 _refuse_unproved_rows(call, found, B)
-            else:  # (no shapes to prove the broadcast: the datum check must, _unproved)
-                _unproved(call)
+            elif any(_copy_without_shapes(node) for node, _ in found):
+                _unproved(call)  # (no shapes to prove the copy's rows: the datum check must)
             yield call, [(node, slot, (), shape) for node, slot in found], None
             continue
         table = False  # a table whose length is B ((T, d) with T == B, fewer dimensions than
@@ -274,6 +278,16 @@ def _unproved(call: Call) -> None:
     alone: trusted once a datum check passed on it, refused where none can run, as a copy
     over the batch is (:class:`.rows.RowLayouts`)."""
     call.copied, call.datum_rows = True, max(call.datum_rows, 1)
+
+
+def _copy_without_shapes(node: Any) -> bool:
+    """An expand, a repeat, or an addition onto what carries no gradient: the nodes whose
+    copies :func:`_copies` reads as datums' (an addition onto the batch's tensors copies
+    nothing: its gradient's rows are theirs)."""
+    kind = type(node).__name__
+    return kind in ("ExpandBackward0", "RepeatBackward0") or (
+        kind in ("AddBackward0", "SubBackward0")
+        and sum(child is not None for child, _ in node.next_functions) == 1)
 
 
 def _from_the_batch(call: Call, B: int, widest: int) -> bool:
