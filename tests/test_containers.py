@@ -44,6 +44,8 @@ class Scaled(nn.Module):
             q = h.unflatten(-1, (2, 2)).transpose(1, 2)  # (B, heads, T, 2)
             a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3 if self.training else 0)
             return x + self.gamma * a.transpose(1, 2).flatten(2)
+        if self.kind == "permuted":  # (sequence first inside: (T, B, d))
+            return x + (h.transpose(0, 1) * self.gamma).transpose(0, 1)
         if self.kind == "cat":  # (a token over the batch: copied, then concatenated)
             token = self.gamma.view(1, 1, D).expand(x.shape[0], 1, D)
             return torch.cat([token, h], 1)[:, 1:] + torch.cat([token, x], 1)[:, :-1]
@@ -112,6 +114,23 @@ def test_a_copy_of_it_is_left_to_the_re_run(calls_to: Counter) -> None:
     model = Model("cat").double()
     calls = calls_to(func, "func_grads")
     described = assert_like_loop(model, _losses(model), reductions=("mean",))
+    assert "block" in described["fallback"]
+    assert calls
+
+
+@pytest.mark.parametrize("T", [5, B])
+def test_a_size_of_b_beside_the_batch_leaves_it_to_the_re_run(T: int, calls_to: Counter) -> None:
+    """Permuted to ``(T, B, d)`` inside the container, with T == B the op's output would
+    pass for batch first (each datum given a position's gradient, recorded wrong where no
+    datum check runs): such a container is re-run per datum; with T != B the op's batch is
+    not first, re-run too."""
+    torch.manual_seed(0)
+    model = Model("permuted").double()
+    model.inp.weight.register_hook(lambda g: None)  # (no datum check)
+    x = torch.randn(B, T, D, dtype=D64, generator=torch.Generator().manual_seed(1))
+    calls = calls_to(func, "func_grads")
+    described = assert_like_loop(model, lambda: (model(x) ** 2).flatten(1).sum(1),
+                                 reductions=("mean",))
     assert "block" in described["fallback"]
     assert calls
 

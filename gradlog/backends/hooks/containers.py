@@ -12,9 +12,10 @@ call when it is not watching the forward already) captures each op on them as a 
 op rule, noted as the container call's ``inner`` calls. Before the backward
 (:meth:`Containers.settle`), a container call whose own parameters every one of its op calls
 takes as plainly batched ops (an op that is not a copy, of a tensor with the batch first
-beside the parameter: ``gamma * x``) leaves them to those calls and is not re-run; else (an
-op the routing could not prove, a parameter no op took: ``torch.cat`` of a ``cls_token``
-expanded over the batch) its op calls are dropped and it is re-run as before.
+beside the parameter, and no other of its size: ``gamma * x``) leaves them to those calls
+and is not re-run; else (a ``cls_token`` expanded over the batch and concatenated, a
+parameter no op took, a permuted ``(T, B, d)`` with T == B) its op calls are dropped and it
+is re-run as before.
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ class Containers:
 
 
 def _plainly_batched(op: Call, B: int) -> bool:
-    """An op call, not a copy, whose output has the batch first as one of its arguments
-    other than its parameters has it (``gamma * x``, ``x + bias``)."""
+    """An op call, not a copy, whose output has the batch first, and no other dimension of
+    its size (a container may permute or transpose its input: ``(T, B, d)`` with T == B,
+    ``(d, B)`` with d == B would pass for batch first), as one of its arguments other than
+    its parameters has it (``gamma * x``, ``x + bias``)."""
     shape = tuple(op.out_shape)
     if (op.done or op.refusal is not None or op.entry.op in COPYING_OPS or not shape
-            or shape[0] != B or op.args is None):
+            or shape[0] != B or shape.count(B) > 1 or op.args is None):
         return False
     own = {storage_key(p) for p in op.entry.params}
     return any(isinstance(t, torch.Tensor) and storage_key(t) not in own
