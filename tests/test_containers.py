@@ -31,6 +31,7 @@ class Scaled(nn.Module):
         self.fc = nn.Linear(D, D)
         self.gamma = nn.Parameter(torch.randn(D))
         self.kind = kind
+        self.register_buffer("table", torch.randn(B, D))  # (as long as the batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
@@ -46,6 +47,14 @@ class Scaled(nn.Module):
             return x + self.gamma * a.transpose(1, 2).flatten(2)
         if self.kind == "permuted":  # (sequence first inside: (T, B, d))
             return x + (h.transpose(0, 1) * self.gamma).transpose(0, 1)
+        if self.kind == "unbind":  # (pieces of a tuple: not seen by op capture)
+            first, *_ = self.gamma.unbind(0)
+            return x + self.gamma * h + first * torch.tanh(h)
+        if self.kind == "table":  # (a buffer of B rows, scaled: not the batch's)
+            return x + h * (self.table * self.gamma).sum(0)
+        if self.kind == "arange":  # (positions times learnt frequencies, T == B)
+            angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.gamma
+            return x + h * torch.cos(angles)
         if self.kind == "cat":  # (a token over the batch: copied, then concatenated)
             token = self.gamma.view(1, 1, D).expand(x.shape[0], 1, D)
             return torch.cat([token, h], 1)[:, 1:] + torch.cat([token, x], 1)[:, :-1]
@@ -114,6 +123,28 @@ def test_a_copy_of_it_is_left_to_the_re_run(calls_to: Counter) -> None:
     model = Model("cat").double()
     calls = calls_to(func, "func_grads")
     described = assert_like_loop(model, _losses(model), reductions=("mean",))
+    assert "block" in described["fallback"]
+    assert calls
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("kind", ["unbind", "table", "arange"])
+def test_what_op_capture_cannot_prove_is_left_to_the_re_run(
+        kind: str, hooked: bool, calls_to: Counter) -> None:
+    """A use op capture does not see (a piece of ``unbind``: its share of the gradient
+    would go uncomputed), or an op on a tensor of B rows not made from the container's
+    inputs (a buffer, positions with T == B: read as each datum's): all found by a helper's
+    campaign, recorded wrong, some with the datum check on. Each is proved from the graph
+    now (every use of the parameter one of the op calls'; the op's batched argument made
+    from the call's inputs), and the container is re-run where it is not."""
+    torch.manual_seed(0)
+    model = Model(kind).double()
+    if hooked:  # (a backward hook of the user's: no datum check)
+        model.inp.weight.register_hook(lambda g: None)
+    x = torch.randn(B, B, D, dtype=D64, generator=torch.Generator().manual_seed(1))
+    calls = calls_to(func, "func_grads")
+    described = assert_like_loop(model, lambda: (model(x) ** 2).flatten(1).sum(1),
+                                 reductions=("mean",))
     assert "block" in described["fallback"]
     assert calls
 

@@ -561,9 +561,9 @@ class HooksBackend(Backend):
     def _route_shared_outputs(self, survey: graph.GraphSurvey, B: int) -> None:
         """Before the backward: settle each captured call's batch dimension, and hook the
         consumers of outputs an op broadcasts over the batch (see :func:`shared_outputs`)."""
-        self._containers.settle([c for c in (r() for r in self._live) if c is not None], B)
-        live = [c for c in (r() for r in self._live)
-                if c is not None and not c.done and c.args is not None]
+        calls = [c for c in (r() for r in self._live) if c is not None]
+        self._containers.settle(calls, B, survey)  # (releases calls: before live is read)
+        live = [c for c in calls if not c.done and c.args is not None]
         self._live = [weakref.ref(c) for c in live]
         for call, found, feeds in shared_outputs(live, survey, B, self._sequence_first,
                                                  self._unseen):

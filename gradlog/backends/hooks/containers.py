@@ -21,12 +21,14 @@ is re-run as before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from gradlog._torch_private import storage_key
+from gradlog._torch_private import gradient_accumulator, storage_key
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import Call, Entry
+from gradlog.backends.hooks.calls import TAG, Call, Entry
+from gradlog.backends.hooks.graph import GraphSurvey
 from gradlog.backends.hooks.layout import COPYING_OPS
 from gradlog.backends.hooks.operations import OpCapture
 
@@ -85,19 +87,40 @@ class Containers:
                 inner.append(call)
                 return
 
-    def settle(self, live: list[Call], B: int) -> None:
-        """Before the backward: each container call either leaves its parameters to its op
-        calls (it is released) or is re-run (they are released)."""
+    def settle(self, live: list[Call], B: int, graph: GraphSurvey) -> None:
+        """Before the backward: each container's calls either leave its parameters to their
+        op calls (they are released) or are re-run (the op calls are released). All are
+        decided before any is released (the proofs read calls' inputs and tags)."""
+        calls: dict[int, list[Call]] = {}  # by entry: a module called twice, together
         for call in live:
-            if call.inner is None or call.done:
-                continue
-            taken = {id(p) for op in call.inner for p in op.entry.params}
-            plain = bool(call.inner) and set(call.entry.param_ids) <= taken and all(
-                _plainly_batched(op, B) for op in call.inner)
-            for released in ([call] if plain else call.inner):
-                released.release(untag=True)
-            (self.by_ops.add if plain else self.by_ops.discard)(call.entry.name)
-            call.inner = None
+            if call.inner is not None and not call.done:
+                calls.setdefault(id(call.entry), []).append(call)
+        decided = [(group, _by_ops(group, B, graph)) for group in calls.values()]
+        for group, plain in decided:
+            for call in group:
+                for released in ([call] if plain else call.inner or []):
+                    released.release(untag=True)
+                call.inner = None
+            (self.by_ops.add if plain else self.by_ops.discard)(group[0].entry.name)
+
+
+def _by_ops(calls: list[Call], B: int, graph: GraphSurvey) -> bool:
+    """Whether the op calls can take a container's parameters in these calls of it: each
+    own parameter taken by an op in each call, each op plainly batched on a tensor made from
+    its call's batched inputs (:func:`_from_inputs`), and every use of each parameter in
+    the graph one of theirs (:func:`_only_theirs`)."""
+    ops: set[int] = set()
+    for call in calls:
+        inner = call.inner or []
+        taken = {id(p) for op in inner for p in op.entry.params}
+        if not inner or not set(call.entry.param_ids) <= taken:
+            return False
+        inputs = {storage_key(t) for t in flatten((call.args, call.kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == B}
+        if not all(_plainly_batched(op, B) and _from_inputs(op, inputs, B) for op in inner):
+            return False
+        ops |= {id(op) for op in inner}
+    return _only_theirs(calls[0].entry.params, ops, {id(call) for call in calls}, graph)
 
 
 def _plainly_batched(op: Call, B: int) -> bool:
@@ -113,3 +136,74 @@ def _plainly_batched(op: Call, B: int) -> bool:
     return any(isinstance(t, torch.Tensor) and storage_key(t) not in own
                and t.dim() == len(shape) and t.shape[0] == B
                for t in flatten((op.args, op.kwargs))[0])
+
+
+def _from_inputs(op: Call, inputs: set[Any], B: int) -> bool:
+    """Whether an argument of the op with the batch first, other than its parameters, is
+    one of the container call's batched inputs, or made from them: through the graph to
+    the output of a call (a child's) one of whose batched arguments is, and so on. A table
+    made from buffers or parameters whose length happens to be B is not (it would pass for
+    batched: read by datum, wrong where no datum check runs)."""
+    own = {storage_key(p) for p in op.entry.params}
+    shape = tuple(op.out_shape)
+    tensors = [t for t in flatten((op.args, op.kwargs))[0]
+               if isinstance(t, torch.Tensor) and storage_key(t) not in own
+               and t.dim() == len(shape) and t.shape[0] == B]
+    seen: set[int] = set()
+    held: list[Any] = []  # (nodes alive while their ids are keys)
+    while tensors:
+        t = tensors.pop()
+        if storage_key(t) in inputs:
+            return True
+        nodes: list[Any] = [t.grad_fn] if t.grad_fn is not None else []
+        while nodes:
+            node = nodes.pop()
+            if id(node) in seen or len(seen) > _WALK:
+                continue
+            seen.add(id(node))
+            held.append(node)
+            tags = node.metadata.get(TAG)
+            if tags:  # a call's output: on to its batched arguments
+                tensors += [a for _, c in tags if c.args is not None
+                            for a in flatten((c.args, c.kwargs))[0]
+                            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == B]
+                continue
+            nodes += [child for child, _ in node.next_functions if child is not None]
+    return False
+
+
+def _only_theirs(params: tuple[torch.nn.Parameter, ...], ops: set[int], own: set[int],
+                 graph: GraphSurvey) -> bool:
+    """Whether every use of each parameter in the graph leads, through nodes of no call
+    (its views and functions of it alone), only to the outputs of the op calls ``ops`` (an
+    output also the container call's own, ``own``, is theirs: ``return h * gamma``): a
+    use op capture did not see (a piece of ``p.split()``, a tuple's, an in-place write)
+    would otherwise go uncomputed, and a large parameter's missing share can escape the
+    spot and datum checks' few entries."""
+    memo: dict[int, bool] = {}
+    held: list[Any] = []
+
+    def theirs(node: Any, depth: int) -> bool:
+        key = id(node)
+        if key not in memo:
+            memo[key] = False  # (while it is decided)
+            held.append(node)
+            tags = node.metadata.get(TAG)
+            if tags:
+                memo[key] = any(id(c) in ops for _, c in tags) and all(
+                    id(c) in ops or id(c) in own for _, c in tags)
+            elif depth < _WALK:
+                users = graph.parents(node)
+                memo[key] = bool(users) and all(theirs(n, depth + 1) for n, _ in users)
+        return memo[key]
+
+    for p in params:
+        node = gradient_accumulator(p)
+        users = graph.parents(node) if node is not None else []
+        if not users or not all(theirs(n, 0) for n, _ in users):
+            return False
+    return True
+
+
+_WALK = 64
+"""Nodes a provenance walk visits at most (past them: not proved, the container re-run)."""
