@@ -115,8 +115,10 @@ def _by_ops(calls: list[Call], B: int, graph: GraphSurvey) -> bool:
         taken = {id(p) for op in inner for p in op.entry.params}
         if not inner or not set(call.entry.param_ids) <= taken:
             return False
-        inputs = {storage_key(t) for t in flatten((call.args, call.kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == B}
+        batched = [t for t in flatten((call.args, call.kwargs))[0]
+                   if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == B]
+        inputs = {storage_key(t) for t in batched} | {
+            id(t.grad_fn) for t in batched if t.grad_fn is not None}
         if not all(_plainly_batched(op, B) and _from_inputs(op, inputs, B) for op in inner):
             return False
         ops |= {id(op) for op in inner}
@@ -140,7 +142,8 @@ def _plainly_batched(op: Call, B: int) -> bool:
 
 def _from_inputs(op: Call, inputs: set[Any], B: int) -> bool:
     """Whether an argument of the op with the batch first, other than its parameters, is
-    one of the container call's batched inputs, or made from them: through the graph to
+    one of the container call's batched inputs (``inputs``: their storages and the nodes
+    that made them), or made from them: through the graph to one of those nodes, or to
     the output of a call (a child's) one of whose batched arguments is, and so on. A table
     made from buffers or parameters whose length happens to be B is not (it would pass for
     batched: read by datum, wrong where no datum check runs)."""
@@ -160,6 +163,8 @@ def _from_inputs(op: Call, inputs: set[Any], B: int) -> bool:
             node = nodes.pop()
             if id(node) in seen or len(seen) > _WALK:
                 continue
+            if id(node) in inputs:
+                return True
             seen.add(id(node))
             held.append(node)
             tags = node.metadata.get(TAG)
@@ -205,5 +210,5 @@ def _only_theirs(params: tuple[torch.nn.Parameter, ...], ops: set[int], own: set
     return True
 
 
-_WALK = 64
+_WALK = 1024
 """Nodes a provenance walk visits at most (past them: not proved, the container re-run)."""
