@@ -110,7 +110,8 @@ def variant(name: str, kind: str, shape: dict[str, int], impl: str, form: str,
     backend = rec._pipeline.backend  # type: ignore[union-attr]  (which rule each module got)
     used = {m["rule"] for m in backend.describe()["modules"]
             if m["module"].endswith(("experts", "layernorm"))}
-    if used != ({"experts", "rms_norm_like"} - ({"experts"} if kind == "llama" else set())
+    norms = {"cohere": "layer_norm_like", "nemotron": "layer_norm_like"}.get(kind, "rms_norm_like")
+    if used != ({"experts", norms} - ({"experts"} if kind != "mixtral" else set())
                 if name == "rule" else {"torch.func"}):
         raise SystemExit(f"{name}: the experts and norms got {used}")
 
