@@ -225,3 +225,54 @@ def test_beit_with_sdpa_in_training_records_like_the_loop() -> None:
         model, lambda: F.cross_entropy(model(pixel_values=pixels).logits, y, reduction="none"),
         reductions=("mean",), rtol=1e-4, atol=1e-6)
     assert not any(n.endswith(("layers.0", "layers.1")) for n in described["fallback"])
+
+
+class Checkpointed(nn.Module):
+    """:class:`Model` with its container in a reentrant checkpoint (``checkpointed``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.block = Scaled("scale")
+        self.checkpointed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        return checkpoint(self.block, h, use_reentrant=True) if self.checkpointed else (
+            self.block(h))
+
+
+def test_a_container_in_a_reentrant_checkpoint_records_every_step() -> None:
+    """Its recompute runs inside the backward, after the containers were settled: from the
+    third step (op capture no longer watching whole forwards) its ops were captured there
+    too and computed beside its re-run, counting ``gamma`` twice (refused by the spot
+    check). Inside a backward a container is not deferred."""
+    from gradlog.backends.hooks import HooksBackend
+    from gradlog.grads import dense
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    x = torch.randn(B, T, D, dtype=D64, generator=torch.Generator().manual_seed(1))
+    model.checkpointed = False  # (the loop cannot take a reentrant checkpoint: its oracle)
+    want = {n: g for n, g in _loop(model, x).items()}
+    model.checkpointed = True
+    backend = HooksBackend(model, dict(model.named_parameters()), batch_reduction="mean",
+                           randomness="different")
+    backend.attach()
+    try:
+        for _ in range(4):
+            losses = (model(x) ** 2).flatten(1).sum(1)
+            got = backend.backward(losses, backend.reduce_batch(losses))
+            model.zero_grad()
+            for name, g in got.items():
+                torch.testing.assert_close(dense(g), want[name], rtol=1e-9, atol=1e-12)
+    finally:
+        backend.detach()
+
+
+def _loop(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    from gradlog.testing.oracle import backend_grads
+
+    return backend_grads(model, lambda: (model(x) ** 2).flatten(1).sum(1), "loop", "mean")[0]

@@ -1866,6 +1866,8 @@ class _Table(nn.Module):
             return torch.tanh(s * 2 + h)
         if self.kind == "gated":
             return torch.tanh((torch.sigmoid(s) * x[:, 0, :1].detach()).unsqueeze(0) + h)
+        if self.kind == "flipped":  # (row by row onto the batch's rows, reordered first)
+            return torch.tanh(s.flip(0) + h[:, 0])
         zeros = torch.zeros(x.shape[0], *s.shape, dtype=s.dtype)
         return torch.tanh((s * 2 + zeros).sum(0) + h)
 
@@ -1978,3 +1980,19 @@ def test_a_table_as_long_as_the_batch_beside_a_reentrant_checkpoint(
     got = per_datum(model, lambda: squares(model(x)), "hooks")
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_table_as_long_as_the_batch_added_row_by_row_is_verified(hooked: bool) -> None:
+    """``s.flip(0) + h[:, 0]`` with T == B: no broadcast, so the table's ``(B, 4)`` was read
+    as batched, row b datum b's, though its rows are reordered: refused by the datum check,
+    recorded wrong where none runs. An output with fewer dimensions than the batch's and
+    the batch's size first that is not made from the batch's tensors (a Linear on a buffer)
+    is now verified as a copy is: refused where no datum check runs."""
+    model = _Table("flipped", T=B)
+    if hooked:
+        model.inp.weight.register_hook(lambda g: None)
+    x = torch.randn(B, B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    match = r"check cannot run here" if hooked else r"differ from the datums' own"
+    with pytest.raises(GradlogError, match=match):
+        per_datum(model, lambda: squares(model(x)), "hooks")

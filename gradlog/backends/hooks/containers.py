@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradlog._torch_private import gradient_accumulator, storage_key
+from gradlog._torch_private import gradient_accumulator, in_autograd_backward, storage_key
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import TAG, Call, Entry
 from gradlog.backends.hooks.graph import GraphSurvey
@@ -53,7 +53,8 @@ class Containers:
         """A deferrable entry's forward starts (False: not deferred; its parameters are then
         covered as any module's)."""
         ops = self.ops
-        if not entry.deferrable or ops is None or not self.capturing():
+        if (not entry.deferrable or ops is None or not self.capturing()
+                or in_autograd_backward()):  # (a reentrant checkpoint's recompute: after settle)
             return False
         pushed = not ops.watching
         if pushed:  # (watched for this call only; watching also pauses it in the hooks)

@@ -147,7 +147,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                       or c.refusal is not None or any(c is b for b in broadcast)]
         for call in live if unseen else ():  # (the widest seen may be a table of length B)
             if call.lead == B and len(call.out_shape) <= 2 and call not in candidates and (
-                    not _from_the_batch(call, B, widest)):
+                    not _from_the_batch(call, B)):
                 _unproved(call)
     if not candidates:
         return
@@ -205,7 +205,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
-        if not exact and not shared and call.lead == B and not _from_the_batch(call, B, widest):
+        if (not shared and call.lead == B and (not exact or len(shape) < min(widest, 3))
+                and not _from_the_batch(call, B)):
             _unproved(call)  # (a size of B taken for the batch: a table of length B?)
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
@@ -272,11 +273,13 @@ _OP_ON_PARAMETERS = (
 )
 
 def _unproved(call: Call) -> None:
-    """Without the shapes autograd's nodes carry from torch 2.6 on, a call whose layout
-    the shapes would settle (an output taken for shared, or one of the batch's size whose
-    dimensions set it apart: a table of length B, a copy over the batch) is read by size
-    alone: trusted once a datum check passed on it, refused where none can run, as a copy
-    over the batch is (:class:`.rows.RowLayouts`)."""
+    """A layout read by size alone: trusted once a datum check passed on it, refused where
+    none can run, as a copy over the batch is (:class:`.rows.RowLayouts`). An output with
+    fewer dimensions than the batch's tensors and a first dimension of the batch's size,
+    not made from them (:func:`_from_the_batch`: a Linear or a norm on a buffer or a
+    parameter of B rows); and without the shapes autograd's nodes carry from torch 2.6 on,
+    copies over the batch and outputs of its size whose dimensions the shapes would set
+    apart."""
     call.copied, call.datum_rows = True, max(call.datum_rows, 1)
 
 
@@ -290,12 +293,13 @@ def _copy_without_shapes(node: Any) -> bool:
         and sum(child is not None for child, _ in node.next_functions) == 1)
 
 
-def _from_the_batch(call: Call, B: int, widest: int) -> bool:
+def _from_the_batch(call: Call, B: int) -> bool:
     """Whether an input of the call comes, in the autograd graph, from the output of a call
-    with the batch's size first and the batch's tensors' dimensions (a classifier on a
+    with the batch's size first and more dimensions than the call's own (a classifier on a
     pooled ``(B, d)``: from the encoder's ``(B, T, d)``); a table of length B made from
     parameters and constants does not. (A pooling over the batch would couple the datums'
     losses, which gradlog requires not to.)"""
+    dims = len(call.out_shape)
     stack: list[Any] = [t.grad_fn for t in flatten((call.args, call.kwargs))[0]
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set[int] = set()
@@ -307,7 +311,7 @@ def _from_the_batch(call: Call, B: int, widest: int) -> bool:
         seen.add(id(node))
         held.append(node)
         for _, other in node.metadata.get(TAG, ()):
-            if other is not call and other.lead == B and len(other.out_shape) >= widest:
+            if other is not call and other.lead == B and len(other.out_shape) > dims:
                 return True
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return False
