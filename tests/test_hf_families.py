@@ -346,16 +346,25 @@ def test_swin_windows_with_drop_path_record_like_the_loop() -> None:
 
 
 @pytest.mark.slow
-def test_random_draws_a_fallback_cannot_replay_are_refused_not_wrong() -> None:
+@pytest.mark.parametrize("by_ops", [True, False])
+def test_random_draws_a_fallback_cannot_replay_are_refused_not_wrong(
+        by_ops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused (naming the module), never recorded with other draws: a drop path whose
-    output is not its input times a mask."""
+    output is not its input times a mask, in a layer re-run per datum. Its layer scale
+    taken op by op (.containers), nothing is re-run: the noise is the forward's own."""
+    from gradlog.backends.hooks import containers
     from gradlog.errors import BackendError
     from gradlog.testing.oracle import backend_grads
 
+    if not by_ops:
+        monkeypatch.setattr(containers.Containers, "enter", lambda self, entry: False)
     model, forward = _vision("convnext", "eager", dropout=DROP)
     for m in model.modules():
         if type(m).__name__ == "ConvNextDropPath":
             m.forward = lambda x: x + torch.rand_like(x)  # type: ignore[method-assign]
+    if by_ops:
+        assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+        return
     with pytest.raises(BackendError, match="named like a drop path"):
         backend_grads(model, forward)
 
