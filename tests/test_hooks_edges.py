@@ -1996,3 +1996,62 @@ def test_a_table_as_long_as_the_batch_added_row_by_row_is_verified(hooked: bool)
     match = r"check cannot run here" if hooked else r"differ from the datums' own"
     with pytest.raises(GradlogError, match=match):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _Conditioned(nn.Module):
+    """A conditioning MLP on each datum's own ``(B, c)`` features (a diffusion model's time
+    embedding, a class's), added to the batch's ``(B, T, d)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.cond = nn.Linear(4, 4).double(), nn.Linear(3, 4).double()
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x) + self.cond(c)[:, None])
+
+
+@pytest.mark.parametrize("T", [5, B])
+def test_a_conditioning_mlp_on_data_records_where_no_check_runs(T: int) -> None:
+    """Its ``(B, d)`` has the batch's size first and fewer dimensions than the batch's
+    tensors, and is not made from them in the graph (its input is data): as a table of B
+    rows would be. Only where a size of B stands beside the batch (T == B) is it verified
+    like a copy (refused here, with a backward hook: no datum check); otherwise it records."""
+    model = _Conditioned()
+    model.inp.weight.register_hook(lambda g: None)  # (no datum check)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, 4, dtype=D64, generator=g)
+    c = torch.randn(B, 3, dtype=D64, generator=g)
+    if T != B:
+        assert_hooks_match_loop(model, lambda: squares(model(x, c)))
+        return
+    with pytest.raises(GradlogError, match=r"check cannot run here"):
+        per_datum(model, lambda: squares(model(x, c)), "hooks")
+
+
+class _Codebook(nn.Module):
+    """A norm on a codebook buffer of K rows, K == B, matched against each datum's rows (a
+    vector quantiser's distances): no broadcast, no size of B beside the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm = nn.Linear(4, 4).double(), nn.LayerNorm(4).double()
+        self.scale = nn.Parameter(torch.ones(4, dtype=D64))
+        self.register_buffer("codes", torch.randn(B, 4, dtype=D64,
+                                                  generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 5, 4)
+        return torch.tanh(self.inp(x) @ (self.norm(self.codes) * self.scale).T)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_norm_on_a_codebook_of_b_rows_is_verified(hooked: bool) -> None:
+    """The norm's ``(K, d)`` output with K == B was read as batched, row b datum b's: caught
+    by the datum check, recorded wrong where none runs (a helper's campaign). An output made
+    from the model's own parameters and buffers alone is now verified like a copy."""
+    model = _Codebook()
+    if hooked:
+        model.inp.weight.register_hook(lambda g: None)
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    match = r"check cannot run here" if hooked else r"differ from the datums' own"
+    with pytest.raises(GradlogError, match=match):
+        per_datum(model, lambda: squares(model(x)), "hooks")

@@ -131,6 +131,9 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
     # counts as shared.
     exact = autograd_node_shapes_known(root)
     widest = max((len(c.out_shape) for c in live), default=0)
+    # a size of B beside the batch in a call's output (T == B): a table of T rows may then
+    # pass for batched (a conditioning MLP's (B, d) on data need not be proved otherwise)
+    coincide = any(B in tuple(c.out_shape)[1:-1] for c in live)
     if exact and unseen:  # (a table of length B among the calls seen would look widest)
         widest = max(widest, graph.widest())
     if exact:
@@ -205,7 +208,9 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
-        if (not shared and call.lead == B and (not exact or len(shape) < min(widest, 3))
+        if (not shared and call.lead == B
+                and (not exact or (len(shape) < min(widest, 3)
+                                   and (coincide or _of_the_model(call, live))))
                 and not _from_the_batch(call, B)):
             _unproved(call)  # (a size of B taken for the batch: a table of length B?)
         if shared or call.lead != B:
@@ -291,6 +296,17 @@ def _copy_without_shapes(node: Any) -> bool:
     return kind in ("ExpandBackward0", "RepeatBackward0") or (
         kind in ("AddBackward0", "SubBackward0")
         and sum(child is not None for child, _ in node.next_functions) == 1)
+
+
+def _of_the_model(call: Call, live: list[Call]) -> bool:
+    """Whether every tensor the call took is a parameter or a buffer of a hooked module (a
+    codebook of B rows a norm takes, a parameter a Linear does): no datum's data came in."""
+    tensors = [t for t in flatten((call.args, call.kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return False
+    held = {storage_key(t) for c in live
+            for t in (*c.entry.module.parameters(), *c.entry.module.buffers())}
+    return all(storage_key(t) in held for t in tensors)
 
 
 def _from_the_batch(call: Call, B: int) -> bool:
