@@ -312,8 +312,11 @@ class RowLayouts:
             names = sorted({name for name, _ in self.pending})
             self.pending = set()
             raise UnsupportedLayerError(
-                f"{names[:3]} ran on the batch's tokens flattened to rows, or gave an output "
-                "shared by the batch that an expand or a repeat copies over it, whose datums "
+                f"{names[:3]} ran on the batch's tokens flattened to rows, gave an output "
+                "shared by the batch that an expand or a repeat copies over it, or gave one "
+                "whose first dimension has the batch's size but that the autograd graph does "
+                "not show made from the batch (a table of B rows; before torch 2.6, any "
+                "output read by size alone), whose datums "
                 "gradlog verifies with a datum check at the layout's first step, and that "
                 "check cannot run here (under FSDP or DDP(static_graph=True), with backward "
                 "hooks of your own, or a reentrant activation checkpoint). Keep the batch as "
