@@ -208,10 +208,9 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
             continue
-        if (not shared and call.lead == B
-                and (not exact or (len(shape) < min(widest, 3)
-                                   and (coincide or _of_the_model(call, live))))
-                and not _from_the_batch(call, B)):
+        if (not shared and call.lead == B and (not exact or len(shape) < min(widest, 3))
+                and not _from_the_batch(call, B)
+                and (not exact or coincide or _of_the_model(call, live))):
             _unproved(call)  # (a size of B taken for the batch: a table of length B?)
         if shared or call.lead != B:
             ops = sorted({type(node).__name__ for node, _ in found})
@@ -302,7 +301,7 @@ def _of_the_model(call: Call, live: list[Call]) -> bool:
     """Whether every tensor the call took is a parameter or a buffer of a hooked module (a
     codebook of B rows a norm takes, a parameter a Linear does): no datum's data came in."""
     tensors = [t for t in flatten((call.args, call.kwargs))[0] if isinstance(t, torch.Tensor)]
-    if not tensors:
+    if not tensors or any(t.grad_fn is not None for t in tensors):  # (an activation: no)
         return False
     held = {storage_key(t) for c in live
             for t in (*c.entry.module.parameters(), *c.entry.module.buffers())}
