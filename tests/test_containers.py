@@ -276,3 +276,49 @@ def _loop(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     from gradlog.testing.oracle import backend_grads
 
     return backend_grads(model, lambda: (model(x) ** 2).flatten(1).sum(1), "loop", "mean")[0]
+
+
+class _Joint(nn.Module):
+    """A container taking its parent's parameter: ``h + p * q`` in one op (``addcmul``) of
+    its own ``p`` and the outer container's ``q``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.p = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return x + torch.addcmul(self.fc(x), self.p, q)
+
+
+class _JointOuter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Joint()
+        self.q = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, self.q) * self.q
+
+
+class _JointModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.outer = _JointOuter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.inp(x))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_an_op_of_two_containers_parameters_leaves_both_to_the_re_run(hooked: bool) -> None:
+    """The inner container could take its ``p`` op by op, its op also computing the outer's
+    ``q``, while the outer, unable to prove its own, re-ran and computed ``q`` again:
+    counted twice. Containers sharing an op are re-run, both."""
+    torch.manual_seed(0)
+    model = _JointModel().double()
+    if hooked:
+        model.inp.weight.register_hook(lambda g: None)
+    described = assert_like_loop(model, _losses(model), reductions=("mean",))
+    assert {"outer", "outer.inner"} <= set(described["fallback"])

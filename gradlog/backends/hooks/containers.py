@@ -10,12 +10,14 @@ Such an entry is ``deferrable`` (:func:`.calls.plan_entries`). While its forward
 own parameters do not count as covered, so :class:`.operations.OpCapture` (pushed for the
 call when it is not watching the forward already) captures each op on them as a call of an
 op rule, noted as the container call's ``inner`` calls. Before the backward
-(:meth:`Containers.settle`), a container call whose own parameters every one of its op calls
-takes as plainly batched ops (an op that is not a copy, of a tensor with the batch first
-beside the parameter, and no other of its size: ``gamma * x``) leaves them to those calls
-and is not re-run; else (a ``cls_token`` expanded over the batch and concatenated, a
-parameter no op took, a permuted ``(T, B, d)`` with T == B) its op calls are dropped and it
-is re-run as before.
+(:meth:`Containers.settle`), the container's calls leave its parameters to those op calls,
+and are not re-run, only where the graph proves it (:func:`_by_ops`): every use of each own
+parameter leads only to the op calls' outputs (a piece of ``unbind``, an in-place write would
+go uncomputed); each op's batched argument is made from the call's own inputs (a buffer or
+positions of B rows would pass for the batch); no other dimension has the batch's size (a
+permuted ``(T, B, d)`` with T == B); no op is shared with another container. Else (a
+``cls_token`` expanded over the batch and concatenated) the op calls are dropped and the
+container is re-run as before: a correct fallback, never a refusal of its own.
 """
 
 from __future__ import annotations
@@ -80,13 +82,12 @@ class Containers:
         return inner
 
     def note(self, call: Call) -> None:
-        """An op call captured now: the innermost running container's, if it takes its
-        parameters."""
+        """An op call captured now: each running container's whose parameters it takes (an
+        op of two nested containers' parameters is both's: they are then re-run, :meth:`settle`)."""
         mine = set(call.entry.param_ids)
-        for entry, inner, _ in reversed(self.frames):
+        for entry, inner, _ in self.frames:
             if mine & set(entry.param_ids):
                 inner.append(call)
-                return
 
     def settle(self, live: list[Call], B: int, graph: GraphSurvey) -> None:
         """Before the backward: each container's calls either leave its parameters to their
@@ -96,7 +97,14 @@ class Containers:
         for call in live:
             if call.inner is not None and not call.done:
                 calls.setdefault(id(call.entry), []).append(call)
-        decided = [(group, _by_ops(group, B, graph)) for group in calls.values()]
+        owners: dict[int, set[int]] = {}  # op call -> the containers (entries) noting it
+        for key, group in calls.items():
+            for call in group:
+                for op in call.inner or []:
+                    owners.setdefault(id(op), set()).add(key)
+        joint = {key for keys in owners.values() if len(keys) > 1 for key in keys}
+        decided = [(group, key not in joint and _by_ops(group, B, graph))
+                   for key, group in calls.items()]
         for group, plain in decided:
             for call in group:
                 for released in ([call] if plain else call.inner or []):
