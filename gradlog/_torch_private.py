@@ -1,17 +1,15 @@
 """Every use of torch's private API in gradlog, each behind one function with a fallback.
 
-gradlog reads a few things torch does not expose publicly: the autograd engine's current
-graph task, the saved-tensor hooks in force, storage reference counts, functorch's wrapped
-tensors, members of autograd nodes, hooks and views, and ``parametrize``'s cache.
-They live here and nowhere else, so a torch upgrade that moves one of them breaks this
-module only. Each function says what it returns when the private API is missing; none of
-the fallbacks is wrong, they are only less precise (a check that runs later, a buffer that
-is not reused).
+gradlog reads a few things torch does not expose publicly: the autograd engine's graph
+task, the saved-tensor hooks in force, storage reference counts, functorch's wrapped tensors,
+members of autograd nodes, hooks and views, the torch-function mode stack and
+``parametrize``'s cache. They live here alone, so a torch upgrade that moves one breaks this
+module only. Each function says what it returns when the private API is missing; no fallback
+is wrong, only less precise (a check that runs later, a buffer that is not reused).
 
 The global random-number state (CPU and CUDA generators) is read and restored here too:
-it is public API, but every layer that replays a computation (the hooks backend's datum
-check, chunked heads, the test zoo) needs the same capture and restore, and this is the
-lowest module that may hold it.
+public API, but every layer that replays a computation (the datum check, chunked heads, the
+test zoo, a dropout's mask) needs the same capture and restore.
 
 Torch versions: CI runs 2.13; the suite was also run on 2.4.1 and 2.6.0 (README). Node
 wrappers: torch 2.4 (at least) frees the Python object of an autograd node no one holds and
@@ -183,28 +181,30 @@ class InCompiledRegion(RuntimeError):
 
 @contextlib.contextmanager
 def torch_function_mode_paused(mode: Any) -> Iterator[None]:
-    """Run the body without ``mode`` when it is the innermost torch-function mode (gradlog's
-    own hook code then does not pass every tensor attribute it reads through the mode).
-
-    Private API: the torch-function mode stack (``torch._C._pop_torch_function_stack``,
-    ``_push_on_torch_function_stack``; what ``torch.overrides._pop_mode`` uses, torch >= 2.0).
-    """
-    length = getattr(torch._C, "_len_torch_function_stack", None)
-    top = length() if length is not None else 0
-    if not top or torch._C._get_function_stack_at(top - 1) is not mode:
+    """The body without ``mode`` in the torch-function stack, modes above it kept (the hooks'
+    reads of tensor attributes are not the model's ops). Private API: ``torch._C``'s stack."""
+    c = torch._C
+    top = c._len_torch_function_stack() if hasattr(c, "_len_torch_function_stack") else 0
+    at = next((i for i in range(top) if c._get_function_stack_at(i) is mode), None)
+    if at is None:
         yield
         return
-    torch._C._pop_torch_function_stack()
+    above = [c._pop_torch_function_stack() for _ in range(top - 1 - at)][::-1]  # outer first
+    c._pop_torch_function_stack()
+    for m in above:
+        c._push_on_torch_function_stack(m)
     try:
         yield
     finally:
-        torch._C._push_on_torch_function_stack(mode)
+        for _ in above:
+            c._pop_torch_function_stack()
+        for m in (mode, *above):
+            c._push_on_torch_function_stack(m)
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:
-    """The autograd node that accumulates a leaf's gradient (``AccumulateGrad``), or None.
-
-    Public since torch 2.2: ``torch.autograd.graph.get_gradient_edge(t).node``."""
+    """The node accumulating a leaf's gradient (``AccumulateGrad``), or None (public since
+    torch 2.2: ``torch.autograd.graph.get_gradient_edge(t).node``)."""
     get = getattr(torch.autograd.graph, "get_gradient_edge", None)
     if get is None:
         return None

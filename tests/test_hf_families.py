@@ -131,14 +131,18 @@ def _encoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
                                           dropout=DROP, attention_dropout=DROP),
                        t.DistilBertForSequenceClassification, attn)
         return model, _classify(model, input_ids=ids, attention_mask=mask)
-    if kind == "deberta":  # DeBERTa-v3's relative attention (v2's large models' too)
+    if kind in ("deberta", "deberta_raw"):  # DeBERTa-v3's relative attention (v2's large
+        # models' too); "raw": v2's defaults, the table not normalised: its dropout draws on
+        # the parameter itself
+        raw = kind == "deberta_raw"
         model = _built(t.DebertaV2Config(
             vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, max_position_embeddings=32, num_labels=2,
             hidden_dropout_prob=DROP, attention_probs_dropout_prob=DROP, pooler_dropout=DROP,
             pooler_hidden_size=16, relative_attention=True, position_buckets=8,
-            max_relative_positions=16, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
-            share_att_key=True), t.DebertaV2ForSequenceClassification, attn)
+            max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+            norm_rel_ebd="none" if raw else "layer_norm", share_att_key=not raw),
+            t.DebertaV2ForSequenceClassification, attn)
         return model, _classify(model, input_ids=ids, attention_mask=mask)
     if kind == "t5":
         model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
@@ -215,7 +219,7 @@ def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
                 "olmoe", "granitemoe", "falcon"):
         return _decoder(kind, attn)
-    if kind in ("bert", "distilbert", "t5", "deberta"):
+    if kind in ("bert", "distilbert", "t5", "deberta", "deberta_raw"):
         return _encoder(kind, attn)
     return _vision(kind, attn)
 
@@ -250,12 +254,14 @@ def test_family_records_like_the_loop_oracle(kind: str, attn: str) -> None:
     assert described["modules"], "nothing was hooked"
 
 
-def test_debertas_relative_position_table_records_to_float64_rounding() -> None:
+@pytest.mark.parametrize("kind", ["deberta", "deberta_raw"])
+def test_debertas_relative_position_table_records_to_float64_rounding(kind: str) -> None:
     """DeBERTa's relative position table is normalised outside any layer and taken by the
     attention's projections, whose outputs are repeated over the batch (it was refused):
     its gradients are ~1e-8 here, under the family test's atol, so this one compares every
-    parameter to float64 rounding."""
-    model, forward = _encoder("deberta", "eager")
+    parameter to float64 rounding. Not normalised (v2's default), the attention's dropout
+    draws on the parameter itself (it was refused: its mask is now replayed)."""
+    model, forward = _encoder(kind, "eager")
     described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-9, atol=1e-18)
     assert described["fallback"] == []
 

@@ -1782,33 +1782,66 @@ def test_a_shared_output_also_used_otherwise_is_refused(kind: str) -> None:
 class _DroppedTable(nn.Module):
     """Dropout on a parameter of a submodule, shared by the batch and copied over it."""
 
-    def __init__(self, p: float = 0.5) -> None:
+    def __init__(self, p: float = 0.5, how: str = "F.dropout") -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.table = nn.Embedding(5, 4).double()
             self.lin = nn.Linear(4, 4).double()
-        self.p = p
+        self.drop = nn.Dropout(p)
+        self.p, self.how = p, how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        table = F.dropout(self.table.weight, self.p, self.training)
-        return self.lin(x * table.expand(x.shape[0], -1, -1))
+        w = self.table.weight
+        table = {
+            "F.dropout": lambda: F.dropout(w, self.p, self.training),
+            "nn.Dropout": lambda: self.drop(w),
+            "torch.dropout": lambda: torch.dropout(w, self.p, self.training),
+            "dropout1d of a view": lambda: F.dropout1d(w.T, self.p, self.training).T,
+            "alpha_dropout": lambda: F.alpha_dropout(w, self.p, self.training),
+        }[self.how]()
+        return self.lin(self.drop(x) * table.expand(x.shape[0], -1, -1))
 
 
-def test_a_dropout_on_a_parameter_shared_by_the_batch_is_refused_not_drawn_again() -> None:
+@pytest.mark.parametrize("how", ["F.dropout", "nn.Dropout", "torch.dropout",
+                                 "dropout1d of a view"])
+def test_a_dropout_on_a_parameter_records_with_the_mask_it_drew(how: str) -> None:
     """Its per-datum vector-Jacobian product differentiated the op again and drew another
     mask: wrong, caught by the spot check only where the gradients were large enough (on
-    DeBERTa's relative position table they were not). Refused, naming the draw. In eval
-    mode, or at rate 0, the dropout returns the parameter itself: no op of its own (it was
-    captured as one with the parameter for output, hooking the parameter, so the datum
-    check took the hook for the user's and could not run: DeBERTa with dropout 0 was
-    refused), and the step records."""
+    DeBERTa's relative position table they were not), then refused. The mask is now drawn
+    again from the generators' state before the op, on ones, and the op taken as the
+    parameter times it: the records equal the loop oracle's through the batch's own masks
+    (both forwards from one RNG state), and training's random stream and ``p.grad`` are a
+    plain step's. In eval mode, or at rate 0, the dropout returns the parameter itself: no
+    op of its own (DeBERTa with dropout 0 was refused so once)."""
+    from gradlog.testing.oracle import assert_like_loop
+
     x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
-    model = _DroppedTable().train()
-    with pytest.raises(BackendError, match=r"dropout draws random numbers"):
-        per_datum(model, lambda: squares(model(x)), "hooks")
-    for quiet in (_DroppedTable().eval(), _DroppedTable(p=0.0).train()):
+    model = _DroppedTable(how=how).train()
+    assert_like_loop(model, lambda: squares(model(x)), reductions=("mean", "sum"),
+                     rtol=1e-12, atol=1e-15)
+    model.zero_grad(set_to_none=True)
+    plain = copy.deepcopy(model)
+    with tempfile.TemporaryDirectory() as root:
+        torch.manual_seed(7)
+        with gradlog.GradRecorder(model, Path(root) / "run", form="full") as rec:
+            rec.backward(squares(model(x)))
+        drawn_next = torch.rand(4)
+    torch.manual_seed(7)
+    squares(plain(x)).mean().backward()
+    assert torch.equal(drawn_next, torch.rand(4))
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for quiet in (_DroppedTable(how=how).eval(), _DroppedTable(p=0.0, how=how).train()):
         assert_hooks_match_loop(quiet, lambda m=quiet: squares(m(x)))
+
+
+def test_an_alpha_dropout_on_a_parameter_is_refused_not_drawn_again() -> None:
+    """An alpha dropout is no mask times its input: its draw cannot be replayed so."""
+    x = torch.randn(B, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    model = _DroppedTable(how="alpha_dropout").train()
+    with pytest.raises(BackendError, match=r"alpha_dropout draws random numbers"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
 
 
 @pytest.mark.parametrize(("hooked", "scale"), [(False, 1.0), (True, 1.0), (False, 1e-8)])

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import gradlog
 from gradlog.backends import BACKENDS
@@ -85,6 +87,42 @@ def test_a_head_tied_by_hand_is_exact(how: str) -> None:
         model, lambda: F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1))
     rule = {"T": "op:matmul", "linear": "op:linear", "matmul": "op:matmul", "chain": "op:matmul"}
     assert any(rule[how] in op for op in described["ops"])  # type: ignore[attr-defined]
+
+
+class _Passthrough(TorchFunctionMode):
+    """A user's torch-function mode (a tracer, a device context): passes every call on."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class ProjectedTable(nn.Module):
+    """A table taken by hand, sliced, and projected by a Linear under a mode of the user's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(11, 6), nn.Embedding(9, 6)
+        self.proj, self.head = nn.Linear(6, 6), nn.Linear(6, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _Passthrough():
+            pos = self.proj(self.pos.weight[:x.shape[1]].unsqueeze(0))  # (1, T, d)
+        return self.head(self.emb(x) + pos)
+
+
+def test_gradlogs_own_reads_under_a_users_mode_are_not_the_models_ops() -> None:
+    """A torch-function mode entered inside the forward sits above the op capture's: the
+    hooks' own reads of tensor attributes in the Linear's forward hook (its input view's
+    ``_base``) went through it into the capture, were taken for an op of the table and
+    refused ("__get__ returned NoneType"). The capture is now paused wherever it sits in
+    the mode stack."""
+    torch.manual_seed(0)
+    model = ProjectedTable().to(D64)
+    x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    described = assert_like_loop(
+        model, lambda: F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(1))
+    assert described["ops"] == ["linear(pos.weight): op:vjp"]
 
 
 class ByHand(nn.Module):

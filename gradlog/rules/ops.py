@@ -276,10 +276,11 @@ def _per_op_vjp(func: Any, leaves: list[Any], cap: Capture,
             if any(not torch.equal(v, rng_states(cuda_devices(views))[k])
                    for k, v in before.items()):
                 raise BackendError(
-                    f"{getattr(func, '__name__', func)} draws random numbers (a dropout on "
-                    "a parameter): gradlog differentiates it again per datum and cannot "
-                    "reproduce the forward's draw. Apply it after a layer, not to the "
-                    "parameter itself, put the model in eval mode, or use backend='loop'.")
+                    f"{getattr(func, '__name__', func)} draws random numbers on a "
+                    "parameter (an alpha dropout: a dropout's mask gradlog replays): gradlog "
+                    "differentiates it again per datum and cannot reproduce the forward's "
+                    "draw. Apply it after a layer, not to the parameter itself, put the model "
+                    "in eval mode, or use backend='loop'.")
             if cap.expanded:  # a shared output: each datum's gradient from its consumer
                 per = g.reshape(B, *out.shape)  # (B, *out)
             else:  # the output has the batch at bd (g: moved first by the backend)

@@ -50,6 +50,7 @@ from gradlog._torch_private import (
     InCompiledRegion,
     cuda_devices,
     force_eager,
+    forked_rng,
     gradient_accumulator,
     rng_states,
 )
@@ -80,6 +81,27 @@ their own, with a per-op rule)."""
 _RANDOM = frozenset({F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d,
                      F.dropout2d, F.dropout3d, torch.dropout, torch.bernoulli,
                      _T.bernoulli, torch.rand_like, torch.randn_like})
+
+
+_MASKED = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout})
+"""Random ops whose output is their input times a scaled mask they draw."""
+
+
+def _drawn_mask(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                before: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor | None:
+    """The scaled mask a dropout (:data:`_MASKED`) of a parameter drew: the same draw
+    again, from the states ``before`` it, on a tensor of ones like the parameter (the
+    generators forked: training's stream is unchanged). None where its output is not its
+    input times that mask. Held as a step of the parameter's use, the op is then
+    deterministic: ``x * mask``, whose per-datum gradients are each datum's times the mask
+    (DeBERTa's dropout on its relative position embeddings)."""
+    x = args[0]
+    with forked_rng(cuda_devices([x]), before), torch.no_grad():
+        mask = func(torch.ones_like(x), *args[1:], **kwargs)
+        eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 0.0
+        same = (isinstance(mask, torch.Tensor) and mask.shape == x.shape
+                and torch.allclose(out, x * mask, rtol=8 * eps, atol=0.0))
+    return mask if same else None
 
 
 def _of_the_parameter(func: Any, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -259,7 +281,8 @@ class OpCapture(TorchFunctionMode):
         kwargs = kwargs or {}
         alone = bool(args) and not any(  # (W[y, :]: the index is data, inside a tuple)
             isinstance(a, torch.Tensor) for a in flatten((args[1:], kwargs))[0])
-        lone = func not in VIEWS and func not in _RANDOM and alone and self._tracked(args[0])
+        lone = alone and self._tracked(args[0]) and func not in VIEWS and (
+            func not in _RANDOM or func in _MASKED)
         before = rng_states(cuda_devices([args[0]])) if lone else None  # (a random draw?)
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad or any(
@@ -275,6 +298,13 @@ class OpCapture(TorchFunctionMode):
             step: Step = (func, tuple(args[1:]), dict(kwargs))
             self._track(out, ParamUse(use.name, use.param, (*use.steps, step)))
             return out
+        if len(uses) == 1 and before is not None and func in _MASKED:
+            mask = _drawn_mask(func, args, kwargs, before, out)
+            if mask is not None:  # (else an op of its own, refused: a draw it cannot redo)
+                use = uses[id(args[0])]
+                self._track(out, ParamUse(use.name, use.param,
+                                          (*use.steps, (torch.mul, (mask,), {}))))
+                return out
         free = {k: u for k, u in uses.items() if not self.inside.get(id(u.param))}
         if free:  # (a use inside a covering module's call is its rule's)
             if any(not self.deferred.get(id(u.param)) for u in free.values()):
