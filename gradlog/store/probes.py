@@ -49,6 +49,8 @@ PROBES_GROUP = "probes"
 PROBE_INDEX_DIR = f"{PROBES_GROUP}/index"
 _PROBE_PART = re.compile(r"^step-(\d{12,})\.parquet$")
 _CHUNK_TARGET_BYTES = 16 << 20  # the training arrays' rule (FORMAT.md section 4)
+_LEAST_KEPT = {"float64": 5e-324, "float32": 1.5e-45, "float16": 6e-8,  # least nonzero value
+               "bfloat16": 1.2e-38}  # a cast keeps (normal, for bfloat16 and BitRound)
 
 
 def probe_array_path(param: str) -> str:
@@ -126,8 +128,13 @@ class ProbeArray:
         StoreFormatError: the array's metadata disagrees with the parameter's spec.
     """
 
-    def __init__(self, root: StorePath, name: str, spec: Mapping[str, Any]) -> None:
+    def __init__(self, root: StorePath, name: str, spec: Mapping[str, Any],
+                 norms: np.ndarray | None = None) -> None:
         import zarr
+
+        # the probe parts' exact norm of each row (NaN: unknown), the witness that tells an
+        # all-zero chunk left unwritten (stores before 2026-11-27) from a lost one
+        self.norms = norms
 
         self.where = f"{root}: probe array {probe_array_path(name)} of {name!r}"
         self.dtype: StorageDtype = storage_dtype(spec["dtype"])
@@ -169,7 +176,8 @@ class ProbeArray:
         """Rows ``rows`` (sorted) as ``(n, *shape)`` of ``dtype``.
 
         Raises:
-            StoreCorruptError: a chunk fails its checksum.
+            StoreCorruptError: a chunk fails its checksum, or is missing or reads as zeros
+                where the probe parts record a nonzero norm.
         """
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
@@ -190,7 +198,24 @@ class ProbeArray:
             raise StoreCorruptError(
                 f"{self.where}: {self._damaged(rows)} fails its checksum: {e}"
             ) from None
+        zero = ~stored.reshape(rows.size, -1).any(1) if self.norms is not None else None
+        if zero is not None and zero.any() and self._nonzero(rows[zero], False):  # (zarr
+            keys = [k for c in np.unique(rows[zero] // self.chunk_rows).tolist()  # reads a
+                    for k in self.chunk_keys(int(c))]  # missing chunk as zeros, its fill)
+            raise StoreCorruptError(
+                f"{self.where}: chunk {', '.join(keys[:4])} reads as zeros (missing or "
+                "zeroed), though the probe parts record nonzero norms for its rows.")
         return np.asarray(from_storage(stored, self.dtype, dtype))
+
+    def _nonzero(self, rows: np.ndarray, unknown: bool) -> bool:
+        """Whether any of ``rows`` has a gradient the storage dtype cannot round to all zeros,
+        by the probe parts' norms (``unknown`` where they say nothing): a norm above
+        ``sqrt(numel)`` times the dtype's least nonzero value has an entry at least that."""
+        norms = self.norms
+        if norms is None or int(rows.max()) >= norms.size or np.isnan(norms[rows]).any():
+            return unknown
+        least = _LEAST_KEPT.get(self.dtype.name, _LEAST_KEPT["bfloat16"])  # (bitroundN)
+        return bool((norms[rows] > least * np.sqrt(max(1, int(np.prod(self.shape))))).any())
 
 
     def _read_plain(self, rows: np.ndarray) -> np.ndarray:
@@ -214,8 +239,12 @@ class ProbeArray:
             try:
                 fd = os.open(str(self.directory / key), os.O_RDONLY)
             except FileNotFoundError:
-                raise StoreCorruptError(f"{self.where}: chunk {key} is missing, though probe "
-                                        "records live in it.") from None
+                if self._nonzero(rows[a:b], True):
+                    raise StoreCorruptError(f"{self.where}: chunk {key} is missing, though "
+                                            "probe records with a nonzero gradient live in "
+                                            "it.") from None
+                out[a:b] = 0  # all-zero, left unwritten by zarr (stores before 2026-11-27)
+                continue
             try:
                 if hasattr(os, "posix_fadvise"):  # the kernel reads the whole chunk ahead
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
@@ -247,6 +276,15 @@ def _plain_chunks(array: Any, shape: tuple[int, ...], directory: Any) -> bool:
         return False
     return (codecs == ["BytesCodec", "Crc32cCodec"] and str(getattr(endian, "value", endian))
             == "little" and chunks[1:] == shape and array.dtype.itemsize > 0)
+
+
+def _every_chunk_written() -> Any:
+    """zarr's configuration under which an array opened or created writes every chunk, an
+    all-zero one too (by default it leaves those unwritten, as the fill value): a missing
+    chunk is then damage (FORMAT.md section 11)."""
+    import zarr
+
+    return zarr.config.set({"array.write_empty_chunks": True})
 
 
 def probe_chunk_rows(n_probes: int, row_bytes: int) -> int:
@@ -344,7 +382,8 @@ class ProbeWriter:
         for name in self.specs:
             where = self.path / probe_array_path(name)
             if (where / "zarr.json").is_file():
-                self._arrays[name] = zarr.open_array(str(where), mode="r+")
+                with _every_chunk_written():
+                    self._arrays[name] = zarr.open_array(str(where), mode="r+")
         if self._arrays:
             self._capacity = min(int(a.shape[0]) for a in self._arrays.values())
 
@@ -357,20 +396,19 @@ class ProbeWriter:
             itemsize = dtype.itemsize
             row_bytes = max(1, int(np.prod(shape, dtype=np.int64)) * itemsize)
             rows = probe_chunk_rows(n, row_bytes)
-            self._arrays[name] = self._group.create_array(
-                fmt.array_path(name),
-                shape=(0, *shape),
-                chunks=(rows, *shape),
-                dtype=dtype,
-                fill_value=0,
-                compressors=[
-                    *([] if self.compression == "none" else [BloscCodec(
-                        cname=self.compression, clevel=1,  # type: ignore[arg-type]
-                        shuffle="bitshuffle", typesize=itemsize)]),
-                    Crc32cCodec(),
-                ],
-                dimension_names=["record", *(f"dim_{i}" for i in range(len(shape)))],
-            )
+            blosc = [] if self.compression == "none" else [BloscCodec(
+                cname=self.compression, clevel=1,  # type: ignore[arg-type]
+                shuffle="bitshuffle", typesize=itemsize)]
+            with _every_chunk_written():
+                self._arrays[name] = self._group.create_array(
+                    fmt.array_path(name),
+                    shape=(0, *shape),
+                    chunks=(rows, *shape),
+                    dtype=dtype,
+                    fill_value=0,
+                    compressors=[*blosc, Crc32cCodec()],
+                    dimension_names=["record", *(f"dim_{i}" for i in range(len(shape)))],
+                )
 
     def append(
         self,

@@ -488,7 +488,12 @@ class StoreReader:
         if opened is None or isinstance(self.path, Path):
             self.check_same_run()
         if opened is None:
-            opened = self._probe_arrays[param] = ProbeArray(self.path, param, self.spec(param))
+            table = self.probes
+            rows = np.asarray(table.column("row"), dtype=np.int64)
+            norms = np.full(int(rows.max()) + 1 if rows.size else 0, np.nan)
+            norms[rows] = np.asarray(table.column(fmt.norm_column(param)), dtype=np.float64)
+            opened = self._probe_arrays[param] = ProbeArray(self.path, param, self.spec(param),
+                                                            norms)
         return opened
 
     def read_probe_rows(self, param: str, rows: np.ndarray, dtype: Any = np.float32) -> np.ndarray:

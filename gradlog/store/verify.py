@@ -540,8 +540,12 @@ def _check_probes(run: StoreReader, steps: dict[int, dict[str, Any]], report: Re
     for name, spec in run.attrs["params"].items():
         if not rows.size:
             break  # no probe records: the arrays may not exist yet
+        norms = np.full(max_row + 1, np.nan)  # (the witness of all-zero chunks left unwritten)
+        for records in parts.values():
+            for r in records:
+                norms[r["row"]] = r[fmt.norm_column(name)]
         try:
-            array = ProbeArray(root, name, spec)
+            array = ProbeArray(root, name, spec, norms)
         except GradlogError as e:
             check.problems.append(str(e))
             continue
@@ -563,10 +567,8 @@ def _check_probes(run: StoreReader, steps: dict[int, dict[str, Any]], report: Re
         for chunk in np.unique(rows // per_chunk):
             try:
                 array.read(rows[rows // per_chunk == chunk])  # checksums verified
-            except GradlogError as e:
+            except GradlogError as e:  # (a missing chunk of zero norms is read as zeros)
                 check.problems.append(str(e))
-            # zarr leaves an all-zero chunk unwritten (fill value), so an absent chunk file is
-            # not damage here, unlike a training shard (FORMAT.md section 4.1)
             n_chunks += len(array.chunk_keys(int(chunk)))
     n_probes = len(ids) if ids is not None else "?"
     check.summary = (
