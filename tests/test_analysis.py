@@ -1039,3 +1039,31 @@ def test_non_finite_user_gradients_are_refused_up_front(
     with pytest.raises(gradlog.InputError, match=rf"'0\.weight' holds {what}"):
         proj.influence({"0.weight": w}, params="0.weight", kind="tracin")
     assert np.isfinite(proj.project("0.weight", np.ones((10, 12)))).all()
+
+
+def test_self_influence_names_and_leaves_out_a_datum_of_non_finite_score(
+        tmp_path: Path) -> None:
+    """A datum whose recorded gradient is NaN (``sqrt`` at 0): ``influence`` warned and left
+    it out of its ranking, ``self_influence`` sorted its NaN last, so ``top=k`` dropped it in
+    silence. Both now name it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x = torch.randn(8, 3)
+    x[5] = 0.0
+
+    def losses(m: nn.Module, xb: torch.Tensor) -> torch.Tensor:
+        out = m(xb)  # datum 5: sqrt(0) has an infinite slope, times 0: NaN
+        return torch.sqrt((out ** 2).sum(1) * (xb.abs().sum(1) > 0)) + 0.1 * out.sum(1)
+
+    path = tmp_path / "nan.gradlog"
+    with pytest.warns(UserWarning, match="non-finite"), gradlog.GradRecorder(
+            model, path, check_every=0) as rec:
+        for step in range(2):
+            ids = torch.arange(4 * step, 4 * step + 4)
+            rec.backward(losses(model, x[ids]), datum_ids=ids, lr=0.1)
+    run = gradlog.open(path)
+    with pytest.warns(UserWarning, match=r"1 datum\(s\) have a non-finite score.*ids \[5\]"):
+        table = run.self_influence(top=3)
+    assert table.num_rows == 3 and 5 not in table.column("datum_id").to_pylist()
+    with pytest.warns(UserWarning, match=r"ids \[5\]"):
+        assert run.self_influence().num_rows == 7

@@ -46,6 +46,7 @@ from gradlog.analysis.optimizer import (
 from gradlog.analysis.scan import ScanArgs, ScanOptions, blocks, least_budget
 from gradlog.analysis.selection import (
     check_finite,
+    finite_scores,
     params_of,
     per_datum,
     ranked,
@@ -365,6 +366,8 @@ def self_influence(
     ids, sums, n_steps = per_datum(
         records.column("datum_id").to_numpy(), records.column("step").to_numpy(), values
     )
+    finite = finite_scores(ids, sums)  # (a NaN sorted last fell out of top=k in silence)
+    ids, sums, n_steps = ids[finite], sums[finite], n_steps[finite]
     order = np.lexsort((ids, -sums))[:top]
     return pa.table(
         {

@@ -16,6 +16,7 @@ from gradlog.store.reader import StoreReader
 __all__ = [
     "check_finite",
     "check_lr",
+    "finite_scores",
     "params_of",
     "per_datum",
     "ranked",
@@ -160,6 +161,22 @@ def per_datum(
     return ids, sums, n_steps.astype(np.int64)
 
 
+def finite_scores(ids: np.ndarray, scores: np.ndarray, stacklevel: int = 3) -> np.ndarray:
+    """Which scores are finite; the datums of the others are named in a warning (a ranking
+    leaves them out: no rank for them)."""
+    finite: np.ndarray = np.isfinite(scores)
+    if not finite.all():
+        bad = ids[~finite]
+        warnings.warn(
+            f"{bad.size} datum(s) have a non-finite score and are left out of the ranking "
+            f"(ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}): a NaN or inf in "
+            "their recorded gradients (the recorder warned at those steps) or losses. Select "
+            "steps without them, or read their records with run.grads(datum=...).",
+            UserWarning, stacklevel=stacklevel,
+        )
+    return finite
+
+
 def ranked(
     ids: np.ndarray,
     scores: np.ndarray,
@@ -180,16 +197,8 @@ def ranked(
 
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
         raise InputError(f"top={top!r} must be a positive int, or None for every datum.")
-    finite = np.isfinite(scores)
-    if not finite.all():  # no rank for them: left out, and said so
-        bad = ids[~finite]
-        warnings.warn(
-            f"{bad.size} datum(s) have a non-finite score and are left out of the ranking "
-            f"(ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}): a NaN or inf in "
-            "their recorded gradients (the recorder warned at those steps) or losses. Select "
-            "steps without them, or read their records with run.grads(datum=...).",
-            UserWarning, stacklevel=3,
-        )
+    finite = finite_scores(ids, scores, stacklevel=4)
+    if not finite.all():
         ids, scores, n_steps = ids[finite], scores[finite], n_steps[finite]
         extra = {k: v[finite] for k, v in (extra or {}).items()}
     desc = np.lexsort((ids, -scores))
