@@ -297,10 +297,8 @@ def module_has_backward_hooks(module: nn.Module) -> bool:
 
 def autograd_node_output_shape(node: Any, output: int = 0) -> tuple[int, ...]:
     """Shape of forward output ``output`` of autograd node ``node`` (its gradient's shape).
-
-    Private API: ``Node._input_metadata``. Fallback: none; callers ask
-    :func:`autograd_node_shapes_known` first.
-    """
+    Private API: ``Node._input_metadata``. Fallback: none (ask
+    :func:`autograd_node_shapes_known` first)."""
     return tuple(node._input_metadata[output].shape)
 
 
@@ -317,20 +315,15 @@ def autograd_node_shapes_known(node: Any) -> bool:
 
 
 def autograd_node_output_dtypes(node: Any) -> list[torch.dtype] | None:
-    """The dtypes of autograd node ``node``'s forward outputs.
-
-    Private API: ``Node._input_metadata``. Fallback: None (callers then guess from the
-    node's type).
-    """
+    """The dtypes of autograd node ``node``'s forward outputs. Private API:
+    ``Node._input_metadata``. Fallback: None (callers then guess from the node's type)."""
     metadata = getattr(node, "_input_metadata", None)
     return None if metadata is None else [m.dtype for m in metadata]
 
 
 def autograd_node_saved_alpha(node: Any) -> float:
-    """The ``alpha`` an ``AddBackward0``/``SubBackward0`` node saved.
-
-    Private API: ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1).
-    """
+    """The ``alpha`` an ``AddBackward0``/``SubBackward0`` node saved. Private API:
+    ``Node._saved_alpha``. Fallback: 1.0 (torch saves no alpha when it is 1)."""
     return float(getattr(node, "_saved_alpha", 1.0))
 
 
@@ -355,11 +348,9 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     """How many copies along dimension 0 a ``repeat``, ``cat``, ``index`` or
     ``index_select`` node made of an input of ``ndim`` dimensions whose dimension 0 has size
     1; 0 when it made none (another dimension, another input); None for other nodes.
-
     Private API: ``RepeatBackward0._saved_repeats``, ``CatBackward0._saved_dim``,
     ``IndexBackward0._saved_indices``, ``IndexSelectBackward0._saved_dim`` and
-    ``_saved_index``. Fallback: None (not known: the caller does not count it).
-    """
+    ``_saved_index``. Fallback: None (not known: the caller does not count it)."""
     kind = type(node).__name__
     try:
         if kind == "RepeatBackward0":
@@ -377,6 +368,22 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     except (AttributeError, IndexError, RuntimeError, TypeError):
         return None
     return None
+
+
+def autograd_node_first_index(node: Any) -> torch.Tensor | None:
+    """The index an ``x[index]``, ``index_select(0, index)`` or ``gather(0, index)`` node
+    took along dimension 0 (None: another dimension, another node, or not known). Private
+    API: ``IndexBackward0._saved_indices``, ``IndexSelectBackward0``/``GatherBackward0``
+    ``_saved_dim`` and ``_saved_index``."""
+    kind = type(node).__name__
+    try:
+        if kind == "IndexBackward0":
+            index = next(iter(node._saved_indices), None)
+        else:
+            index = node._saved_index if int(node._saved_dim) == 0 else None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return index if isinstance(index, torch.Tensor) else None
 
 
 def autograd_node_dims(node: Any) -> tuple[int, ...] | None:
@@ -411,11 +418,9 @@ def _dim(saved: Any, ndim: int) -> int:
 
 
 def autograd_node_view_input_sizes(node: Any) -> tuple[int, ...] | None:
-    """The input shape a ``view``/``reshape`` autograd node saved (what it reshaped).
-
-    Private API: ``ViewBackward0._saved_self_sym_sizes`` (also ``UnsafeViewBackward0``,
-    ``ReshapeAliasBackward0``). Fallback: None (the caller then cannot tell; it checks less).
-    """
+    """The input shape a ``view``/``reshape`` autograd node saved (what it reshaped). Private
+    API: ``ViewBackward0._saved_self_sym_sizes`` (also ``UnsafeViewBackward0``,
+    ``ReshapeAliasBackward0``). Fallback: None (the caller then checks less)."""
     sizes = getattr(node, "_saved_self_sym_sizes", None)
     try:
         return None if sizes is None else tuple(int(n) for n in sizes)
@@ -425,11 +430,8 @@ def autograd_node_view_input_sizes(node: Any) -> tuple[int, ...] | None:
 
 def autograd_node_nll_target(node: Any) -> tuple[torch.Tensor, int] | None:
     """``(target, ignore_index)`` an ``nll_loss`` autograd node saved (``cross_entropy``'s).
-
-    Private API: ``NllLossBackward0``/``NllLoss2DBackward0`` ``_saved_target`` and
-    ``_saved_ignore_index`` (some torch versions return the index as an unsigned 64-bit
-    value: -100 reads 2**64 - 100). Fallback: None (the caller then checks less).
-    """
+    Private API: ``NllLoss(2D)Backward0`` ``_saved_target``, ``_saved_ignore_index`` (some
+    torch versions return -100 as 2**64 - 100). Fallback: None (the caller checks less)."""
     if not type(node).__name__.startswith("NllLoss"):
         return None
     target = getattr(node, "_saved_target", None)
@@ -441,9 +443,7 @@ def autograd_node_nll_target(node: Any) -> tuple[torch.Tensor, int] | None:
 
 def autograd_node_forward_class(node: Any) -> type | None:
     """The ``torch.autograd.Function`` class a Python autograd node belongs to, or None.
-
-    Private API: ``BackwardCFunction._forward_cls``. Fallback: None.
-    """
+    Private API: ``BackwardCFunction._forward_cls``. Fallback: None."""
     return getattr(node, "_forward_cls", None)
 
 

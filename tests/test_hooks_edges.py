@@ -636,7 +636,7 @@ def test_the_first_steps_datum_check_adds_no_peak_memory_under_checkpointing(
 
         be._datum_probe = probe  # type: ignore[method-assign]
         if not check:
-            be._wants_datum_check = lambda batch: False  # type: ignore[method-assign]
+            be._wants_datum_check = lambda batch, survey: False  # type: ignore[method-assign]
 
         def step(be: object = be) -> None:
             model.zero_grad(set_to_none=True)
@@ -2088,3 +2088,80 @@ def test_a_norm_on_a_codebook_of_b_rows_is_verified(hooked: bool) -> None:
     match = r"check cannot run here" if hooked else r"differ from the datums' own"
     with pytest.raises(GradlogError, match=match):
         per_datum(model, lambda: squares(model(x)), "hooks")
+
+
+class _SortedByLength(nn.Module):
+    """Sorts the batch by length, as code feeding ``pack_padded_sequence(enforce_sorted=
+    True)`` does, and unsorts the output (``pick``: the head's output at each datum's last
+    token instead, by ``arange(B)``: the batch's own order)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(11, 6).double()
+            self.mix, self.head = nn.Linear(6, 6).double(), nn.Linear(6, 3).double()
+        self.how = how
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self.how == "pick":
+            h = self.head(torch.tanh(self.mix(self.emb(x))))  # (B, T, 3)
+            return h[torch.arange(x.shape[0]), lengths - 1]
+        order = torch.argsort(lengths, descending=True, stable=True)
+        unorder = torch.argsort(order)
+        if self.how == "undone":  # reordered and back before any layer: nothing moved
+            h = self.emb(x)[order][unorder]
+            return self.head(torch.tanh(self.mix(h.mean(1))))
+        h = torch.tanh(self.mix(self.emb(x[order]).mean(1)))
+        return self.head(h)[unorder]
+
+
+def _lengths_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(1, 11, (4, 4), generator=g), torch.tensor(lengths),
+             torch.randint(0, 3, (4,), generator=g))
+            for lengths in ([4, 4, 4, 4], [2, 4, 1, 3], [3, 1, 4, 2])]
+
+
+def test_a_batch_sorted_by_length_in_the_forward_is_checked_at_every_order(
+        tmp_path: Path) -> None:
+    """The first batch's order was its sorted one, and the datum check ran only then: the
+    later batches' records went to other datums' ids (relative error 0.6-4), their sum
+    p.grad all the same. Each backward whose forward takes the batch in another order is
+    now checked, and a wrong split refused; the steps before are kept."""
+    model = _SortedByLength("sorted")
+    batches = _lengths_batches()
+    x, lengths, y = batches[0]
+    with gradlog.GradRecorder(model, tmp_path / "run") as rec:
+        rec.backward(F.cross_entropy(model(x, lengths), y, reduction="none"))
+        x, lengths, y = batches[1]
+        with pytest.raises(BackendError, match=r"in another order"):
+            rec.backward(F.cross_entropy(model(x, lengths), y, reduction="none"))
+    assert gradlog.open(tmp_path / "run").steps.num_rows == 1
+
+
+@pytest.mark.parametrize("how", ["undone", "pick"])
+def test_a_batch_taken_in_its_own_order_records_at_every_step(how: str) -> None:
+    """Reordered and back before any layer (checked at every such step, and right), or
+    rows picked by ``arange(B)`` (GPT-2's sequence classifier: no reordering, no check)."""
+    model = _SortedByLength(how)
+    for x, lengths, y in _lengths_batches():
+        assert_hooks_match_loop(
+            model, lambda x=x, lengths=lengths, y=y: F.cross_entropy(
+                model(x, lengths), y, reduction="none"))
+
+
+def test_a_reordered_batch_is_refused_where_no_datum_check_can_run(tmp_path: Path) -> None:
+    """A backward hook of the user's: the datum check cannot run, so the reordering would
+    go unseen. Refused, naming it; picking rows in the batch's own order records."""
+    for how, refused in (("undone", True), ("pick", False)):
+        model = _SortedByLength(how)
+        model.head.weight.register_hook(lambda g: None)
+        x, lengths, y = _lengths_batches()[1]
+        with gradlog.GradRecorder(model, tmp_path / how) as rec:
+            losses = F.cross_entropy(model(x, lengths), y, reduction="none")
+            if refused:
+                with pytest.raises(GradlogError, match="takes the batch's rows in another"):
+                    rec.backward(losses)
+            else:
+                rec.backward(losses)

@@ -541,9 +541,7 @@ def _check_probes(run: StoreReader, steps: dict[int, dict[str, Any]], report: Re
         if not rows.size:
             break  # no probe records: the arrays may not exist yet
         norms = np.full(max_row + 1, np.nan)  # (the witness of all-zero chunks left unwritten)
-        for records in parts.values():
-            for r in records:
-                norms[r["row"]] = r[fmt.norm_column(name)]
+        norms[in_order] = [r[fmt.norm_column(name)] for s in sorted(parts) for r in parts[s]]
         try:
             array = ProbeArray(root, name, spec, norms)
         except GradlogError as e:

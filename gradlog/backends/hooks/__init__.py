@@ -341,7 +341,7 @@ class HooksBackend(Backend):
             self._route_shared_outputs(survey, B)  # may refuse, before p.grad is touched
             when, foreign = datum_check.datum_check_mode(
                 losses, batch_loss, self.params, self._saved_tensor_hooks
-            ) if self._wants_datum_check(B) else (None, False)
+            ) if self._wants_datum_check(B, survey) else (None, False)
             self._rows.require(when is not None)
             rng = rng_states(cuda_devices(self.model)) if when is not None else None
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
@@ -380,7 +380,7 @@ class HooksBackend(Backend):
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
                 datum_check.check_datum(datum, out, self.params, narrow, trusted=not foreign,
-                                        required=bool(self._rows.pending),
+                                        required=bool(self._rows.pending or self._rows.reordered),
                                         loss_scaled=self.seed_scale != 1,
                                         rerun=self._spot.rerun, own=self._rows.own)
                 self._rows.passed()
@@ -397,12 +397,12 @@ class HooksBackend(Backend):
         if self._spot.settle() and self._ops is not None:  # passed: the uses it saw learnt
             self._ops.checked()
 
-    def _wants_datum_check(self, B: int) -> bool:
+    def _wants_datum_check(self, B: int, survey: graph.GraphSurvey) -> bool:
         """:func:`datum_check.wants_datum_check`, or a self-checked batch, or a new flattened
         layout (:class:`.rows.RowLayouts`); never for B 1 (nor where
         :func:`datum_check.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
-        rows = self._rows.note(calls, B)
+        rows = self._rows.note(calls, B, survey)
         if B < 2 or not datum_check.datum_check_possible(self.model):
             return False
         return datum_check.wants_datum_check(calls, B, self._datum_checked, self.model,

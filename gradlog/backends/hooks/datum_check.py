@@ -242,10 +242,11 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
             "gives each datum's share of the batch gradient, not d losses[b] / d theta; (2) "
             "a layer ran on a layout where gradlog mistook the batch dimension (a "
             "sequence-first tensor whose sequence length equals the batch size, a layer "
-            "called once per datum by hand); (3) a rule that assigns gradient to the wrong "
+            "called once per datum by hand, a batch the forward takes in another order: "
+            "h[order], sorted by length); (3) a rule that assigns gradient to the wrong "
             "datum (please report it). p.grad is complete; nothing of this step was "
-            "recorded. Use backend='loop', or for (2) a batch size different from the "
-            "sequence length." + rerun_hint(bad, rerun or {}) + _float32_hint(
+            "recorded. Use backend='loop', for (2) a batch size different from the "
+            "sequence length or the batch reordered before the model." + rerun_hint(bad, rerun or {}) + _float32_hint(
                 names, a, c, scale, params) + ("" if trusted else _UNTRUSTED_HINT)
         )
 

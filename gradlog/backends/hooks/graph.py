@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradlog._torch_private import (
+    autograd_node_first_index,
     autograd_node_forward_class,
     autograd_node_output_dims,
     autograd_node_output_shape,
     autograd_node_repeats,
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
+    autograd_node_shapes_known,
     view_base,
 )
 from gradlog._tree import flatten
@@ -198,6 +200,7 @@ class GraphSurvey:
         self._edges: dict[str, int] = {}
         self._calls: dict[int, int] = {}
         self._consumers: dict[int, list[tuple[Any, int]]] = {}
+        self._indexed: list[Any] = []  # index, index_select, gather nodes (reordered)
 
     def consumers(self, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
         """For each wanted call (by id), the (node, input slot) pairs that consume its tagged
@@ -218,6 +221,28 @@ class GraphSurvey:
                     if child is not None:
                         self._parents.setdefault(id(child), []).append((parent, slot))
         return self._parents.get(id(node), [])
+
+    def reordered(self, B: int) -> bool:
+        """Whether an op of the graph took the B rows of a batched tensor in another order
+        than the batch's (``h[order]``, ``index_select``, ``gather`` along dimension 0 with
+        an index that is not ``arange(B)``: a model sorting its batch by length). The layers
+        between then see datum ``order[r]`` at row ``r``, and their records go to another
+        datum's id, summing to ``p.grad`` all the same: only a datum check sees it. Reads
+        the index's values (a device sync, only where such an op is in the graph)."""
+        if not self._walked:
+            self._walk(self._accumulators or {})
+        shapes = autograd_node_shapes_known(self.root)
+        for node in self._indexed:
+            index, (child, nr) = autograd_node_first_index(node), node.next_functions[0]
+            if (index is None or child is None or type(child).__name__ == "AccumulateGrad"
+                    or index.dim() == 0 or index.shape[0] != B or index.is_floating_point()
+                    or (index.dim() > 1 and type(node).__name__ != "GatherBackward0")
+                    or (shapes and autograd_node_output_shape(child, nr)[:1] != (B,))):
+                continue  # (a table's rows, positions of the tokens, fewer rows than B)
+            own = torch.arange(B, device=index.device).view(-1, *(1,) * (index.dim() - 1))
+            if not bool((index == own).all()):
+                return True
+        return False
 
     def widest(self) -> int:
         """The most dimensions of any tensor the graph's nodes made (shapes known: torch >=
@@ -240,6 +265,7 @@ class GraphSurvey:
         consumers: dict[int, list[tuple[Any, int]]] = {}
         tags: dict[int, list[tuple[int, Call]]] = {}
         root = self.root
+        self._indexed = []
         # keep: node wrappers alive, so their ids stay unique
         stack, keep = ([root], [root]) if root is not None else ([], [])
         seen = {id(root)}
@@ -256,6 +282,8 @@ class GraphSurvey:
                     seen.add(key)
                     keep.append(child)
                     stack.append(child)
+                    if type(child).__name__ in _INDEXING:
+                        self._indexed.append(child)
                     tagged = child.metadata.get(TAG)
                     if tagged:
                         tags[key] = tagged
@@ -313,6 +341,8 @@ def batch_repeat(node: Any, at: tuple[int, ...], B: int) -> int | None:
         return None
     return at[0] if len(repeats) == len(at) else 1
 
+
+_INDEXING = frozenset({"IndexBackward0", "IndexSelectBackward0", "GatherBackward0"})
 
 Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)
 

@@ -294,20 +294,34 @@ class RowLayouts:
         self.verified: set[tuple[str, tuple[int, ...]]] = set()
         self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
         self.own: frozenset[str] = frozenset()
+        self.reordered = False  # this backward's batch reordered in the forward: checked
 
-    def note(self, calls: Iterable[Call], B: int) -> bool:
-        """This backward's layouts not verified yet (one datum needs none); True if any;
-        :attr:`own`: the parameters of copies over the batch among them."""
+    def note(self, calls: Iterable[Call], B: int, graph: GraphSurvey) -> bool:
+        """This backward's layouts not verified yet (one datum needs none), and whether the
+        forward reordered the batch (:meth:`.graph.GraphSurvey.reordered`: every such
+        backward is checked, its order being the batch's own); True if any; :attr:`own`:
+        the parameters of copies over the batch among them."""
         calls = list(calls)
+        self.reordered = B > 1 and graph.reordered(B)
         self.pending = set() if B < 2 else {
             (c.entry.name, tuple(c.chunk.lead_shape)) if c.chunk is not None
             else (c.entry.name, (B, c.datum_rows)) for c in calls
             if (c.chunk is not None and c.chunk.flattened) or c.datum_rows} - self.verified
         self.own = frozenset(n for c in calls if c.copied for n in c.entry.names.values())
-        return bool(self.pending)
+        return bool(self.pending) or self.reordered
 
     def require(self, checked: bool) -> None:
         """Refuse the pending layouts unless a trusted datum check runs on them."""
+        if self.reordered and not checked:
+            self.reordered = False
+            raise UnsupportedLayerError(
+                "the model takes the batch's rows in another order inside its forward "
+                "(h[order], index_select or gather along the batch with an index other than "
+                "arange(B): a batch sorted by length), so its layers see other datums at each "
+                "row; gradlog verifies each such backward with a datum check, which cannot run "
+                "here (under FSDP or DDP(static_graph=True), with backward hooks of your own, "
+                "or a reentrant activation checkpoint). Reorder the batch before the model "
+                "(and the losses with it), or use backend='loop'.")
         if self.pending and not checked:
             names = sorted({name for name, _ in self.pending})
             self.pending = set()
@@ -325,7 +339,7 @@ class RowLayouts:
 
     def passed(self) -> None:
         self.verified |= self.pending
-        self.pending = set()
+        self.pending, self.reordered = set(), False
 
 
 def rows_by_datum(chunk: Any, entry: Entry, B: int, args: tuple[Any, ...],
