@@ -1084,3 +1084,57 @@ def test_a_step_failing_before_its_checks_are_read_leaves_them_to_no_later_step(
         model.zero_grad(set_to_none=True)
         rec.backward(_losses(model, seed=2), step=2)  # its own checks only
     assert gradlog.open(tmp_path / "r.gradlog").steps.column("step").to_pylist() == [0, 2]
+
+
+class _Renormalised(nn.Module):
+    """An embedding that renormalises the rows it looks up in place (``max_norm``), and a
+    spectral-normed layer whose power iteration steps a buffer at every training forward."""
+
+    def __init__(self, writes: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, max_norm=1.0)
+        self.mix = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
+        self.head = nn.Linear(6, 11)
+        self.writes = writes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.writes:  # a forward writing one of its own parameters
+            with torch.no_grad():
+                self.head.bias.mul_(0.5)
+        return self.head(torch.tanh(self.mix(self.emb(x))))
+
+
+def test_probes_leave_what_their_forward_writes_in_place_as_it_was(tmp_path: Any) -> None:
+    """The probe forward renormalised the probe tokens' embedding rows in place and stepped
+    spectral_norm's vectors: training went on from those (the embedding 7 off after one
+    step). They are put back; a parameter the forward writes otherwise is refused."""
+
+    def token_losses(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]).transpose(1, 2), batch[1], reduction="none")
+
+    x, y = torch.tensor([[1, 2, 3], [2, 3, 4]]), torch.tensor([[0, 1, 2], [3, 4, 5]])
+    probe = (torch.tensor([[7, 8, 9]]), torch.tensor([[1, 1, 1]]))  # rows never trained
+
+    def trained(path: Any, probes: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = _Renormalised()
+        with torch.no_grad():
+            model.emb.weight.mul_(3)  # rows above max_norm
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gradlog.GradRecorder(model, path, optimizer=opt,
+                                  **({"probes": (token_losses, probe)} if probes else {})
+                                  ) as rec:
+            for _ in range(2):
+                rec.backward(token_losses(model, (x, y)))
+                opt.step()
+                opt.zero_grad()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain, probed = trained(tmp_path / "a", False), trained(tmp_path / "b", True)
+    for name, value in plain.items():
+        assert torch.equal(value, probed[name]), name
+    model = _Renormalised()
+    with gradlog.GradRecorder(model, tmp_path / "c", probes=(token_losses, probe)) as rec:
+        model.writes = True
+        with pytest.raises(gradlog.InputError, match=r"wrote parameters \['head.bias'\]"):
+            rec.backward(token_losses(model, (x, y)))

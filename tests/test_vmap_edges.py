@@ -125,3 +125,72 @@ def test_a_used_parameter_with_all_zero_gradients_gets_a_zero_grad(tmp_path: Pat
     assert set(run.param_names) >= {"lora_A.weight", "proj.weight"}
     assert not run.grads("lora_A.weight", step=1).any()
     assert run.grads("lora_B.weight", step=1).any()
+
+
+class _TwoTasks(nn.Module):
+    """A task-B adapter (its B zero, so A's gradient is exactly 0) used by task-B batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.lora_A = nn.Parameter(torch.randn(2, 6) * 0.1)
+        self.lora_B = nn.Parameter(torch.zeros(3, 2))
+        self.task = "b"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        out = self.head(h)
+        return out + (h @ self.lora_A.T) @ self.lora_B.T if self.task == "b" else out
+
+
+@pytest.mark.parametrize("tasks", [("b", "a"), ("a", "b")])
+def test_whether_a_zero_gradient_parameter_is_used_is_asked_at_every_step(
+        tmp_path: Path, tasks: tuple[str, str]) -> None:
+    """vmap settled once per parameter whether all-zero gradients meant used (a zero .grad)
+    or unused (None) and remembered it: an adapter used by one batch and not the next got
+    a zero .grad where autograd leaves None (AdamW then decayed it: 5% off in 2 steps), or
+    None where autograd gives zeros. Each step now asks its own forward's graph."""
+
+    def losses(model: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+
+    def train(record: bool) -> tuple[list[bool], torch.Tensor]:
+        torch.manual_seed(0)
+        model = _TwoTasks()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        g = torch.Generator().manual_seed(1)
+        grads = []
+        rec = gradlog.GradRecorder(model, tmp_path / f"{record}", backend="vmap",
+                                   optimizer=opt) if record else None
+        if rec is not None:
+            rec.open()
+        for task in tasks:
+            model.task = task
+            batch = (torch.randn(4, 5, generator=g), torch.randint(0, 3, (4,), generator=g))
+            if rec is not None:
+                rec.step(losses, batch)
+            else:
+                losses(model, batch).mean().backward()
+            grads.append(model.lora_A.grad is None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if rec is not None:
+            rec.close()
+        return grads, model.lora_A.detach().clone()
+
+    (plain_none, plain_a), (none, a) = train(False), train(True)
+    assert none == plain_none == [t == "a" for t in tasks]
+    assert torch.equal(a, plain_a)
+
+
+def test_an_embedding_scaling_by_the_batchs_counts_is_refused(tmp_path: Path) -> None:
+    """``scale_grad_by_freq=True`` divides by each token's count in the batch: vmap, which
+    differentiates each datum alone, used the datum's counts (records 0.5-0.8 off, and p.grad
+    with them). Refused before anything runs; the hooks backend counts over the batch."""
+    model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(),
+                          nn.Linear(12, 3))
+    x, y = torch.randint(0, 10, (4, 3)), torch.randint(0, 3, (4,))
+    with gradlog.GradRecorder(model, tmp_path / "run", backend="vmap") as rec:
+        with pytest.raises(gradlog.GradlogError, match="scale_grad_by_freq"):
+            rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
+    assert all(p.grad is None for p in model.parameters())

@@ -50,7 +50,6 @@ class VmapBackend(Backend):
     def __init__(self, model: nn.Module, params: Mapping[str, nn.Parameter], *,
                  batch_reduction: str, randomness: str) -> None:
         super().__init__(model, params, batch_reduction=batch_reduction, randomness=randomness)
-        self._connected: dict[str, bool] = {}  # parameter name -> the loss depends on it
 
     def backward(self, losses: torch.Tensor, batch_loss: torch.Tensor) -> PerDatumGrads:
         raise BackendError(
@@ -68,6 +67,14 @@ class VmapBackend(Backend):
         check: Callable[[torch.Tensor], None],
     ) -> tuple[torch.Tensor, PerDatumGrads]:
         check_differentiable(self.params)  # a recorded parameter frozen since selection
+        counted = [name for name, m in self.model.named_modules() if isinstance(
+            m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq and m.weight.requires_grad]
+        if counted:
+            raise BackendError(
+                f"{counted[:3]} scale their gradient by each token's count in the batch "
+                "(scale_grad_by_freq=True): backend='vmap' differentiates each datum alone, "
+                "with its own counts, so its records and p.grad would differ from autograd's. "
+                "Use backend='hooks' (rec.backward), which counts over the batch.")
         module = _LossModule(self.model, loss_fn)
         trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
         fixed = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
@@ -207,21 +214,20 @@ class VmapBackend(Backend):
                  mask: torch.Tensor | None, names: list[str],
                  trainable: Mapping[str, torch.Tensor]) -> set[str]:
         """Which of ``names`` the batch's losses depend on: the parameters an ordinary
-        forward's autograd graph reaches. Settled once per parameter (the first time its
-        per-datum gradients are all 0, by one forward of that batch with the global RNG
-        forked, so training's random stream is unchanged) and remembered."""
-        todo = [n for n in names if n not in self._connected]
-        if todo:
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            with forked_rng(cuda_devices(tensors)), torch.enable_grad():
-                root = reduce(loss_fn(self.model, batch), mask).sum().grad_fn
-                reached = {id(v) for v in (getattr(node, "variable", None)
-                                           for node in graph_nodes(root))
-                           if isinstance(v, torch.Tensor)}
-                del root  # (frees the graph)
-            for n in todo:
-                self._connected[n] = id(trainable[n]) in reached
-        return {n for n in names if self._connected[n]}
+        forward's autograd graph reaches, by one forward of this batch (the global RNG
+        forked, so training's random stream is unchanged), at each step where a parameter's
+        per-datum gradients are all 0: whether a branch runs can change from step to step
+        (an adapter used by some batches; it was settled once and remembered)."""
+        if not names:
+            return set()
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        with forked_rng(cuda_devices(tensors)), torch.enable_grad():
+            root = reduce(loss_fn(self.model, batch), mask).sum().grad_fn
+            reached = {id(v) for v in (getattr(node, "variable", None)
+                                       for node in graph_nodes(root))
+                       if isinstance(v, torch.Tensor)}
+            del root  # (frees the graph)
+        return {n for n in names if id(trainable[n]) in reached}
 
 
 def _from_checkpoint(error: BaseException) -> bool:

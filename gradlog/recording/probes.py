@@ -4,14 +4,16 @@ training (``p.grad``, the optimizer and the RNG stream are left as they are)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from gradlog._torch_private import tensor_version
 from gradlog.errors import GradlogError, InputError, NonFiniteLossError
 from gradlog.losses import per_datum_losses
 from gradlog.recording.inputs import check_mask
@@ -72,8 +74,9 @@ class ProbeRecorder:
         names = list(self.params)
         tensors = [self.params[n] for n in names]
         cuda = sorted({p.device.index or 0 for p in tensors if p.device.type == "cuda"})
-        # A forked RNG: dropout in the probe forward must not shift training's random stream.
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        # A forked RNG: dropout in the probe forward must not shift training's random stream;
+        # what it writes in place (buffers, renormalised embeddings) is put back.
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), _state_kept(self.model):
             try:
                 raw = self.loss_fn(self.model, self.batch)
             except (GradlogError, MemoryError, torch.cuda.OutOfMemoryError):
@@ -142,6 +145,33 @@ class ProbeRecorder:
         if int(ids.min()) < 0 or len(np.unique(ids)) != n:
             raise InputError(f"probe_ids must be distinct integers >= 0, got {ids.tolist()}.")
         return ids.astype(np.int64)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """After the probe forward, the model's buffers and the weights of its embeddings with a
+    ``max_norm`` as before it: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks
+    up in place, ``spectral_norm`` steps its power iteration, a BatchNorm in training mode
+    its statistics; training would go on from those. Another parameter the forward writes
+    in place is refused (it cannot be put back)."""
+    kept = [(t, t.detach().clone()) for t in model.buffers()]
+    kept += [(m.weight, m.weight.detach().clone()) for m in model.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    params = list(model.named_parameters())
+    before = [tensor_version(t) for t, _ in kept] + [tensor_version(p) for _, p in params]
+    yield
+    with torch.no_grad():
+        for (t, copy), version in zip(kept, before, strict=False):
+            if tensor_version(t) != version:
+                t.copy_(copy)
+    ours = {id(t) for t, _ in kept}
+    moved = [n for (n, p), v in zip(params, before[len(kept):], strict=True)
+             if id(p) not in ours and tensor_version(p) != v]
+    if moved:
+        raise InputError(
+            f"the probes' forward wrote parameters {moved[:4]} in place, which changes "
+            "training; nothing of this step was written. Record without probes=, or keep "
+            "the model's forward from writing its parameters.")
 
 
 def _per_probe_grads(

@@ -246,8 +246,9 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
             "h[order], sorted by length); (3) a rule that assigns gradient to the wrong "
             "datum (please report it). p.grad is complete; nothing of this step was "
             "recorded. Use backend='loop', for (2) a batch size different from the "
-            "sequence length or the batch reordered before the model." + rerun_hint(bad, rerun or {}) + _float32_hint(
-                names, a, c, scale, params) + ("" if trusted else _UNTRUSTED_HINT)
+            "sequence length or the batch reordered before the model."
+            + rerun_hint(bad, rerun or {}) + _float32_hint(names, a, c, scale, params)
+            + ("" if trusted else _UNTRUSTED_HINT)
         )
 
 
