@@ -2165,3 +2165,36 @@ def test_a_reordered_batch_is_refused_where_no_datum_check_can_run(tmp_path: Pat
                     rec.backward(losses)
             else:
                 rec.backward(losses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_over_keys_of_one_token_is_not_taken_for_mixing(dtype: torch.dtype) -> None:
+    """``MultiheadAttention`` with a key padding mask (its fused path, re-run per datum and
+    weighed against the batch's run): a datum whose real tokens are all one token attends
+    uniformly, so the gradient reaching its keys is 0 in exact arithmetic and rounding noise
+    in floating point, which the check compared with itself entry by entry and refused as
+    mixing the batch. Noise of the largest input's gradient is now noise; the records equal
+    the loop oracle's."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(11, 8), nn.Linear(8, 11)
+            self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            a, _ = self.att(h, h, h, key_padding_mask=(x == 0), need_weights=False)
+            return self.head(a + h)
+
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    x = torch.tensor([[7, 7, 0, 0], [1, 1, 0, 0], [3, 0, 0, 0]])
+    y = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(3))
+    want = per_datum(model, lambda: F.cross_entropy(model(x).transpose(1, 2), y,
+                                                     reduction="none").mean(1), "loop")
+    got = per_datum(model, lambda: F.cross_entropy(model(x).transpose(1, 2), y,
+                                                    reduction="none").mean(1), "hooks")
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol)

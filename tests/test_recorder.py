@@ -1138,3 +1138,38 @@ def test_probes_leave_what_their_forward_writes_in_place_as_it_was(tmp_path: Any
         model.writes = True
         with pytest.raises(gradlog.InputError, match=r"wrote parameters \['head.bias'\]"):
             rec.backward(token_losses(model, (x, y)))
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_a_recurrent_layer_under_cpu_autocast_passes_the_self_check(tmp_path: Any,
+                                                                   kind: str) -> None:
+    """CPU autocast runs an RNN's kernels in bfloat16 and returns float32, so its output
+    gradients did not tell: the self-check held ``p.grad`` to float32's tolerance and
+    refused the first step of every run (0.5% apart, bfloat16's rounding). The autocast
+    dtype its forward ran under now sets it; the records stay within bfloat16 of each
+    datum's own float64 gradient."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(11, 5), nn.Linear(4, 11)
+            self.rnn = getattr(nn, kind)(5, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(self.emb(x))[0])
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randint(0, 11, (3, 4)), torch.randint(0, 11, (3, 4))
+    with gradlog.GradRecorder(model, tmp_path / "run", check_every=1) as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
+        rec.backward(losses)
+    got = torch.from_numpy(gradlog.open(tmp_path / "run").grads("rnn.weight_ih_l0", step=0))
+    wide = Net()
+    wide.load_state_dict(model.state_dict())
+    wide.double()
+    for b in range(3):
+        own = torch.autograd.grad(F.cross_entropy(wide(x[b:b + 1]).transpose(1, 2),
+                                                  y[b:b + 1]), wide.rnn.weight_ih_l0)[0]
+        assert ((got[b].double() - own).norm() / own.norm()) < 3e-2

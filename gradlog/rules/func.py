@@ -351,23 +351,31 @@ def _check_weighted(module: nn.Module,
     where = "its parameters' records"
     if not _close(torch.cat(ours), torch.cat(theirs), torch.cat(scales), rtol):
         _mixes(module, where)
-    for (_, d, _), gv, gu in zip(inputs, found[len(ps):], again):  # each input alone (one
-        if gv is None or gu is None:  # input's gradients may be far smaller than another's)
-            continue
-        gv, gu = (t.detach().to(torch.float64).movedim(d, 0).reshape(B, -1) for t in (gv, gu))
-        vb, ub = v.to(gv.device)[:, None], u.to(gv.device)[:, None]
-        if not _close((ub * gv).reshape(-1), (vb * gu).reshape(-1),
-                      (ub.abs() * gv.abs()).reshape(-1), rtol):
+    pairs = [(t.detach().to(torch.float64).movedim(d, 0).reshape(B, -1) for t in (gv, gu))
+             for (_, d, _), gv, gu in zip(inputs, found[len(ps):], again)
+             if gv is not None and gu is not None]
+    vb, ub = v[:, None], u[:, None]
+    sides = [(ub.to(gv.device) * gv, vb.to(gv.device) * gu) for gv, gu in pairs]
+    # each input alone (one input's gradients may be far smaller than another's), above the
+    # rounding noise of the largest (keys that are all one token: their gradient is 0 in
+    # exact arithmetic, the noise of the values' in floating point)
+    noise = 64 * torch.finfo(first.dtype).eps * max(
+        (float(a.abs().amax()) for a, _ in sides if a.numel()), default=0.0)
+    for ours_in, theirs_in in sides:
+        if not _close(ours_in.reshape(-1), theirs_in.reshape(-1), ours_in.abs().reshape(-1),
+                      rtol, noise):
             _mixes(module, "the gradients it hands the layers below")
 
 
-def _close(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, rtol: float) -> bool:
+def _close(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, rtol: float,
+           noise: float = 0.0) -> bool:
     """Entry by entry, to ``rtol`` of the entry's scale and of the largest one (gradients
-    that are rounding noise of the others: a key bias under softmax); entries where either
-    side is not finite compare only as non-finite on both."""
+    that are rounding noise of the others: a key bias under softmax), and above ``noise``;
+    entries where either side is not finite compare only as non-finite on both."""
     scale = scale + theirs.abs()
     finite = ours.isfinite() & theirs.isfinite()
-    floor = rtol * float(torch.where(finite, scale, 0).amax()) if scale.numel() else 0.0
+    floor = max(noise, rtol * float(torch.where(finite, scale, 0).amax()) if scale.numel()
+                else 0.0)
     near = (ours - theirs).abs() <= rtol * scale + floor
     return bool(torch.where(finite, near, ours.isfinite() == theirs.isfinite()).all())
 

@@ -57,16 +57,18 @@ def narrow_dtype(grads: list[torch.Tensor | None],
 
 def call_precision(call: Any, grads: list[torch.Tensor | None]) -> torch.dtype | None:
     """The narrow dtype ``p.grad`` of the call's parameters was rounded in: its gradients'
-    (:func:`narrow_dtype`), or, for a module re-run per datum or matched by what it looks
-    like (a mixture's experts and router: their matmuls ran in autocast's dtype, their
-    outputs widened back to float32), the autocast dtype its forward ran under. The
+    (:func:`narrow_dtype`), or, for a module re-run per datum (the fallback, or a rule that
+    re-runs it: an RNN, whose CPU kernels ran in autocast's dtype and return float32) or
+    matched by what it looks like (a mixture's experts and router: their matmuls ran in
+    autocast's dtype, their outputs widened back to float32), the autocast dtype its
+    forward ran under. The
     closed-form layers' own dtypes tell (Linear's output gradients are autocast's)."""
     from gradlog.rules.base import MATCHED
 
     entry = call.entry
     narrow = narrow_dtype(grads, entry.params)
     if narrow is None and call.autocast is not None and (
-            entry.fallback or entry.rule in MATCHED):
+            entry.fallback or entry.rule.uses_torch_func or entry.rule in MATCHED):
         return cast(torch.dtype, call.autocast)
     return narrow
 
