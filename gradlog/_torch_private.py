@@ -83,10 +83,8 @@ def in_autograd_backward() -> bool:
 
 
 def backward_keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``).
-
-    Private API: ``torch._C._autograd._get_current_graph_task_keep_graph``. Fallback: False.
-    """
+    """Whether the running backward keeps the graph (``retain_graph=True``). Private API:
+    ``torch._C._autograd._get_current_graph_task_keep_graph``. Fallback: False."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(keep()) if keep is not None else False
 
@@ -202,6 +200,16 @@ def torch_function_mode_paused(mode: Any) -> Iterator[None]:
             c._push_on_torch_function_stack(m)
 
 
+def forward_hooks_first(module: torch.nn.Module) -> None:
+    """Move ``module``'s forward hooks marked ``gradlog_first`` (``gradlog.sparse``'s, which
+    re-root the output) before its others, in their order. Private API: the ordered dict
+    ``Module._forward_hooks``, as ``prepend=True`` uses it."""
+    hooks = module._forward_hooks
+    marked = [k for k, h in hooks.items() if getattr(h, "gradlog_first", False)]
+    for key in [*marked, *(k for k in list(hooks) if k not in marked)] if marked else ():
+        hooks[key] = hooks.pop(key)  # (re-inserted in the order wanted)
+
+
 def gradient_accumulator(t: torch.Tensor) -> Any:
     """The node accumulating a leaf's gradient (``AccumulateGrad``), or None (public since
     torch 2.2: ``torch.autograd.graph.get_gradient_edge(t).node``)."""
@@ -225,51 +233,39 @@ def storage_use_count(t: torch.Tensor) -> int:
 
 
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a functorch wrapper (inside a ``torch.func`` transform).
-
-    Private API: ``torch._C._functorch.is_functorch_wrapped_tensor``. Fallback: False.
-    """
+    """Whether ``t`` is a functorch wrapper (inside a ``torch.func`` transform). Private
+    API: ``torch._C._functorch.is_functorch_wrapped_tensor``. Fallback: False."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return bool(check(t)) if check is not None else False
 
 
 def tensor_version(t: torch.Tensor) -> int:
-    """The in-place version counter of ``t``.
-
-    Private API: ``Tensor._version`` (present in every supported torch; no fallback needed).
-    """
+    """The in-place version counter of ``t``. Private API: ``Tensor._version`` (in every
+    supported torch; no fallback needed)."""
     return int(t._version)
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of, or None.
-
-    Private API: ``Tensor._base``. Fallback: None (``t`` is then treated as no view).
-    """
+    """The tensor ``t`` is a view of, or None. Private API: ``Tensor._base``. Fallback: None
+    (``t`` is then treated as no view)."""
     return getattr(t, "_base", None)
 
 
 def tensor_hook_count(t: torch.Tensor) -> int:
-    """The number of gradient hooks registered on ``t`` (``Tensor.register_hook``).
-
-    Private API: ``Tensor._backward_hooks``. Fallback: 0.
-    """
+    """The number of gradient hooks registered on ``t`` (``Tensor.register_hook``). Private
+    API: ``Tensor._backward_hooks``. Fallback: 0."""
     return len(getattr(t, "_backward_hooks", None) or ())
 
 
 def tensor_hooks(t: torch.Tensor) -> list[Callable[..., Any]]:
-    """The gradient hooks registered on ``t``, in order.
-
-    Private API: ``Tensor._backward_hooks``. Fallback: none.
-    """
+    """The gradient hooks registered on ``t``, in order. Private API:
+    ``Tensor._backward_hooks``. Fallback: none."""
     return list((getattr(t, "_backward_hooks", None) or {}).values())
 
 
 def tensor_post_accumulate_hooks(t: torch.Tensor) -> list[Callable[..., Any]]:
     """The hooks registered with ``Tensor.register_post_accumulate_grad_hook``, in order.
-
-    Private API: ``Tensor._post_accumulate_grad_hooks``. Fallback: none.
-    """
+    Private API: ``Tensor._post_accumulate_grad_hooks``. Fallback: none."""
     return list((getattr(t, "_post_accumulate_grad_hooks", None) or {}).values())
 
 
@@ -329,7 +325,6 @@ def autograd_node_saved_alpha(node: Any) -> float:
 
 def autograd_node_saved_condition(node: Any) -> torch.Tensor | None:
     """The condition a ``WhereBackward0`` node saved (``torch.where(condition, x, y)``).
-
     Private API: ``Node._saved_condition``. Fallback: None (the caller refuses)."""
     cond = getattr(node, "_saved_condition", None)
     return cond if isinstance(cond, torch.Tensor) else None

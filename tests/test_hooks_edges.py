@@ -2198,3 +2198,26 @@ def test_attention_over_keys_of_one_token_is_not_taken_for_mixing(dtype: torch.d
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol)
+
+
+def test_a_users_forward_hook_replacing_a_layers_output_records() -> None:
+    """A forward hook of the user's registered before the recorder, replacing a Linear's
+    output (scaled, masked): gradlog's ran after it and hooked the replacement, whose
+    gradient is not the layer's own; the spot check refused every step. gradlog's forward
+    hook now runs first, on the layer's own output."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.a, self.m, self.b = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.m(torch.tanh(self.a(x)))))
+
+    model = Net().double()
+    model.m.register_forward_hook(lambda mod, args, out: out * 1.3)
+    model.m.register_forward_hook(lambda mod, args, out: out.masked_fill(out < 0, 0.0))
+    x = torch.randn(B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x)))

@@ -150,19 +150,9 @@ class SparseBackprop:
                     f"({other.settings.to_json()}); exit that context first, or choose a "
                     "`where` that selects other modules."
                 )
-        compact = set(self.compact)
         try:
             for name, module in self.modules.items():
-                # prepend: run before every other forward hook, so that observers of the
-                # output's gradient (gradlog's hooks backend) hook it after this one.
-                if self.settings.per == "child":
-                    handle = module.register_forward_hook(
-                        self._on_forward_child, prepend=True, with_kwargs=True
-                    )
-                else:
-                    hook = functools.partial(self._on_forward, name in compact)
-                    handle = module.register_forward_hook(hook, prepend=True)
-                self._handles.append(handle)
+                self._handles.append(self._hook(name, module))
         except BaseException:
             self._remove()
             raise
@@ -176,6 +166,17 @@ class SparseBackprop:
         tb: TracebackType | None,
     ) -> None:
         self._remove()
+
+    def _hook(self, name: str, module: nn.Module) -> Any:
+        """Its forward hook on ``module``, prepended: run before every other forward hook, so
+        that observers of the output's gradient (gradlog's hooks backend) hook it after (and
+        kept first by them: ``gradlog_first``, see ``_torch_private.forward_hooks_first``)."""
+        if self.settings.per == "child":
+            hook, options = functools.partial(self._on_forward_child), {"with_kwargs": True}
+        else:
+            hook, options = functools.partial(self._on_forward, name in self.compact), {}
+        hook.gradlog_first = True  # type: ignore[attr-defined]
+        return module.register_forward_hook(hook, prepend=True, **options)
 
     def _remove(self) -> None:
         for handle in self._handles:

@@ -60,6 +60,7 @@ from torch import nn
 
 from gradlog._torch_private import (
     cuda_devices,
+    forward_hooks_first,
     in_autograd_backward,
     in_checkpoint_recompute,
     rng_states,
@@ -161,21 +162,20 @@ class HooksBackend(Backend):
         self._sequence_first = [name for name, m in self.model.named_modules()
                                 if getattr(m, "batch_first", True) is False]
         self._handles += self._states.watch(p for e in self._entries for p in e.plists)
-        for entry in self._entries:  # (pre-hooks before the user's: prune's)
-            self._handles.append(entry.module.register_forward_pre_hook(
-                functools.partial(self._on_enter, entry), prepend=True))
-            hook = functools.partial(self._on_forward, entry)
-            self._handles.append(entry.module.register_forward_hook(
-                hook, with_kwargs=True, always_call=True))
+        for entry in self._entries:  # (before the user's hooks: prune's; one replacing it)
+            self._handles += [entry.module.register_forward_pre_hook(functools.partial(
+                self._on_enter, entry), prepend=True), entry.module.register_forward_hook(
+                functools.partial(self._on_forward, entry), with_kwargs=True,
+                always_call=True, prepend=True)]
+            forward_hooks_first(entry.module)  # (gradlog.sparse's, which re-root its output)
             if entry.rule.uses_torch_func:  # its re-run replays the batch's dropout masks
                 self._handles.extend(track_dropout(entry.module))
         # uses of recorded parameters that no hooked module call covers (see .operations)
         self._ops = OpCapture(self.model, self.params, self._capture, self._inside,
                               self._entries, self._capturing, self.watch_ops)
         self._containers = Containers(self._ops, self._capturing)
-        self._handles.append(self.model.register_forward_pre_hook(self._ops.enter, prepend=True))
-        self._handles.append(self.model.register_forward_hook(self._ops.leave,
-                                                              always_call=True))
+        self._handles += [self.model.register_forward_pre_hook(self._ops.enter, prepend=True),
+                          self.model.register_forward_hook(self._ops.leave, always_call=True)]
         for name, p in self.params.items():
             self._handles.append(p.register_hook(functools.partial(self._on_param_grad, name)))
 
