@@ -1173,3 +1173,21 @@ def test_a_recurrent_layer_under_cpu_autocast_passes_the_self_check(tmp_path: An
         own = torch.autograd.grad(F.cross_entropy(wide(x[b:b + 1]).transpose(1, 2),
                                                   y[b:b + 1]), wide.rnn.weight_ih_l0)[0]
         assert ((got[b].double() - own).norm() / own.norm()) < 3e-2
+
+
+@pytest.mark.parametrize("backend", ["hooks", "vmap"])
+def test_a_gradient_hook_that_scales_p_grad_is_named_by_the_self_check(
+        tmp_path: Any, backend: str) -> None:
+    """A hook of the user's doubling a parameter's gradient: p.grad is doubled, the records
+    (each datum's gradient of its loss) are not, and the self-check refused the step saying
+    the per-datum gradients were wrong. It now names the hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[0].weight.register_hook(lambda g: g * 2)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with gradlog.GradRecorder(model, tmp_path / "run", backend=backend) as rec:
+        with pytest.raises(GradientCheckError, match=r"'0.weight' has gradient hooks of yours"):
+            if backend == "vmap":
+                rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
+            else:
+                rec.backward(F.cross_entropy(model(x), y, reduction="none"))

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from gradlog._torch_private import tensor_hooks
 from gradlog.backends import PerDatumGrads
 from gradlog.backends.base import check_tolerance
 from gradlog.distributed import Distributed, dense
@@ -157,4 +158,15 @@ class SelfCheck:
                     "a lower precision than its parameters (a float32 softmax in a float64 "
                     "model: its rounding shows on gradients that are analytically zero; "
                     "check_every=0 skips this check). Nothing of this batch was written."
+                    + _hooked_hint(name, self.params[name])
                 )
+
+
+def _hooked_hint(name: str, p: torch.Tensor) -> str:
+    """What a gradient hook of the user's on ``p`` does to this check, if it has one."""
+    theirs = [h for h in tensor_hooks(p)
+              if not getattr(getattr(h, "func", h), "__module__", "").startswith("gradlog")]
+    return (f" {name!r} has gradient hooks of yours (Tensor.register_hook): they change "
+            "p.grad, not the records (each datum's gradient of its loss); a hook that scales "
+            "or clips it fails this check. Remove them while recording, or check_every=0."
+            if theirs else "")
