@@ -89,6 +89,7 @@ class GradRecorder:
         # that p.grad is the trainer's own (an fp16 backward needs the loss scale).
         self._weight_scale = 1.0
         self._seed_scale = 1.0
+        self._scaled: tuple[int, float] | None = None  # (step, scale) of the last scaler=
         # Forwards with grad before the first rec.backward/rec.step: a loop that kept its
         # loss.backward() records nothing, which close() then says (the hook goes at the
         # first call, so a recorded step pays nothing for it)
@@ -220,6 +221,7 @@ class GradRecorder:
         step: int | None = None,
         lr: float | None = None,
         mask: torch.Tensor | None = None,
+        scaler: Any = None,
     ) -> torch.Tensor:
         """Replaces ``loss.backward()``: backward of the batch loss, recording per datum.
 
@@ -232,6 +234,11 @@ class GradRecorder:
                 the optimizer's, if one was given. A NaN, infinite or non-numeric rate is
                 refused with :class:`~gradlog.errors.InputError` before any backward.
             mask: For ``(B, T)`` losses, which tokens count (bool or 0/1).
+            scaler: The ``torch.amp.GradScaler`` of an fp16 step: the batch loss is
+                backpropagated times its scale, as ``scaler.scale(loss).backward()`` would,
+                so that ``scaler.step(optimizer)`` unscales what it expects; the records
+                stay unscaled. A step it then skips (overflow) is named in a warning at
+                the next step.
 
         Returns:
             The per-datum losses ``(B,)``, detached.
@@ -249,7 +256,7 @@ class GradRecorder:
         check_differentiable(self.params, reduced)  # frozen parameters, losses without grad
         lr = None if lr is None else lr_value(lr, "lr")
         step = lifecycle.resolve(step)
-        seed = self._seed_scale
+        seed = self._seed_scale * self._loss_scale(scaler, step, reduced.device)
 
         def batch_loss() -> torch.Tensor:
             loss = backend.reduce_batch(reduced)
@@ -322,6 +329,27 @@ class GradRecorder:
                                self._weight_scale)
 
     # -- internals --------------------------------------------------------------------------
+    def _loss_scale(self, scaler: Any, step: int, device: torch.device) -> float:
+        """``scaler``'s loss scale (1: None, or disabled), set up on ``device`` as its
+        ``scale(loss)`` does (``scaler.step`` needs that); warns when its drop (a GradScaler
+        halves it on overflow) shows it skipped the last step recorded with it."""
+        if scaler is None:
+            return 1.0
+        if not all(callable(getattr(scaler, k, None)) for k in ("get_scale", "is_enabled",
+                                                                 "scale")):
+            raise InputError(f"scaler= takes a torch.amp.GradScaler; got {type(scaler).__name__}.")
+        if not scaler.is_enabled():
+            return 1.0
+        scaler.scale(torch.ones((), device=device))  # (its scale made there, if not yet)
+        scale = float(scaler.get_scale())
+        last, self._scaled = self._scaled, (step, scale)
+        if last is not None and last[0] != step and scale < last[1]:
+            warnings.warn(
+                f"the AMP loss scaler skipped step {last[0]} (its scaled fp16 gradients "
+                "overflowed; the optimizer did not step): its records are kept as recorded. "
+                f"Leave it out of queries (steps= without {last[0]}).", UserWarning, stacklevel=3)
+        return scale
+
     def _reduce(self, raw: torch.Tensor, mask: torch.Tensor | None,
                 checks: DeviceChecks | None = None) -> torch.Tensor:
         return per_datum_losses(raw, mask, self.config.token_reduction, checks)

@@ -1191,3 +1191,49 @@ def test_a_gradient_hook_that_scales_p_grad_is_named_by_the_self_check(
                 rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
             else:
                 rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+
+
+def test_a_grad_scaler_given_to_backward_trains_as_scaler_scale_loss_backward(
+        tmp_path: Any) -> None:
+    """``rec.backward(losses)`` in an fp16 loop with a GradScaler left p.grad unscaled, and
+    ``scaler.step`` divided it by the scale again: training changed, silently. With
+    ``scaler=`` the batch loss is backpropagated scaled: the weights are bitwise the plain
+    loop's, the records unscaled (the self-check, every step, holds their sum to p.grad
+    over the scale), and a step the scaler skips (overflow) is named at the next step."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+
+    def run(recorded: bool) -> tuple[nn.Module, list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+        scales = []
+        rec = gradlog.GradRecorder(model, tmp_path / "run", optimizer=opt,
+                                   check_every=1) if recorded else None
+        if rec is not None:
+            rec.open()
+        for _ in range(8):  # the first steps overflow at 2**127: skipped, the scale halves
+            losses = 1e3 * F.cross_entropy(model(x), y, reduction="none")
+            if rec is not None:
+                rec.backward(losses, scaler=scaler)
+            else:
+                scaler.scale(losses.mean()).backward()
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if rec is not None:
+            rec.close()
+        return model, scales
+
+    plain, plain_scales = run(False)
+    with warnings.catch_warnings(record=True) as caught:  # (step 0's records: inf, flagged)
+        warnings.simplefilter("always")
+        recorded, scales = run(True)
+    assert any("the AMP loss scaler skipped step 0" in str(w.message) for w in caught)
+    assert scales == plain_scales and scales[0] > scales[-1]
+    for p, q in zip(plain.parameters(), recorded.parameters(), strict=True):
+        assert torch.equal(p, q)
+    records = gradlog.open(tmp_path / "run").grads("2.bias", step=7)
+    assert np.isfinite(records).all() and np.abs(records).max() < 1e4
