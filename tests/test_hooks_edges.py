@@ -2107,6 +2107,9 @@ class _SortedByLength(nn.Module):
         if self.how == "pick":
             h = self.head(torch.tanh(self.mix(self.emb(x))))  # (B, T, 3)
             return h[torch.arange(x.shape[0]), lengths - 1]
+        if self.how == "masked":  # rows kept by a mask (all, here): in the batch's order
+            h = torch.tanh(self.mix(self.emb(x).mean(1)))
+            return self.head(h[lengths > 0])
         order = torch.argsort(lengths, descending=True, stable=True)
         unorder = torch.argsort(order)
         if self.how == "undone":  # reordered and back before any layer: nothing moved
@@ -2140,10 +2143,11 @@ def test_a_batch_sorted_by_length_in_the_forward_is_checked_at_every_order(
     assert gradlog.open(tmp_path / "run").steps.num_rows == 1
 
 
-@pytest.mark.parametrize("how", ["undone", "pick"])
+@pytest.mark.parametrize("how", ["undone", "pick", "masked"])
 def test_a_batch_taken_in_its_own_order_records_at_every_step(how: str) -> None:
-    """Reordered and back before any layer (checked at every such step, and right), or
-    rows picked by ``arange(B)`` (GPT-2's sequence classifier: no reordering, no check)."""
+    """Reordered and back before any layer (checked at every such step, and right), rows
+    picked by ``arange(B)`` (GPT-2's sequence classifier) or kept by a mask: no
+    reordering, no check."""
     model = _SortedByLength(how)
     for x, lengths, y in _lengths_batches():
         assert_hooks_match_loop(
@@ -2154,7 +2158,7 @@ def test_a_batch_taken_in_its_own_order_records_at_every_step(how: str) -> None:
 def test_a_reordered_batch_is_refused_where_no_datum_check_can_run(tmp_path: Path) -> None:
     """A backward hook of the user's: the datum check cannot run, so the reordering would
     go unseen. Refused, naming it; picking rows in the batch's own order records."""
-    for how, refused in (("undone", True), ("pick", False)):
+    for how, refused in (("undone", True), ("pick", False), ("masked", False)):
         model = _SortedByLength(how)
         model.head.weight.register_hook(lambda g: None)
         x, lengths, y = _lengths_batches()[1]

@@ -235,7 +235,7 @@ class GraphSurvey:
         for node in self._indexed:
             index, (child, nr) = autograd_node_first_index(node), node.next_functions[0]
             if (index is None or child is None or type(child).__name__ == "AccumulateGrad"
-                    or index.dim() == 0 or index.shape[0] != B or index.is_floating_point()
+                    or index.dim() == 0 or index.shape[0] != B or index.dtype == torch.bool
                     or (index.dim() > 1 and type(node).__name__ != "GatherBackward0")
                     or (shapes and autograd_node_output_shape(child, nr)[:1] != (B,))):
                 continue  # (a table's rows, positions of the tokens, fewer rows than B)
