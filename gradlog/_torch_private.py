@@ -365,20 +365,19 @@ def autograd_node_leading_copies(node: Any, ndim: int) -> int | None:
     return None
 
 
-def autograd_node_first_index(node: Any) -> torch.Tensor | None:
-    """The index an ``x[index]``, ``index_select(0, index)`` or ``gather(0, index)`` node
-    took along dimension 0 (None: another dimension, another node, or not known). Private
-    API: ``IndexBackward0._saved_indices``, ``IndexSelectBackward0``/``GatherBackward0``
-    ``_saved_dim`` and ``_saved_index``."""
-    kind = type(node).__name__
+def autograd_node_saved(node: Any, name: str) -> Any:
+    """What autograd node ``node`` saved as ``name`` (``dim``, ``dims``, ``shifts``,
+    ``index``, ``indices``), dimensions counted from the front of its output; None where it
+    saved nothing so named. Private API: ``Node._saved_<name>`` (a negative dimension reads
+    back as an unsigned 64-bit value), ``Node._input_metadata``. Fallback: None."""
     try:
-        if kind == "IndexBackward0":
-            index = next(iter(node._saved_indices), None)
-        else:
-            index = node._saved_index if int(node._saved_dim) == 0 else None
-    except (AttributeError, RuntimeError, TypeError, ValueError):
+        value = getattr(node, f"_saved_{name}")
+        if name in ("dim", "dims"):
+            ndim = len(node._input_metadata[0].shape)
+            value = _dim(value, ndim) if name == "dim" else [_dim(d, ndim) for d in value]
+    except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
         return None
-    return index if isinstance(index, torch.Tensor) else None
+    return value
 
 
 def autograd_node_dims(node: Any) -> tuple[int, ...] | None:

@@ -1871,7 +1871,8 @@ def test_an_expanded_shared_output_whose_copies_are_reordered_is_refused(
     model.kind = True
     if hooked:
         model.lin.register_full_backward_hook(lambda *_: None)
-    match = r"an expand or a repeat copies" if hooked else r"differ from the datums' own"
+    match = (r"an expand or a repeat copies|in another order" if hooked  # (a flip: both)
+             else r"differ from the datums' own")
     with pytest.raises(GradlogError, match=match):
         per_datum(model, lambda: squares(model(x)), "hooks")
 
@@ -2225,3 +2226,107 @@ def test_a_users_forward_hook_replacing_a_layers_output_records() -> None:
     model.m.register_forward_hook(lambda mod, args, out: out.masked_fill(out < 0, 0.0))
     x = torch.randn(B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
     assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+_REORDERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "flip": lambda h, p: h.flip(0),
+    "roll": lambda h, p: h.roll(1, 0),
+    "stack": lambda h, p: torch.stack([h[i] for i in p.tolist()]),
+    "cat": lambda h, p: torch.cat(h.split(1)[::-1]),
+    "index_select(-2)": lambda h, p: h.index_select(-2, p),
+    "gather(-2)": lambda h, p: h.gather(-2, p[:, None].expand_as(h)),
+    "index 2-D": lambda h, p: h[p[:, None]].squeeze(1),
+    "transposed": lambda h, p: h.T[:, p].T,
+    "index_copy": lambda h, p: torch.zeros_like(h).index_copy(0, p, h),
+    "index_put": lambda h, p: torch.zeros_like(h).index_put((p,), h),
+    "scatter": lambda h, p: torch.zeros_like(h).scatter(0, p[:, None].expand_as(h), h),
+}
+
+
+class _Moved(nn.Module):
+    """Rows moved between two layers by ``how`` (a permutation ``p``; the identity: none)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a, self.m, self.b = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.how, self.p, self.moving = how, torch.arange(B), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = _REORDERS[self.how](h, self.p if self.moving else torch.arange(B)) if (
+            self.moving or self.how not in ("flip", "roll", "cat")) else h
+        return self.b(torch.tanh(self.m(h)))
+
+
+@pytest.mark.parametrize("how", sorted(_REORDERS))
+def test_rows_moved_by_any_op_are_checked_at_every_such_step(tmp_path: Path, how: str) -> None:
+    """Only index, index_select and gather along dimension 0 were read: a flip, a roll, a
+    stack or cat of the pieces in another order, an index along -2 (saved unsigned) or in
+    two dimensions, a scatter or index_put, moving rows only after the first (checked) step,
+    filed records under other datums' ids in silence (0.2-0.5 off). Each is now read, and
+    its backward checked: refused there, the step before kept; with a hook of the user's,
+    refused at once."""
+    model = _Moved(how).double()
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(B, 5, generator=g, dtype=D64) for _ in range(2)]
+    with gradlog.GradRecorder(model, tmp_path / "run") as rec:
+        rec.backward(squares(model(xs[0])))  # rows in their order: recorded
+        model.p, model.moving = torch.tensor([1, 0, 3, 2]), True
+        with pytest.raises(BackendError, match="differ from the datums' own gradients"):
+            rec.backward(squares(model(xs[1])))
+    assert gradlog.open(tmp_path / "run").steps.num_rows == 1
+    model.a.weight.register_hook(lambda g: None)  # no datum check can run
+    with gradlog.GradRecorder(model, tmp_path / "hooked") as rec, pytest.raises(
+            UnsupportedLayerError, match="takes the batch's rows in another"):
+        rec.backward(squares(model(xs[1])))
+
+
+@pytest.mark.parametrize("how", ["packed", "cat in order", "table of B rows", "losses sorted"])
+def test_rows_kept_with_their_datums_are_no_reordering(tmp_path: Path, how: str) -> None:
+    """Not a reordering, so recorded also where no datum check can run (a hook of the
+    user's), and like the loop: a GRU on a packed sequence (``enforce_sorted=False``: the
+    packing sorts and the GRU unsorts its hidden state inside its own forward), pieces put
+    back in their order, a table of B rows indexed by labels. Losses sorted before
+    ``rec.backward`` are moved rows, refused there."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.emb, self.gru = nn.Embedding(11, 6), nn.GRU(6, 6, batch_first=True)
+                self.cls, self.head = nn.Embedding(B, 6), nn.Linear(6, 3)
+
+        def forward(self, tok: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            h = self.emb(tok)  # (B, T, d)
+            if how == "packed":
+                packed = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True,
+                                                           enforce_sorted=False)
+                return self.head(self.gru(packed)[1][-1])
+            h = h.mean(1)
+            if how == "cat in order":
+                h = torch.cat(h.split(2))
+            if how == "table of B rows":  # a class table, as many classes as datums
+                h = h + (self.cls.weight * 1.0)[torch.tensor([3, 0, 0, 2])]
+            return self.head(h)
+
+    model = Net().double()
+    tok = torch.randint(1, 11, (B, 5), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([2, 5, 1, 3])
+
+    def losses() -> torch.Tensor:
+        out = squares(model(tok, lengths))
+        return out.sort()[0] if how == "losses sorted" else out
+
+    if how == "losses sorted":
+        model.head.weight.register_hook(lambda g: None)
+        with gradlog.GradRecorder(model, tmp_path / "run") as rec, pytest.raises(
+                UnsupportedLayerError, match="another order"):
+            rec.backward(losses())
+        return
+    assert_hooks_match_loop(model, losses)
+    model.head.weight.register_hook(lambda g: None)
+    with gradlog.GradRecorder(model, tmp_path / "run") as rec:
+        rec.backward(losses())

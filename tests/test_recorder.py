@@ -1095,13 +1095,18 @@ class _Renormalised(nn.Module):
         self.emb = nn.Embedding(11, 6, max_norm=1.0)
         self.mix = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
         self.head = nn.Linear(6, 11)
+        self.register_buffer("center", torch.zeros(6))  # assigned anew at every forward
+        self.register_buffer("seen", torch.zeros(()))  # written through .data
         self.writes = writes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.writes:  # a forward writing one of its own parameters
             with torch.no_grad():
                 self.head.bias.mul_(0.5)
-        return self.head(torch.tanh(self.mix(self.emb(x))))
+        h = torch.tanh(self.mix(self.emb(x)))
+        self.center = 0.9 * self.center + 0.1 * h.detach().mean((0, 1))
+        self.seen.data += 1
+        return self.head(h - self.center)
 
 
 def test_probes_leave_what_their_forward_writes_in_place_as_it_was(tmp_path: Any) -> None:
@@ -1185,12 +1190,12 @@ def test_a_gradient_hook_that_scales_p_grad_is_named_by_the_self_check(
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     model[0].weight.register_hook(lambda g: g * 2)
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-    with gradlog.GradRecorder(model, tmp_path / "run", backend=backend) as rec:
-        with pytest.raises(GradientCheckError, match=r"'0.weight' has gradient hooks of yours"):
-            if backend == "vmap":
-                rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
-            else:
-                rec.backward(F.cross_entropy(model(x), y, reduction="none"))
+    with gradlog.GradRecorder(model, tmp_path / "run", backend=backend) as rec, pytest.raises(
+            GradientCheckError, match=r"'0.weight' has gradient hooks of yours"):
+        if backend == "vmap":
+            rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
+        else:
+            rec.backward(F.cross_entropy(model(x), y, reduction="none"))
 
 
 def test_a_grad_scaler_given_to_backward_trains_as_scaler_scale_loss_backward(

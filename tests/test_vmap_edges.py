@@ -190,7 +190,7 @@ def test_an_embedding_scaling_by_the_batchs_counts_is_refused(tmp_path: Path) ->
     model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Flatten(),
                           nn.Linear(12, 3))
     x, y = torch.randint(0, 10, (4, 3)), torch.randint(0, 3, (4,))
-    with gradlog.GradRecorder(model, tmp_path / "run", backend="vmap") as rec:
-        with pytest.raises(gradlog.GradlogError, match="scale_grad_by_freq"):
-            rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
+    with gradlog.GradRecorder(model, tmp_path / "run", backend="vmap") as rec, pytest.raises(
+            gradlog.GradlogError, match="scale_grad_by_freq"):
+        rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
     assert all(p.grad is None for p in model.parameters())

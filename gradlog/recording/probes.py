@@ -149,23 +149,30 @@ class ProbeRecorder:
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """After the probe forward, the model's buffers and the weights of its embeddings with a
-    ``max_norm`` as before it: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks
-    up in place, ``spectral_norm`` steps its power iteration, a BatchNorm in training mode
-    its statistics; training would go on from those. Another parameter the forward writes
-    in place is refused (it cannot be put back)."""
-    kept = [(t, t.detach().clone()) for t in model.buffers()]
-    kept += [(m.weight, m.weight.detach().clone()) for m in model.modules()
-             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    """After the probe forward, the model's buffers (the same objects, with the same values:
+    written in place, through ``.data``, or assigned anew) and the weights of its embeddings
+    with a ``max_norm`` as before it: ``nn.Embedding(max_norm=...)`` renormalises the rows
+    it looks up in place, ``spectral_norm`` steps its power iteration, a BatchNorm in
+    training mode its statistics; training would go on from those. Another parameter the
+    forward writes in place is refused (it cannot be put back; a write through ``.data``
+    leaves no trace to see)."""
+    buffers = [(m, n, t, t.detach().clone()) for m in model.modules()
+               for n, t in m.named_buffers(recurse=False)]
+    tables = [(m.weight, m.weight.detach().clone()) for m in model.modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
     params = list(model.named_parameters())
-    before = [tensor_version(t) for t, _ in kept] + [tensor_version(p) for _, p in params]
+    before = [tensor_version(t) for t, _ in tables] + [tensor_version(p) for _, p in params]
     yield
     with torch.no_grad():
-        for (t, copy), version in zip(kept, before, strict=False):
+        for module, name, t, copy in buffers:
+            if getattr(module, name, None) is not t:
+                setattr(module, name, t)  # (assigned anew: the training's own object back)
+            t.copy_(copy)
+        for (t, copy), version in zip(tables, before, strict=False):
             if tensor_version(t) != version:
                 t.copy_(copy)
-    ours = {id(t) for t, _ in kept}
-    moved = [n for (n, p), v in zip(params, before[len(kept):], strict=True)
+    ours = {id(t) for t, _ in tables}
+    moved = [n for (n, p), v in zip(params, before[len(tables):], strict=True)
              if id(p) not in ours and tensor_version(p) != v]
     if moved:
         raise InputError(

@@ -175,9 +175,9 @@ class HooksBackend(Backend):
                               self._entries, self._capturing, self.watch_ops)
         self._containers = Containers(self._ops, self._capturing)
         self._handles += [self.model.register_forward_pre_hook(self._ops.enter, prepend=True),
-                          self.model.register_forward_hook(self._ops.leave, always_call=True)]
-        for name, p in self.params.items():
-            self._handles.append(p.register_hook(functools.partial(self._on_param_grad, name)))
+                          self.model.register_forward_hook(self._ops.leave, always_call=True),
+                          *(p.register_hook(functools.partial(self._on_param_grad, name))
+                            for name, p in self.params.items())]
 
     def detach(self) -> None:
         """Remove every hook gradlog installed and drop captured tensors."""
@@ -285,8 +285,8 @@ class HooksBackend(Backend):
             seen.add(id(t))  # an output returned twice has one gradient: hook it once
             if call is None:
                 call = Call(entry, args, kwargs, len(outputs), i, t.shape)
-                if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
-                    call.tag(cast(dict[str, Any], t.grad_fn.metadata), t.output_nr)
+            if t.grad_fn is not None:  # lets the pre-backward graph walk find this call
+                call.mark(cast(dict[str, Any], t.grad_fn.metadata), t.output_nr, i)
             on_grad = functools.partial(self._on_output_grad, call, i)
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
                 link.on_grad = functools.partial(self._on_fused_grad, call, i)

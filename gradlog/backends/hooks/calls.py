@@ -35,6 +35,7 @@ from gradlog.rules.base import parametrized_by
 __all__ = ["TAG", "Call", "Entry", "plan_entries"]
 
 TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
+OUTPUT = "gradlog_output"  # and [(output_nr, call)] of every hooked output (reorder's inside)
 
 
 @dataclass(eq=False)
@@ -105,6 +106,7 @@ class Call:
         "inner",
         "kwargs",
         "lead",
+        "marked",
         "out_shape",
         "pending",
         "primary",
@@ -145,6 +147,7 @@ class Call:
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn
         self.inner: list[Call] | None = None  # a container's op calls (.containers)
+        self.marked: list[weakref.ref[_Tags]] = []  # its notes in its outputs' (OUTPUT)
 
     def tag(self, metadata: dict[str, Any], output_nr: int) -> None:
         """Note this call in its output's ``grad_fn.metadata`` (:data:`TAG`): how the walks
@@ -155,15 +158,28 @@ class Call:
         tags.append((output_nr, self))
         self.tagged = weakref.ref(tags)  # (weak: the graph alone decides how long it lives)
 
+    def mark(self, metadata: dict[str, Any], output_nr: int, i: int) -> None:
+        """Note this call in hooked output ``i``'s ``grad_fn.metadata``: :data:`OUTPUT`
+        (what is inside its forward, below its outputs: :func:`.reorder.reordered`), and for
+        its first, :meth:`tag`."""
+        if i == self.primary:
+            self.tag(metadata, output_nr)
+        marks = metadata.get(OUTPUT)
+        if marks is None:
+            marks = metadata[OUTPUT] = _Tags()
+        marks.append((output_nr, self))
+        self.marked.append(weakref.ref(marks))
+
     def untag(self) -> None:
         """Take this call's note out of its ``grad_fn.metadata``, after its backward: the
         graph's nodes outlive the step (until the losses are dropped, in the next forward
         of a training loop), and a call left there keeps itself and its lists alive with
         them, ~7 objects a call for Python's collector to age into its oldest generation."""
-        ref, self.tagged = self.tagged, None
-        tags = ref() if ref is not None else None
-        if tags:
-            tags[:] = [(nr, call) for nr, call in tags if call is not self]
+        refs, self.tagged, self.marked = [self.tagged, *self.marked], None, []
+        for ref in refs:
+            tags = ref() if ref is not None else None
+            if tags:
+                tags[:] = [(nr, call) for nr, call in tags if call is not self]
 
     def release(self, untag: bool = False) -> None:
         """Drop captured tensors and make the output hooks inert; ``untag``: and

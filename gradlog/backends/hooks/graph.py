@@ -9,26 +9,26 @@ each other (``nn.LSTMCell``), and where to hook a layer's output that is a view.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradlog._torch_private import (
-    autograd_node_first_index,
     autograd_node_forward_class,
     autograd_node_output_dims,
     autograd_node_output_shape,
     autograd_node_repeats,
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
-    autograd_node_shapes_known,
     view_base,
 )
 from gradlog._tree import flatten
 from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint
-from gradlog.backends.hooks.calls import TAG
+from gradlog.backends.hooks import reorder
+from gradlog.backends.hooks.calls import OUTPUT, TAG
 from gradlog.errors import BackendError
 
 if TYPE_CHECKING:
@@ -200,7 +200,9 @@ class GraphSurvey:
         self._edges: dict[str, int] = {}
         self._calls: dict[int, int] = {}
         self._consumers: dict[int, list[tuple[Any, int]]] = {}
-        self._indexed: list[Any] = []  # index, index_select, gather nodes (reordered)
+        self._moving: list[Any] = []  # nodes of ops that may move rows (reordered)
+        self._takers: dict[int, list[str]] = {}  # and the kinds of node taking their output
+        self._outputs: list[tuple[Any, Call]] = []  # (node, call) of captured outputs
 
     def consumers(self, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
         """For each wanted call (by id), the (node, input slot) pairs that consume its tagged
@@ -223,26 +225,12 @@ class GraphSurvey:
         return self._parents.get(id(node), [])
 
     def reordered(self, B: int) -> bool:
-        """Whether an op of the graph took the B rows of a batched tensor in another order
-        than the batch's (``h[order]``, ``index_select``, ``gather`` along dimension 0 with
-        an index that is not ``arange(B)``: a model sorting its batch by length). The layers
-        between then see datum ``order[r]`` at row ``r``, and their records go to another
-        datum's id, summing to ``p.grad`` all the same: only a datum check sees it. Reads
-        the index's values (a device sync, only where such an op is in the graph)."""
+        """Whether an op of the graph took rows of a dimension of size B out of the batch's
+        order (:func:`.reorder.reordered`): only a datum check sees what that does."""
         if not self._walked:
             self._walk(self._accumulators or {})
-        shapes = autograd_node_shapes_known(self.root)
-        for node in self._indexed:
-            index, (child, nr) = autograd_node_first_index(node), node.next_functions[0]
-            if (index is None or child is None or type(child).__name__ == "AccumulateGrad"
-                    or index.dim() == 0 or index.shape[0] != B or index.dtype == torch.bool
-                    or (index.dim() > 1 and type(node).__name__ != "GatherBackward0")
-                    or (shapes and autograd_node_output_shape(child, nr)[:1] != (B,))):
-                continue  # (a table's rows, positions of the tokens, fewer rows than B)
-            own = torch.arange(B, device=index.device).view(-1, *(1,) * (index.dim() - 1))
-            if not bool((index == own).all()):
-                return True
-        return False
+        return reorder.reordered(((n, self._takers[id(n)]) for n in self._moving), B,
+                                 functools.partial(_inside_a_call, outputs=self._outputs))
 
     def widest(self) -> int:
         """The most dimensions of any tensor the graph's nodes made (shapes known: torch >=
@@ -265,7 +253,7 @@ class GraphSurvey:
         consumers: dict[int, list[tuple[Any, int]]] = {}
         tags: dict[int, list[tuple[int, Call]]] = {}
         root = self.root
-        self._indexed = []
+        self._moving, self._takers, self._outputs = [], {}, []
         # keep: node wrappers alive, so their ids stay unique
         stack, keep = ([root], [root]) if root is not None else ([], [])
         seen = {id(root)}
@@ -282,13 +270,17 @@ class GraphSurvey:
                     seen.add(key)
                     keep.append(child)
                     stack.append(child)
-                    if type(child).__name__ in _INDEXING:
-                        self._indexed.append(child)
-                    tagged = child.metadata.get(TAG)
+                    if type(child).__name__ in reorder.MOVING:
+                        self._moving.append(child)
+                    metadata = child.metadata
+                    self._outputs += [(child, c) for _, c in metadata.get(OUTPUT, ())]
+                    tagged = metadata.get(TAG)
                     if tagged:
                         tags[key] = tagged
                         for _, call in tagged:
                             calls.setdefault(id(call.entry), set()).add(id(call))
+                if key in self._takers or type(child).__name__ in reorder.MOVING:
+                    self._takers.setdefault(key, []).append(type(node).__name__)
                 for nr, call in tags.get(key, ()):
                     if nr == output_nr:
                         consumers.setdefault(id(call), []).append((node, slot))
@@ -296,6 +288,29 @@ class GraphSurvey:
         self._edges = edges
         self._calls = {e: len(c) for e, c in calls.items()}
         self._consumers = consumers
+
+
+def _inside_a_call(node: Any, outputs: Sequence[tuple[Any, Call]]) -> bool:
+    """Whether ``node`` is in the forward of a captured call of a layer without layers of
+    its own (its rule sees all of it): below an output's node and above its inputs' (a
+    walk per call, only for a node that moved rows)."""
+    for out, call in outputs:
+        if call.args is None or (not call.entry.op and any(
+                True for m in call.entry.module.children() for _ in m.parameters())):
+            continue  # (rows moved between a container's layers are theirs to misfile)
+        stops = {id(t.grad_fn) for t in flatten((call.args, call.kwargs))[0]
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        stack, seen = [out], {id(out)}
+        while stack and len(seen) < 100_000:
+            top = stack.pop()
+            if top is node:
+                return True
+            for child, _ in top.next_functions:
+                if child is not None and id(child) not in seen and id(child) not in stops:
+                    seen.add(id(child))
+                    stack.append(child)
+    return False
+
 
 
 def consumer_gradient(node: Any, slot: int, at: tuple[int, ...], B: int
@@ -341,8 +356,6 @@ def batch_repeat(node: Any, at: tuple[int, ...], B: int) -> int | None:
         return None
     return at[0] if len(repeats) == len(at) else 1
 
-
-_INDEXING = frozenset({"IndexBackward0", "IndexSelectBackward0", "GatherBackward0"})
 
 Chain = tuple[Any, ...]  # view nodes from a call's output (first) to its consumer (last)
 

@@ -316,12 +316,13 @@ class RowLayouts:
             self.reordered = False
             raise UnsupportedLayerError(
                 "the model takes the batch's rows in another order inside its forward "
-                "(h[order], index_select or gather along the batch with an index other than "
-                "arange(B): a batch sorted by length), so its layers see other datums at each "
-                "row; gradlog verifies each such backward with a datum check, which cannot run "
-                "here (under FSDP or DDP(static_graph=True), with backward hooks of your own, "
-                "or a reentrant activation checkpoint). Reorder the batch before the model "
-                "(and the losses with it), or use backend='loop'.")
+                "(h[order], index_select, gather, sort, flip, roll, a cat or stack of its "
+                "pieces, scatter or index_put along the batch: a batch sorted by length, or "
+                "losses sorted), so its layers see other datums at each row; gradlog verifies "
+                "each such backward with a datum check, and that check cannot run here (under "
+                "FSDP or DDP(static_graph=True), with backward hooks of your own, or a "
+                "reentrant activation checkpoint). Reorder the batch before the model (and "
+                "the losses with it), or use backend='loop'.")
         if self.pending and not checked:
             names = sorted({name for name, _ in self.pending})
             self.pending = set()
