@@ -1242,3 +1242,21 @@ def test_a_grad_scaler_given_to_backward_trains_as_scaler_scale_loss_backward(
         assert torch.equal(p, q)
     records = gradlog.open(tmp_path / "run").grads("2.bias", step=7)
     assert np.isfinite(records).all() and np.abs(records).max() < 1e4
+
+
+def test_a_gradient_taken_with_retain_graph_before_rec_backward_records(tmp_path: Any) -> None:
+    """``torch.autograd.grad(losses.mean(), p, retain_graph=True)`` before ``rec.backward``
+    (a gradient norm for logging): that backward let go of the forward's captures, and the
+    recorded one refused, saying the parameters were used outside the model's forward. A
+    backward that keeps the graph now keeps them; the records are each datum's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with gradlog.GradRecorder(model, tmp_path / "run", dtype="float64") as rec:
+        losses = (model(x) ** 2).sum(1)
+        torch.autograd.grad(losses.mean(), model[0].weight, retain_graph=True)
+        rec.backward(losses)
+    got = gradlog.open(tmp_path / "run").grads("0.weight", step=0)
+    for b in range(4):
+        own = torch.autograd.grad((model(x[b:b + 1]) ** 2).sum(), model[0].weight)[0]
+        np.testing.assert_allclose(got[b], own.numpy(), rtol=1e-6, atol=1e-9)

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import (
+    backward_keeps_graph,
     cuda_devices,
     forward_hooks_first,
     in_autograd_backward,
@@ -460,7 +461,7 @@ class HooksBackend(Backend):
                 # loss): the recorded backward will differentiate this gradient; kept to
                 # refuse it (checks.refuse_double_backward)
                 call.twice = True
-            else:
+            elif not backward_keeps_graph():  # (retain_graph: kept for a recorded backward)
                 call.release(untag=True)
             return
         self._touched.append(call)
@@ -552,9 +553,8 @@ class HooksBackend(Backend):
         except Exception as e:  # re-raised after the backward, with p.grad complete
             self._error = (entry, checks.explain_state(entry, e, self._batch))
 
-    def _add(self, entry: Entry, result: RuleResult, cap: Capture,
-             rows: slice | None = None) -> None:
-        """Add a rule's result into this backward's per-datum results (Accumulator.add)."""
+    def _add(self, entry: Entry, result: RuleResult, cap: Capture, rows: slice | None = None
+             ) -> None:  # this backward's per-datum results (Accumulator.add)
         self._results.add(entry, result, cap, rows)
 
     # -- shared (broadcast) outputs ---------------------------------------------------------
