@@ -158,12 +158,20 @@ def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
                    params: Mapping[str, nn.Parameter],
                    generator: torch.Generator) -> dict[str, tuple[Any, Any]]:
     """The datum's own gradients ``got`` (one per name; None: unused) at a few random entries
-    per parameter: name -> (flat indices, values or None)."""
+    per parameter, half of them among its nonzero ones (a sparse gradient, an embedding's
+    rows of the batch's tokens, is zero on both sides at most random entries: a wrong split
+    passed there): name -> (flat indices, values or None)."""
     sampled: dict[str, tuple[Any, Any]] = {}
+    half = _DATUM_ENTRIES // 2
     for name, grad in zip(names, got):
         p = params[name]
         index = torch.randint(p.numel(), (_DATUM_ENTRIES,), generator=generator)
         index = index.to(p.device)
+        if grad is not None:
+            nonzero = torch.nonzero(grad.reshape(-1)).squeeze(1)  # (a device sync)
+            if nonzero.numel():
+                pick = torch.randint(nonzero.numel(), (half,), generator=generator)
+                index[:half] = nonzero[pick.to(nonzero.device)]
         sampled[name] = (index, None if grad is None else torch.take(grad, index))
     return sampled
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from gradlog._torch_private import (
     autograd_node_forward_class,
@@ -229,8 +230,12 @@ class GraphSurvey:
         order (:func:`.reorder.reordered`): only a datum check sees what that does."""
         if not self._walked:
             self._walk(self._accumulators or {})
+        packed = [t for _, call in self._outputs for a in (call.args or ())
+                  if isinstance(a, PackedSequence)
+                  for t in (a.sorted_indices, a.unsorted_indices) if t is not None]
         return reorder.reordered(((n, self._takers[id(n)]) for n in self._moving), B,
-                                 functools.partial(_inside_a_call, outputs=self._outputs))
+                                 functools.partial(_inside_a_call, outputs=self._outputs),
+                                 packed)
 
     def widest(self) -> int:
         """The most dimensions of any tensor the graph's nodes made (shapes known: torch >=

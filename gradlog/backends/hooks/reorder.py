@@ -35,30 +35,40 @@ __all__ = ["MOVING", "reordered"]
 
 MOVING = frozenset({
     "IndexBackward0", "IndexSelectBackward0", "GatherBackward0", "SortBackward0",
-    "FlipBackward0", "RollBackward0", "CatBackward0", "StackBackward0", "ScatterBackward0",
-    "ScatterBackward1", "ScatterAddBackward0", "IndexPutBackward0", "IndexCopyBackward0",
+    "TopkBackward0", "FlipBackward0", "RollBackward0", "CatBackward0", "StackBackward0",
+    "ScatterBackward0", "ScatterBackward1", "ScatterAddBackward0", "IndexPutBackward0",
+    "IndexCopyBackward0", "IndexAddBackward0", "EmbeddingBackward0", "TakeBackward0",
 })
 """Autograd nodes of ops that may move rows along a dimension."""
 
-_PACKING = "PackPaddedSequenceBackward0"  # (its sort is undone by the packed RNN)
 _SLICING = frozenset({"CatBackward0", "StackBackward0"})
 
 
 def reordered(nodes: Iterable[tuple[Any, Sequence[str]]], B: int,
-              inside: Callable[[Any], bool]) -> bool:
+              inside: Callable[[Any], bool], packed: Sequence[torch.Tensor] = ()) -> bool:
     """Whether any of ``nodes`` (each with the kinds of node that took its output) moved
     rows of a dimension of size ``B`` out of their order, outside the forward of any layer
     gradlog computes (``inside``: its rule sees each datum's rows, as an RNN on a packed
-    sequence unsorting its hidden state)."""
-    return B > 1 and any(_moves(node, takers, B) and not inside(node) for node, takers in nodes)
+    sequence unsorting its hidden state). ``packed``: the sorted and unsorted indices of
+    the packed sequences captured calls took (``pack_padded_sequence`` sorts by them and
+    ``pad_packed_sequence`` unsorts, around an RNN reading each datum's rows back)."""
+    return B > 1 and any(_moves(node, takers, B) and not inside(node) and not (
+        type(node).__name__ == "IndexSelectBackward0" and _packing(node, packed))
+        for node, takers in nodes)
+
+
+def _packing(node: Any, packed: Sequence[torch.Tensor]) -> bool:
+    index = autograd_node_saved(node, "index")
+    return isinstance(index, torch.Tensor) and any(
+        t.shape == index.shape and t.device == index.device and bool((t == index).all())
+        for t in packed)
 
 
 def _moves(node: Any, takers: Sequence[str], B: int) -> bool:
     kind = type(node).__name__
     inputs = [type(child).__name__ for child, _ in node.next_functions if child is not None]
-    if not inputs or all(k == "AccumulateGrad" for k in inputs) or _PACKING in takers or any(
-            "PackedSequence" in k for k in inputs):
-        return False  # (a table's rows; nothing carrying a gradient; packed sequences)
+    if not inputs or all(k == "AccumulateGrad" for k in inputs):
+        return False  # (a table's rows; nothing carrying a gradient)
     if not autograd_node_shapes_known(node):
         return _moves_by_index(node, kind, None, B)
     out = autograd_node_output_shape(node)
@@ -82,14 +92,27 @@ def _moves_by_index(node: Any, kind: str, out: tuple[int, ...] | None, B: int) -
     ``arange(B)`` there (None shapes: any index of B entries along it)."""
     sizes = autograd_node_saved(node, "self_sym_sizes")
     sizes = tuple(int(n) for n in sizes) if sizes is not None else out
-    if kind in ("IndexBackward0", "IndexPutBackward0"):
+    if kind == "EmbeddingBackward0":  # rows of a table the batch made (F.embedding(p, h))
+        rows, t = autograd_node_saved(node, "weight_sym_argsize_0"), autograd_node_saved(
+            node, "indices")
+        sizes, pairs = (int(rows),) if rows is not None else None, [(0, t, False)]
+    elif kind == "TakeBackward0":  # flat entries: in order only if all of them, as laid out
+        t, x = autograd_node_saved(node, "index"), autograd_node_saved(node, "self")
+        if not isinstance(t, torch.Tensor) or not isinstance(x, torch.Tensor) or (
+                x.dim() == 0 or x.shape[0] != B):
+            return False
+        return t.numel() != x.numel() or not bool(
+            (t.reshape(-1) == torch.arange(t.numel(), device=t.device)).all())
+    elif kind in ("IndexBackward0", "IndexPutBackward0"):
         indices = autograd_node_saved(node, "indices") or ()
         pairs = [(d, t, False) for d, t in enumerate(indices) if isinstance(t, torch.Tensor)]
     else:
         d = autograd_node_saved(node, "dim")
-        t = autograd_node_saved(node, "index" if kind != "SortBackward0" else "indices")
-        whole = kind in ("GatherBackward0", "SortBackward0", "ScatterBackward0",
-                         "ScatterBackward1", "ScatterAddBackward0")  # (an index per entry)
+        t = autograd_node_saved(node, "indices" if kind in ("SortBackward0", "TopkBackward0")
+                                else "index")
+        whole = kind in ("GatherBackward0", "SortBackward0", "TopkBackward0",
+                         "ScatterBackward0", "ScatterBackward1",
+                         "ScatterAddBackward0")  # (an index per entry)
         pairs = [(d, t, whole)] if d is not None and isinstance(t, torch.Tensor) else []
     kept = []  # per index along a dimension of size B: whether it is arange(B) there
     for d, t, whole in pairs:
@@ -113,6 +136,9 @@ def _in_order(node: Any, kind: str, d: int) -> bool:
     """Whether a ``cat``/``stack`` puts back, in their order, the pieces one ``split``,
     ``chunk`` or ``unbind`` made (or slices of one tensor, contiguous from its start)."""
     edges = node.next_functions
+    if kind == "StackBackward0" and [_selected(child) for child, _ in edges] == list(
+            range(len(edges))):  # (losses of each datum's rows, stacked in their order)
+        return True
     children = {id(child) for child, _ in edges}
     if len(children) == 1 and type(edges[0][0]).__name__ in (
             "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0"):
@@ -127,3 +153,17 @@ def _in_order(node: Any, kind: str, d: int) -> bool:
         end = autograd_node_saved(child, "end")
         start = int(end) if end is not None else -1
     return len({id(c.next_functions[0][0]) for c, _ in edges}) == 1 and kind == "CatBackward0"
+
+
+def _selected(node: Any, depth: int = 24) -> int | None:
+    """The index of the first ``select`` along dimension 0 below ``node`` on its first
+    inputs' path (``lg[i]`` under a loss of datum ``i``), or None."""
+    for _ in range(depth):
+        if node is None:
+            return None
+        if type(node).__name__ == "SelectBackward0":
+            d, i = autograd_node_saved(node, "dim"), autograd_node_saved(node, "index")
+            return int(i) if d == 0 and i is not None else None
+        edges = [c for c, _ in node.next_functions if c is not None]
+        node = edges[0] if edges else None
+    return None
