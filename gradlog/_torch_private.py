@@ -372,8 +372,9 @@ def autograd_node_saved(node: Any, name: str) -> Any:
     back as an unsigned 64-bit value), ``Node._input_metadata``. Fallback: None."""
     try:
         value = getattr(node, f"_saved_{name}")
-        if name in ("dim", "dims"):
-            ndim = len(node._input_metadata[0].shape)
+        if name in ("dim", "dims"):  # (no shapes before torch 2.6: a negative one stays so)
+            meta = getattr(node, "_input_metadata", None)
+            ndim = len(meta[0].shape) if meta else 0
             value = _dim(value, ndim) if name == "dim" else [_dim(d, ndim) for d in value]
     except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
         return None

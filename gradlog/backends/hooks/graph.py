@@ -303,8 +303,9 @@ def _inside_a_call(node: Any, outputs: Sequence[tuple[Any, Call]]) -> bool:
         if call.args is None or (not call.entry.op and any(
                 True for m in call.entry.module.children() for _ in m.parameters())):
             continue  # (rows moved between a container's layers are theirs to misfile)
-        stops = {id(t.grad_fn) for t in flatten((call.args, call.kwargs))[0]
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        held = [t.grad_fn for t in flatten((call.args, call.kwargs))[0]  # (held: torch 2.4
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]  # reuses node ids)
+        stops = {id(n) for n in held}
         stack, seen = [out], {id(out)}
         while stack and len(seen) < 100_000:
             top = stack.pop()
@@ -313,6 +314,7 @@ def _inside_a_call(node: Any, outputs: Sequence[tuple[Any, Call]]) -> bool:
             for child, _ in top.next_functions:
                 if child is not None and id(child) not in seen and id(child) not in stops:
                     seen.add(id(child))
+                    held.append(child)
                     stack.append(child)
     return False
 

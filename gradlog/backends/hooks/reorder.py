@@ -69,12 +69,12 @@ def _moves(node: Any, takers: Sequence[str], B: int) -> bool:
     inputs = [type(child).__name__ for child, _ in node.next_functions if child is not None]
     if not inputs or all(k == "AccumulateGrad" for k in inputs):
         return False  # (a table's rows; nothing carrying a gradient)
-    if not autograd_node_shapes_known(node):
-        return _moves_by_index(node, kind, None, B)
-    out = autograd_node_output_shape(node)
+    # (torch < 2.6, no shapes: dimension 0 taken for the batch's, the index ops read as if
+    # every dimension had its size)
+    out = autograd_node_output_shape(node) if autograd_node_shapes_known(node) else None
     # ops moving whole slices read dimension 0 alone (a flip of time, or a cat of chunks, in
     # a dimension that has the batch's size by coincidence is common: Mamba2's chunks)
-    if not out or out[0] != B:
+    if out is not None and (not out or out[0] != B):
         return kind not in _SLICING and _moves_by_index(node, kind, out, B)
     if kind == "FlipBackward0":
         return 0 in (autograd_node_saved(node, "dims") or ())
@@ -116,6 +116,7 @@ def _moves_by_index(node: Any, kind: str, out: tuple[int, ...] | None, B: int) -
         pairs = [(d, t, whole)] if d is not None and isinstance(t, torch.Tensor) else []
     kept = []  # per index along a dimension of size B: whether it is arange(B) there
     for d, t, whole in pairs:
+        d = d + len(sizes) if d < 0 and sizes is not None else d  # (torch < 2.6: no rank)
         if t.dtype == torch.bool or (sizes is not None and (d >= len(sizes) or sizes[d] != B)):
             continue  # (a mask keeps rows in order; another dimension)
         if whole:
