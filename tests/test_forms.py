@@ -465,6 +465,35 @@ def test_rows_sqnorms_are_the_dense_gradients_norms(
         assert u.values[b, len(used):].eq(0).all() and u.scale == 1.0
 
 
+def test_float64_sqnorms_keep_one_buffer_per_thread_in_any_grad_mode() -> None:
+    """The CPU's kept block buffer, first made under inference mode (an analysis), is written
+    after it by a recording; threads at once each widen into their own."""
+    import threading
+
+    xs = [rand(9, 300_000 + i, dtype=torch.float32, seed=i) for i in range(3)]
+    wants = [x.double().square().sum(1) for x in xs]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(5):
+                with torch.inference_mode():
+                    first = grads.float64_sqnorms(xs[i])
+                torch.testing.assert_close(first, wants[i], rtol=1e-13, atol=0)
+                torch.testing.assert_close(grads.float64_sqnorms(xs[i]), wants[i], rtol=1e-13,
+                                           atol=0)
+        except BaseException as e:  # raised again in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def test_float64_sqnorms_of_a_step_of_gradients() -> None:
     x = rand(32, 4096 * 70 + 3, dtype=torch.float32, seed=3)  # several scratch blocks
     torch.testing.assert_close(

@@ -3,6 +3,8 @@ as the store's format requires of every record's norm (FORMAT.md)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 __all__ = [
@@ -16,9 +18,13 @@ __all__ = [
 ]
 
 
-SCRATCH_ELEMENTS = {"cpu": 1 << 18}
-"""float64 elements of :func:`float64_sqnorms`'s block buffer, by device type: 2 MiB on the
-CPU (stays in cache); elsewhere (CUDA) ``1 << 22`` (32 MiB: a few launches per parameter)."""
+SCRATCH_ELEMENTS = {"cpu": 1 << 20}
+"""float64 elements of :func:`float64_sqnorms`'s block buffer, by device type: 8 MiB on the
+CPU, one buffer per thread kept between calls (:func:`_cpu_scratch`); elsewhere (CUDA)
+``1 << 22`` (32 MiB: a few launches per parameter). On the CPU every op wakes the OpenMP
+pool, a cost of its own when it sleeps between ops (``OMP_WAIT_POLICY=PASSIVE``): blocks of
+``1 << 18`` took the small GPT's ``norm`` step from 1.65x a plain step to 1.75x, and the
+norms alone (the hand-written floor) from 1.33x to 1.46x (tests/benchmarks/RESULTS.md)."""
 
 
 SMALL_ELEMENTS = 1 << 14
@@ -27,11 +33,11 @@ SMALL_ELEMENTS = 1 << 14
 parameters, where the blocked loop's own calls cost more than its arithmetic."""
 
 
-ONE_PASS_DEVICES = frozenset({"cuda"})
+ONE_PASS_DEVICES = frozenset({"cuda", "cpu"})
 """Device types where :func:`float64_sqnorms` takes each widened block's squared norms in one
 ``vector_norm`` pass, not ``square_`` then ``sum`` (two more passes over float64 in GPU
 memory: 20 of the 230 ms of a ~1B Llama's ``norm`` step on an H200, with the widening copy
-15 more). On the CPU a block stays in cache and both cost the same (measured)."""
+15 more; on the CPU one op fewer per block, measured 1-2% of the small GPT's ``norm`` step)."""
 
 
 def norm_scratch(device: torch.device) -> torch.Tensor:
@@ -55,6 +61,8 @@ def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> 
     per = SCRATCH_ELEMENTS.get(flat.device.type, 1 << 22)
     cols = max(1, per // max(1, B))
     width = B * min(cols, n)
+    if scratch is None and flat.device.type == "cpu":
+        scratch = _cpu_scratch(width)
     if (scratch is None or scratch.numel() < width or scratch.dtype != torch.float64
             or scratch.device != flat.device):
         scratch = torch.empty(width, dtype=torch.float64, device=flat.device)
@@ -69,6 +77,21 @@ def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> 
         else:
             out.add_(wide.square_().sum(1))
     return out
+
+
+_held = threading.local()
+
+
+def _cpu_scratch(width: int) -> torch.Tensor:
+    """This thread's float64 block buffer on the CPU, kept between calls: a fresh one a call
+    came from the kernel's zeroed pages each time (malloc hands blocks this large back), and
+    the widening copy into it took 2-5x as long as into one reused (profiled in a ``norm``
+    step of the small GPT)."""
+    held = getattr(_held, "scratch", None)
+    if held is None or held.numel() < width:
+        with torch.inference_mode(False):  # made in inference mode, it could not be written out
+            held = _held.scratch = torch.empty(width, dtype=torch.float64)
+    return held
 
 
 def dense_sqnorms(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
