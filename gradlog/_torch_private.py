@@ -200,14 +200,19 @@ def torch_function_mode_paused(mode: Any) -> Iterator[None]:
             c._push_on_torch_function_stack(m)
 
 
-def forward_hooks_first(module: torch.nn.Module) -> None:
-    """Move ``module``'s forward hooks marked ``gradlog_first`` (``gradlog.sparse``'s, which
-    re-root the output) before its others, in their order. Private API: the ordered dict
-    ``Module._forward_hooks``, as ``prepend=True`` uses it."""
+def forward_hooks_first(module: torch.nn.Module) -> tuple[Any, ...]:
+    """Order ``module``'s forward hooks marked ``gradlog_first`` first by rank (1:
+    ``gradlog.sparse``'s, re-rooting the output; 2: the hooks backend's capture), then the
+    others; return the global forward hooks (run before all). Private API: the ordered dicts
+    ``Module._forward_hooks`` and ``torch.nn.modules.module._global_forward_hooks``."""
     hooks = module._forward_hooks
-    marked = [k for k, h in hooks.items() if getattr(h, "gradlog_first", False)]
-    for key in [*marked, *(k for k in list(hooks) if k not in marked)] if marked else ():
-        hooks[key] = hooks.pop(key)  # (re-inserted in the order wanted)
+    if len(hooks) > 1:
+        ranks = [int(getattr(h, "gradlog_first", 0)) for h in hooks.values()]
+        order = sorted(range(len(ranks)), key=lambda i: (not ranks[i], ranks[i]))
+        keys = list(hooks)
+        for i in order if order != sorted(order) else ():
+            hooks[keys[i]] = hooks.pop(keys[i])  # (re-inserted in the order wanted)
+    return tuple(getattr(torch.nn.modules.module, "_global_forward_hooks", {}).values())
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

@@ -2228,6 +2228,61 @@ def test_a_users_forward_hook_replacing_a_layers_output_records() -> None:
     assert_hooks_match_loop(model, lambda: squares(model(x)))
 
 
+_EDITS: dict[str, Callable[..., torch.Tensor]] = {
+    "one entry": lambda mod, args, out: out.index_put(
+        (torch.tensor([0]), torch.tensor([1])), out[0, 1] * 3.0),  # datum 0's, one unit
+    "scaled": lambda mod, args, out: out * 1.3,
+}
+
+
+@pytest.mark.parametrize("batch_grad", ["autograd", "sum"])
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_a_users_forward_hook_prepended_after_the_recorder_runs_behind_its(
+        edit: str, batch_grad: str) -> None:
+    """A forward hook of the user's prepended after the recorder attached ran before
+    gradlog's, which hooked the replaced output: an edit of one unit's output passed the
+    spot check with datum 0's records of the layer up to 1.4x off, a scaling was refused or
+    wrong. gradlog's hook is put back first at each call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                          nn.Linear(5, 3)).double()
+    x = torch.randn(B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        handle = model[2].register_forward_hook(_EDITS[edit], prepend=True)  # after attach
+        try:
+            return squares(model(x))
+        finally:
+            handle.remove()
+
+    assert_hooks_match_loop(model, losses, batch_grad=batch_grad)
+
+
+def test_a_global_forward_hook_is_named_once() -> None:
+    """Global forward hooks run before gradlog's on every module: gradlog cannot go first,
+    so it says so, once per hook; one that only reads outputs leaves the records right."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    seen: list[str] = []
+
+    def observe(module: nn.Module, args: Any, out: Any) -> None:
+        seen.append(type(module).__name__)
+
+    want = per_datum(model, lambda: squares(model(x)), "loop")
+    handle = register_module_forward_hook(observe)
+    try:
+        with pytest.warns(UserWarning, match="global module forward hook") as caught:
+            got = per_datum(model, lambda: squares(model(x) + model(x)) / 4, "hooks")
+    finally:
+        handle.remove()
+    assert len([w for w in caught if "global module" in str(w.message)]) == 1 and seen
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12)
+
+
 _REORDERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "flip": lambda h, p: h.flip(0),
     "roll": lambda h, p: h.roll(1, 0),

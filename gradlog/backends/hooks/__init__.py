@@ -61,7 +61,6 @@ from torch import nn
 from gradlog._torch_private import (
     backward_keeps_graph,
     cuda_devices,
-    forward_hooks_first,
     in_autograd_backward,
     in_checkpoint_recompute,
     rng_states,
@@ -142,6 +141,7 @@ class HooksBackend(Backend):
         self._ops: OpCapture | None = None
         self._containers = Containers(None, self._capturing)  # (see attach)
         self._states, self._writes = parametrized.States(), checks.InputWrites()
+        self._order = checks.HookOrder()
         self._reset(0)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -166,9 +166,8 @@ class HooksBackend(Backend):
         for entry in self._entries:  # (before the user's hooks: prune's; one replacing it)
             self._handles += [entry.module.register_forward_pre_hook(functools.partial(
                 self._on_enter, entry), prepend=True), entry.module.register_forward_hook(
-                functools.partial(self._on_forward, entry), with_kwargs=True,
-                always_call=True, prepend=True)]
-            forward_hooks_first(entry.module)  # (gradlog.sparse's, which re-root its output)
+                self._order.first(functools.partial(self._on_forward, entry)),
+                with_kwargs=True, always_call=True, prepend=True)]
             if entry.rule.uses_torch_func:  # its re-run replays the batch's dropout masks
                 self._handles.extend(track_dropout(entry.module))
         # uses of recorded parameters that no hooked module call covers (see .operations)
@@ -221,6 +220,7 @@ class HooksBackend(Backend):
     # -- capture (forward) ------------------------------------------------------------------
     def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
+        self._order.enter(module)  # (a user's hook prepended after ours goes behind it)
         self._states.enter(entry)
         self._writes.enter(entry, args)
         if not self._containers.enter(entry):  # (a container's own, op by op: uncovered)

@@ -9,6 +9,7 @@ layout and batch size, the datum check (:mod:`.datum_check`). Tolerances:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import (
+    forward_hooks_first,
     tensor_version,
 )
 from gradlog.backends.base import check_floor, check_tolerance
@@ -346,6 +348,40 @@ def refusal(entry: Entry, module: nn.Module, args: tuple[Any, ...],
                 "(gradlog.rules.register_rule), or use backend='loop'."
             )
     return reason
+
+
+class HookOrder:
+    """Keeps the capture's forward hook first on each recorded module (behind
+    ``gradlog.sparse``'s): a user's hook prepended after the recorder attached ran before it,
+    and one replacing the output made gradlog hook the replacement, whose gradient is not the
+    layer's own (the spot check finds large edits only). Global forward hooks
+    (``register_module_forward_hook``) run before every module's own, so gradlog cannot go
+    first: each is named once, in a warning."""
+
+    def __init__(self) -> None:
+        self.said: set[int] = set()
+
+    @staticmethod
+    def first(hook: Any) -> Any:
+        """``hook`` (a ``functools.partial``) marked to stay first (see ``forward_hooks_first``)."""
+        hook.gradlog_first = 2
+        return hook
+
+    def enter(self, module: nn.Module) -> None:
+        """On a recorded module's call, before its forward."""
+        for hook in forward_hooks_first(module):
+            if id(hook) not in self.said:
+                self.said.add(id(hook))
+                warnings.warn(
+                    f"a global module forward hook ({getattr(hook, '__qualname__', hook)!r}, "
+                    "torch.nn.modules.module.register_module_forward_hook) runs before "
+                    "gradlog's on every module: if it returns a replaced output of a "
+                    "recorded module, gradlog records the replacement's gradient, not the "
+                    "layer's own, and only large edits are caught. Register it on the "
+                    "modules instead (gradlog's hook then runs first), or remove it while "
+                    "recording; one that only reads outputs is harmless.",
+                    stacklevel=2,
+                )
 
 
 class InputWrites:
