@@ -144,6 +144,14 @@ def _encoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
             norm_rel_ebd="none" if raw else "layer_norm", share_att_key=not raw),
             t.DebertaV2ForSequenceClassification, attn)
         return model, _classify(model, input_ids=ids, attention_mask=mask)
+    if kind == "deberta_v1":  # DeBERTa (v1): its p2c projection divided in place on a view
+        model = _built(t.DebertaConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32, num_labels=2,
+            hidden_dropout_prob=DROP, attention_probs_dropout_prob=DROP, pooler_dropout=DROP,
+            pooler_hidden_size=16, relative_attention=True, max_relative_positions=16,
+            pos_att_type=["p2c", "c2p"]), t.DebertaForSequenceClassification, attn)
+        return model, _classify(model, input_ids=ids, attention_mask=mask)
     if kind == "t5":
         model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                   num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
@@ -219,7 +227,7 @@ def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
                 "olmoe", "granitemoe", "falcon"):
         return _decoder(kind, attn)
-    if kind in ("bert", "distilbert", "t5", "deberta", "deberta_raw"):
+    if kind in ("bert", "distilbert", "t5", "deberta", "deberta_raw", "deberta_v1"):
         return _encoder(kind, attn)
     return _vision(kind, attn)
 
@@ -233,7 +241,8 @@ _T5_SDPA = pytest.mark.xfail(
 )
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
             ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager"),
-            ("wav2vec2", "sdpa"), ("falcon", "eager"), ("deberta", "eager")]
+            ("wav2vec2", "sdpa"), ("falcon", "eager"), ("deberta", "eager"),
+            ("deberta_v1", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])

@@ -2228,6 +2228,58 @@ def test_a_users_forward_hook_replacing_a_layers_output_records() -> None:
     assert_hooks_match_loop(model, lambda: squares(model(x)))
 
 
+class _SharedProjection(nn.Module):
+    """DeBERTa's (v1) position-to-content scores: a table projected by a Linear, viewed per
+    head, changed in place by ``how`` (``/=`` there), then broadcast over the batch by a
+    matmul; ``early``: the projection also used before the in-place op."""
+
+    def __init__(self, how: str, early: bool) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.rel, self.pos, self.key = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.gain = nn.Parameter(torch.tensor(0.7))
+        self.how, self.early = how, early
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.key(x).view(x.shape[0], 2, 2, 2).transpose(1, 2)  # (B, 2, T=2, 2)
+        p = self.pos(self.rel.weight.unsqueeze(0))  # (1, 6, 4): shared by the batch
+        before = p.reshape(1, 24) if self.early else 0.0  # (added over the batch)
+        q = p.view(1, 6, 2, 2).permute(0, 2, 1, 3)  # (1, 2, 6, 2)
+        if self.how == "div_":
+            q /= 2.0
+        elif self.how == "tanh_":
+            q.tanh_()
+        elif self.how == "mul_ by a parameter":
+            q.mul_(self.gain)  # (a second input with a gradient: not crossed)
+        scores = torch.matmul(k, q.transpose(-1, -2))  # (B, 2, 2, 6)
+        return scores.flatten(1) + before
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("how", ["div_", "tanh_"])
+def test_a_shared_projection_changed_in_place_on_a_view_records(how: str, early: bool) -> None:
+    """An in-place op on a view of a Linear's shared output (DeBERTa's ``pos_query_layer /=
+    scale``) replaced the output's node in the graph: its consumers were not found, and the
+    Linear got the batch's summed gradient (refused). They are now found from the output's
+    base, through the in-place op and the view it rebuilt."""
+    model = _SharedProjection(how, early).double()
+    x = torch.randn(B, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    want = per_datum(model, lambda: squares(model(x)), "loop")
+    got = per_datum(model, lambda: squares(model(x)), "hooks")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_shared_projection_changed_in_place_by_a_parameter_is_refused() -> None:
+    """The in-place op takes a second input with a gradient: not crossed, refused."""
+    model = _SharedProjection("mul_ by a parameter", False).double()
+    x = torch.randn(B, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(GradlogError, match="pos"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
 _EDITS: dict[str, Callable[..., torch.Tensor]] = {
     "one entry": lambda mod, args, out: out.index_put(
         (torch.tensor([0]), torch.tensor([1])), out[0, 1] * 3.0),  # datum 0's, one unit

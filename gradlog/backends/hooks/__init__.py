@@ -292,13 +292,13 @@ class HooksBackend(Backend):
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
                 link.on_grad = functools.partial(self._on_fused_grad, call, i)
             else:
-                target = hook_target(t, call.versions) if (
-                    entry.hook_base and i == call.primary) else t
-                if target is not t:  # see hook_target: the view's own hook may never fire
-                    geometry = (t.shape, t.stride(),
-                                int(t.storage_offset() - target.storage_offset()))
-                    on_grad = functools.partial(self._on_base_grad, call, i, geometry)
-                call.handles.append(target.register_hook(on_grad))
+                target = hook_target(t, call.versions) if i == call.primary else t
+                if target is not t:  # (noted: an in-place op on t drops t's node from the graph)
+                    call.mark_base(target, (t.shape, t.stride(),
+                                            int(t.storage_offset() - target.storage_offset())))
+                if target is not t and entry.hook_base:  # see hook_target: t's hook may not fire
+                    on_grad = functools.partial(self._on_base_grad, call, i)
+                call.handles.append((target if entry.hook_base else t).register_hook(on_grad))
             call.hooked += 1
         if call is None:
             return output if replaced else None
@@ -475,10 +475,9 @@ class HooksBackend(Backend):
             call.pending = True
             self._partial.append(call)
 
-    def _on_base_grad(self, call: Call, i: int, geometry: tuple[torch.Size, tuple[int, ...], int],
-                      grad: torch.Tensor) -> None:
+    def _on_base_grad(self, call: Call, i: int, grad: torch.Tensor) -> None:
         """Output ``i``'s base's gradient (:func:`graph.hook_target`), viewed as the output."""
-        size, stride, offset = geometry
+        size, stride, offset = call.geometry or (grad.shape, grad.stride(), 0)
         self._on_output_grad(call, i, grad.contiguous().as_strided(size, stride, offset))
 
     def _finish(self, call: Call) -> None:

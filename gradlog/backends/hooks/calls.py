@@ -12,7 +12,7 @@ import functools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ __all__ = ["TAG", "Call", "Entry", "plan_entries"]
 
 TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 OUTPUT = "gradlog_output"  # and [(output_nr, call)] of every hooked output (reorder's inside)
+BASE = "gradlog_base"  # and [(output_nr, call)] of hooked bases of outputs (graph.hook_target)
 
 
 @dataclass(eq=False)
@@ -100,6 +101,7 @@ class Call:
         "done",
         "entry",
         "fused",
+        "geometry",
         "grads",
         "handles",
         "hooked",
@@ -148,6 +150,7 @@ class Call:
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn
         self.inner: list[Call] | None = None  # a container's op calls (.containers)
         self.marked: list[weakref.ref[_Tags]] = []  # its notes in its outputs' (OUTPUT)
+        self.geometry: tuple[torch.Size, tuple[int, ...], int] | None = None  # see mark_base
 
     def tag(self, metadata: dict[str, Any], output_nr: int) -> None:
         """Note this call in its output's ``grad_fn.metadata`` (:data:`TAG`): how the walks
@@ -169,6 +172,20 @@ class Call:
             marks = metadata[OUTPUT] = _Tags()
         marks.append((output_nr, self))
         self.marked.append(weakref.ref(marks))
+
+    def mark_base(self, base: torch.Tensor,
+                  geometry: tuple[torch.Size, tuple[int, ...], int]) -> None:
+        """The primary output is a view of ``base`` (hooked there: ``graph.hook_target``) with
+        ``geometry`` (size, stride, offset in it): note this call in the base's node
+        (:data:`BASE`), where the graph walk finds an in-place op on the view, which drops
+        the view's own node from the graph (``GraphSurvey.consumers``)."""
+        metadata = cast(dict[str, Any], cast(Any, base.grad_fn).metadata)  # (hook_target: a node)
+        marks = metadata.get(BASE)
+        if marks is None:
+            marks = metadata[BASE] = _Tags()
+        marks.append((base.output_nr, self))
+        self.marked.append(weakref.ref(marks))
+        self.geometry = geometry
 
     def untag(self) -> None:
         """Take this call's note out of its ``grad_fn.metadata``, after its backward: the

@@ -29,7 +29,7 @@ from gradlog._torch_private import (
 from gradlog._tree import flatten
 from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint
 from gradlog.backends.hooks import reorder
-from gradlog.backends.hooks.calls import OUTPUT, TAG
+from gradlog.backends.hooks.calls import BASE, OUTPUT, TAG
 from gradlog.errors import BackendError
 
 if TYPE_CHECKING:
@@ -257,6 +257,7 @@ class GraphSurvey:
         calls: dict[int, set[int]] = {}
         consumers: dict[int, list[tuple[Any, int]]] = {}
         tags: dict[int, list[tuple[int, Call]]] = {}
+        bases: dict[int, list[tuple[int, Call]]] = {}  # (Call.mark_base)
         root = self.root
         self._moving, self._takers, self._outputs = [], {}, []
         # keep: node wrappers alive, so their ids stay unique
@@ -279,6 +280,8 @@ class GraphSurvey:
                         self._moving.append(child)
                     metadata = child.metadata
                     self._outputs += [(child, c) for _, c in metadata.get(OUTPUT, ())]
+                    if metadata.get(BASE):
+                        bases[key] = metadata[BASE]
                     tagged = metadata.get(TAG)
                     if tagged:
                         tags[key] = tagged
@@ -288,6 +291,9 @@ class GraphSurvey:
                     self._takers.setdefault(key, []).append(type(node).__name__)
                 for nr, call in tags.get(key, ()):
                     if nr == output_nr:
+                        consumers.setdefault(id(call), []).append((node, slot))
+                for nr, call in bases.get(key, ()):  # an in-place op on the output (a view)
+                    if nr == output_nr and type(node).__name__ == "CopySlices":
                         consumers.setdefault(id(call), []).append((node, slot))
         self._walked, self._accumulators = True, accumulators
         self._edges = edges
@@ -372,6 +378,7 @@ SHARED_ALONG = VIEW_NODES | {
     "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0",
     "AddBackward0", "SubBackward0", "SigmoidBackward0", "TanhBackward0", "ReluBackward0",
     "GeluBackward0", "SiluBackward0", "ExpBackward0", "SoftplusBackward0",
+    "CopySlices", "AsStridedBackward0",  # an in-place op on a view of it (DeBERTa's `/=`)
 }
 """Nodes a shared output may cross before what broadcasts it over the batch, when one of
 their inputs alone carries a gradient and they make no more elements than it has (a LoRA

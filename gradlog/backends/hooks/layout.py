@@ -464,6 +464,10 @@ def consumer_inputs(
         if extra == 0:  # the consumer's input has a leading dimension of size 1
             per = per.unsqueeze(1)  # (B, *shape)
         per = through_views(chain, per.reshape(B, *shape))  # (B, *out_shape)
+        if call.geometry is not None and tuple(per.shape[1:]) != tuple(call.out_shape):
+            size, stride, offset = call.geometry  # (from its base, rebuilt by an in-place op)
+            n = per[0].numel()
+            per = per.contiguous().as_strided((B, *size), (n, *stride), offset)
         expand = True
 
         def batched(t: torch.Tensor) -> torch.Tensor:
