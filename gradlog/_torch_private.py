@@ -11,9 +11,8 @@ The global random-number state (CPU and CUDA generators) is read and restored he
 public API, but every layer that replays a computation (the datum check, chunked heads, the
 test zoo, a dropout's mask) needs the same capture and restore.
 
-Torch versions: CI runs 2.13; the suite was also run on 2.4.1 and 2.6.0 (README). Node
-wrappers: torch 2.4 (at least) frees the Python object of an autograd node no one holds and
-reuses its id, so graph walks that key nodes by ``id`` hold every node they visit.
+Torch versions: CI runs 2.13, the suite also 2.4.1 and 2.6.0 (README). torch 2.4 frees an
+autograd node's Python object no one holds and reuses its id: walks hold the nodes they key.
 
 This module imports only torch and the standard library (layer 1).
 """
@@ -200,19 +199,20 @@ def torch_function_mode_paused(mode: Any) -> Iterator[None]:
             c._push_on_torch_function_stack(m)
 
 
-def forward_hooks_first(module: torch.nn.Module) -> tuple[Any, ...]:
-    """Order ``module``'s forward hooks marked ``gradlog_first`` first by rank (1:
-    ``gradlog.sparse``'s, re-rooting the output; 2: the hooks backend's capture), then the
-    others; return the global forward hooks (run before all). Private API: the ordered dicts
-    ``Module._forward_hooks`` and ``torch.nn.modules.module._global_forward_hooks``."""
+def forward_hooks_first(module: torch.nn.Module) -> tuple[list[Any], tuple[Any, ...]]:
+    """The forward hooks before ``module``'s marked ``gradlog_first`` 2 (the hooks backend's
+    capture), and the global ones (run before all); then that hook is put right after the
+    last marked 1 (``gradlog.sparse``'s, re-rooting the output), the others kept in order.
+    Private API: ``Module._forward_hooks``, ``torch.nn.modules.module._global_forward_hooks``."""
     hooks = module._forward_hooks
-    if len(hooks) > 1:
-        ranks = [int(getattr(h, "gradlog_first", 0)) for h in hooks.values()]
-        order = sorted(range(len(ranks)), key=lambda i: (not ranks[i], ranks[i]))
-        keys = list(hooks)
-        for i in order if order != sorted(order) else ():
-            hooks[keys[i]] = hooks.pop(keys[i])  # (re-inserted in the order wanted)
-    return tuple(getattr(torch.nn.modules.module, "_global_forward_hooks", {}).values())
+    items, ranks = list(hooks.items()), [getattr(h, "gradlog_first", 0) for h in hooks.values()]
+    at = ranks.index(2) if 2 in ranks else len(ranks)  # (none: nothing moves)
+    rest = items[:at] + items[at + 1 :]
+    last = max((i + 1 for i, r in enumerate(ranks[:at] + ranks[at + 1 :]) if r == 1), default=0)
+    for key, _ in rest[:last] + items[at : at + 1] + rest[last:] if last != at < len(ranks) else ():
+        hooks[key] = hooks.pop(key)  # (re-inserted in the order wanted)
+    return [h for _, h in items[:at]], tuple(
+        getattr(torch.nn.modules.module, "_global_forward_hooks", {}).values())
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

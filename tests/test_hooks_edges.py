@@ -2248,6 +2248,8 @@ class _SharedProjection(nn.Module):
         q = p.view(1, 6, 2, 2).permute(0, 2, 1, 3)  # (1, 2, 6, 2)
         if self.how == "div_":
             q /= 2.0
+        elif self.how == "div":
+            q = q / 2.0
         elif self.how == "tanh_":
             q.tanh_()
         elif self.how == "mul_ by a parameter":
@@ -2270,6 +2272,73 @@ def test_a_shared_projection_changed_in_place_on_a_view_records(how: str, early:
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("how", ["views alone", "tanh_", "div_", "div"])
+def test_a_shared_projection_inside_a_checkpoint_records_or_is_refused(how: str) -> None:
+    """Inside ``checkpoint(use_reentrant=False)`` a node's saved tensors are read once: taking
+    each datum's gradient back through ``tanh_`` (or an out-of-place ``tanh``) read them
+    first, and the backward itself then raised torch's CheckpointError. Only ops reading no
+    saved tensor are crossed there now: shape ops record; an in-place op (what it saves is
+    not readable), a division (it saves the divisor) and the rest are refused before the
+    backward, saying why."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _SharedProjection(how, False).double()
+    x = torch.randn(B, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        return squares(checkpoint(model, x, use_reentrant=False))
+
+    if how == "views alone":
+        want = per_datum(model, losses, "loop")
+        got = per_datum(model, losses, "hooks")
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-10, atol=1e-13)
+        return
+    with pytest.raises(GradlogError, match="checkpointed segment"):
+        per_datum(model, losses, "hooks")
+
+
+def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> None:
+    """A shared relative table of ``2T - 1`` rows, projected and broadcast over the batch:
+    at T 3 it is 5 rows (records right, the datum check ran), at T 2 it is 3 rows, the
+    batch's size, and read as batched its records were 0.5 off, unchecked (the layout key
+    did not change: only the table had a dimension of size B). A dimension of size B after
+    the first is now a layout of its own: checked, and refused."""
+
+    class Rel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.inp, self.pos, self.key = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+                self.register_buffer("table", torch.randn(15, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n, T = x.shape[0], x.shape[1]
+            h = self.inp(x)
+            p = self.pos(self.table[8 - T : 7 + T].unsqueeze(0))  # (1, 2T - 1, 4): shared
+            q = p.view(1, 2 * T - 1, 2, 2).permute(0, 2, 1, 3)
+            k = self.key(h).view(n, T, 2, 2).transpose(1, 2)
+            return torch.tanh(torch.matmul(k, q.transpose(-1, -2))).flatten(1)
+
+    model = Rel().double()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, T, 3, dtype=D64, generator=gen) for T in (3, 2)]
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = squares(model(xs[0]))
+        be.backward(losses, be.reduce_batch(losses))
+        model.zero_grad(set_to_none=True)
+        losses = squares(model(xs[1]))
+        with pytest.raises(GradlogError, match="differ from the datums' own"):
+            be.backward(losses, be.reduce_batch(losses))
+    finally:
+        be.detach()
 
 
 def test_a_shared_projection_changed_in_place_by_a_parameter_is_refused() -> None:
@@ -2308,6 +2377,78 @@ def test_a_users_forward_hook_prepended_after_the_recorder_runs_behind_its(
             handle.remove()
 
     assert_hooks_match_loop(model, losses, batch_grad=batch_grad)
+
+
+def test_a_forward_hook_registered_in_a_users_pre_hook_runs_behind_gradlogs() -> None:
+    """A user's forward pre-hook registering a one-shot forward hook (``prepend=True``) that
+    scales the output, removed when it runs: it landed before gradlog's (put back first in
+    gradlog's own pre-hook, which runs before the user's), and with ``batch_grad="sum"`` the
+    records and ``p.grad`` were 0.41 off, unseen. gradlog puts its hook back first in a
+    pre-hook after the user's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                          nn.Linear(5, 3)).double()
+
+    def pre(module: nn.Module, args: Any) -> None:
+        handle: list[Any] = []
+
+        def once(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+            handle[0].remove()
+            return out * 1.7
+
+        handle.append(module.register_forward_hook(once, prepend=True))
+
+    model[2].register_forward_pre_hook(pre)
+    x = torch.randn(B, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    want = per_datum(model, lambda: squares(model(x)), "loop")
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for batch_grad in ("autograd", "sum"):
+        got = per_datum(model, lambda: squares(model(x)), "hooks", batch_grad=batch_grad)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, plain[n],
+                                       rtol=1e-9, atol=1e-12)
+
+
+def test_a_users_hook_before_sparse_backprops_refuses_and_leaves_training_alone() -> None:
+    """``gradlog.sparse`` re-roots a layer's output in a forward hook kept before the
+    capture's; a user's hook prepended after both ran before the sparse one. Putting the
+    capture back first moved the user's hook behind the sparse one too, which changed the
+    model (``p.grad`` 0.23 off a plain step). Now only the capture moves, behind the sparse
+    hook; a user's hook before the sparse one refuses the call, the model's own unchanged."""
+    from gradlog.sparse import sparse_backprop
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(),
+                          nn.Linear(5, 2)).double()
+    x = torch.randn(3, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def edit(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.index_put((torch.tensor([0]), torch.tensor([0]), torch.tensor([1])),
+                             out[0, 0, 1] * 3.0)
+
+    with sparse_backprop(model, k=2):
+        handle = model[2].register_forward_hook(edit, prepend=True)
+        model.zero_grad(set_to_none=True)
+        squares(model(x)).mean().backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        handle.remove()
+    with sparse_backprop(model, k=2):
+        be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                               randomness="different")
+        be.attach()
+        handle = model[2].register_forward_hook(edit, prepend=True)
+        try:
+            model.zero_grad(set_to_none=True)
+            losses = squares(model(x))
+            with pytest.raises(GradlogError, match="ran before gradlog's"):
+                be.backward(losses, be.reduce_batch(losses))  # (before the backward)
+        finally:
+            be.detach()
+            handle.remove()
+    losses.mean().backward()  # the forward the recorder watched computed the model's function
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-12, atol=1e-15)
 
 
 def test_a_global_forward_hook_is_named_once() -> None:

@@ -21,8 +21,7 @@ once per call. Errors inside the backward are raised after it (``p.grad`` comple
 gradient from the sum of their per-datum gradients instead of autograd's own matmul
 (:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
 
-Chosen layers: only modules owning recorded parameters are hooked. Autocast: rules
-accumulate 16-bit captures in the parameters' dtype; :attr:`low_precision` names them.
+Only modules owning recorded parameters are hooked. Autocast: :attr:`low_precision`.
 
 Batch dimension. Layers that treat leading dimensions alike (Linear, Embedding, LayerNorm)
 may have the batch in any of them (sequence-first models): found by size, refused where
@@ -167,7 +166,8 @@ class HooksBackend(Backend):
             self._handles += [entry.module.register_forward_pre_hook(functools.partial(
                 self._on_enter, entry), prepend=True), entry.module.register_forward_hook(
                 self._order.first(functools.partial(self._on_forward, entry)),
-                with_kwargs=True, always_call=True, prepend=True)]
+                with_kwargs=True, always_call=True, prepend=True),
+                entry.module.register_forward_pre_hook(self._order.enter)]  # (after the user's)
             if entry.rule.uses_torch_func:  # its re-run replays the batch's dropout masks
                 self._handles.extend(track_dropout(entry.module))
         # uses of recorded parameters that no hooked module call covers (see .operations)
@@ -220,7 +220,6 @@ class HooksBackend(Backend):
     # -- capture (forward) ------------------------------------------------------------------
     def _on_enter(self, entry: Entry, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: the entry's rule covers its parameters' uses until it returns."""
-        self._order.enter(module)  # (a user's hook prepended after ours goes behind it)
         self._states.enter(entry)
         self._writes.enter(entry, args)
         if not self._containers.enter(entry):  # (a container's own, op by op: uncovered)
@@ -260,16 +259,16 @@ class HooksBackend(Backend):
                  kwargs: dict[str, Any], output: Any) -> Any:
         """Capture a call of a module or op; returns the output to hand on (None: as is)."""
         link: FusedLink | None = None
-        if entry.fused and not kwargs and current_chunk() is None and not isinstance(
+        late = None if entry.op else self._order.refusal(module)  # (a hook ran before it)
+        if entry.fused and not late and not kwargs and current_chunk() is None and not isinstance(
                 getattr(output, "grad_fn", None), torch.autograd.function.BackwardCFunction):
             # (an output another context re-rooted, e.g. gradlog.sparse, keeps its own backward)
             fused = fuse_output(module, args, output)
             if fused is not None:
                 output, link = fused
         if in_autograd_backward() and (not self._armed or in_checkpoint_recompute()):
-            # A checkpoint recompute: in a backward that is not recorded, or a non-reentrant
-            # one, whose outputs never receive gradients (the original call's do). It is
-            # re-rooted like the original call, which saved the same tensors.
+            # A checkpoint recompute (a backward not recorded, or a non-reentrant one: its
+            # outputs get no gradient, the original call's do), re-rooted like that call.
             return output if link is not None else None
         replaced = link is not None
         if entry.fallback:
@@ -313,7 +312,8 @@ class HooksBackend(Backend):
         chunk = current_chunk()
         if chunk is not None and chunk.differentiated:
             call.chunk = chunk  # a head called on flattened rows by chunked_linear_loss
-        call.refusal = checks.refusal(entry, module, args, kwargs) or self._writes.refusal(entry)
+        call.refusal = (checks.refusal(entry, module, args, kwargs) or late
+                        or self._writes.refusal(entry))
         call.stamp = self._states.stamp(entry)  # (and why not, where its state went wrong)
         if call.refusal is None and call.stamp is not None:
             call.refusal = call.stamp.refusal
@@ -332,7 +332,8 @@ class HooksBackend(Backend):
         check_differentiable(self.params, losses)  # before autograd's own, vaguer errors
         self.settle()  # the last backward's, if its caller did not settle it
         B = int(losses.shape[0])
-        survey = graph.GraphSurvey(batch_loss.grad_fn)  # one walk: for _reset and the routing
+        survey = graph.GraphSurvey(batch_loss.grad_fn,  # one walk: _reset's and the routing's
+                                   views_only=self._saved_tensor_hooks != "none")
         self._reset(B, survey)
         # after _reset's walk, before the forward's state is dropped (finally): a retry
         self.settle_loss_checks(self._ops.undo if self._ops else None)

@@ -351,25 +351,35 @@ def refusal(entry: Entry, module: nn.Module, args: tuple[Any, ...],
 
 
 class HookOrder:
-    """Keeps the capture's forward hook first on each recorded module (behind
-    ``gradlog.sparse``'s): a user's hook prepended after the recorder attached ran before it,
-    and one replacing the output made gradlog hook the replacement, whose gradient is not the
-    layer's own (the spot check finds large edits only). Global forward hooks
-    (``register_module_forward_hook``) run before every module's own, so gradlog cannot go
-    first: each is named once, in a warning."""
+    """Keeps the capture's forward hook before the user's on each recorded module (behind
+    ``gradlog.sparse``'s, which re-root the output): a user's hook prepended after the
+    recorder attached ran before it, and one replacing the output made gradlog hook the
+    replacement, whose gradient is not the layer's own (with ``batch_grad="sum"`` its
+    ``p.grad`` too). The capture is put back at each call; a hook that still ran before it
+    (registered during the call, or before ``gradlog.sparse``'s) refuses the call; one that
+    removed itself before gradlog's ran is not seen. Global
+    forward hooks (``register_module_forward_hook``) run before every module's own, so
+    gradlog cannot go first: each is named once, in a warning."""
 
     def __init__(self) -> None:
         self.said: set[int] = set()
 
     @staticmethod
     def first(hook: Any) -> Any:
-        """``hook`` (a ``functools.partial``) marked to stay first (see ``forward_hooks_first``)."""
+        """``hook`` (a ``functools.partial``) marked as the capture (``forward_hooks_first``)."""
         hook.gradlog_first = 2
         return hook
 
-    def enter(self, module: nn.Module) -> None:
-        """On a recorded module's call, before its forward."""
-        for hook in forward_hooks_first(module):
+    def enter(self, module: nn.Module, args: Any) -> None:
+        """A forward pre-hook, after the user's (they may register forward hooks): the
+        capture put back first."""
+        forward_hooks_first(module)
+
+    def refusal(self, module: nn.Module) -> str | None:
+        """In the capture, before anything: why the output it got may not be the module's
+        own (None: it is, as far as gradlog can tell)."""
+        before, hooks = forward_hooks_first(module)
+        for hook in hooks:
             if id(hook) not in self.said:
                 self.said.add(id(hook))
                 warnings.warn(
@@ -382,6 +392,13 @@ class HookOrder:
                     "recording; one that only reads outputs is harmless.",
                     stacklevel=2,
                 )
+        if all(getattr(h, "gradlog_first", 0) == 1 for h in before):
+            return None
+        return ("a forward hook of yours ran before gradlog's on it (registered during the "
+                "call, e.g. in a forward pre-hook, or prepended before gradlog.sparse's), so "
+                "the output gradlog got may not be the layer's own. Register forward hooks "
+                "outside the forward, and before entering gradlog.sparse, or use "
+                "backend='loop'.")
 
 
 class InputWrites:

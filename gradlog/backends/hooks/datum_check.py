@@ -55,8 +55,10 @@ def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
     """Check the datums (:func:`check_datum`) on the first backward, and again at each
     batch size not checked yet (a short last batch) and whenever a forward has a layout
     not checked yet that shapes alone cannot settle: a layer output with several leading
-    dimensions of size B (a sequence-first tensor whose length equals the batch size), or
-    a module called more than once (reuse, or once per datum by hand). A wrong split
+    dimensions of size B (a sequence-first tensor whose length equals the batch size) or
+    one after the first (sequence-first; or a shared table as long as the batch, read as
+    batched: its records were then wrong from a later step on, unchecked), or a module
+    called more than once (reuse, or once per datum by hand). A wrong split
     between datums still sums to ``p.grad``; the weighted check sees it. ``checked``
     (the layouts checked so far) is updated. ``due``: the recorder self-checks this batch
     (``check_every``): check a datum too, so a loss that starts coupling data is caught."""
@@ -68,8 +70,8 @@ def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
         shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
         lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
         at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
-        if len(at) > 1 or uses[id(c.entry)] > 1:
-            unsure.add((c.entry.name, uses[id(c.entry)], at if len(at) > 1 else ()))
+        if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
+            unsure.add((c.entry.name, uses[id(c.entry)], at if at != (0,) else ()))
     if checked and unsure <= checked and not due:
         return False
     checked |= unsure | {("", 0, ())}

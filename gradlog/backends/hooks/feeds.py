@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from gradlog._torch_private import autograd_node_output_shape
-from gradlog.backends.hooks.graph import VIEW_NODES, GraphSurvey
+from gradlog.backends.hooks.graph import UNSAVED_ALONG, VIEW_NODES, GraphSurvey
 
 if TYPE_CHECKING:
     from gradlog.backends.hooks.calls import Call
@@ -47,7 +47,7 @@ def feeds_of(call: Call, found: list[tuple[Any, int]], routed: list[Call],
     feeds: list[tuple[Call, Path]] = []
     into: dict[int, int] = {}  # id(node making a Linear's input) -> Linear calls taking it
     for linear in routed:
-        path = _path(linear, made)
+        path = _path(linear, made, UNSAVED_ALONG if graph.views_only else _ALONG)
         if path is not None:
             feeds.append((linear, path))
             end = path[-1][0] if path else made
@@ -63,7 +63,7 @@ def feeds_of(call: Call, found: list[tuple[Any, int]], routed: list[Call],
     return feeds
 
 
-def _path(linear: Call, made: Any) -> Path | None:
+def _path(linear: Call, made: Any, along: frozenset[str]) -> Path | None:
     """From the Linear's input down to the shared output (made by node ``made``): nodes of
     one input each that keep or shrink what they take (none broadcasts it over the batch)."""
     entry = linear.entry
@@ -77,7 +77,7 @@ def _path(linear: Call, made: Any) -> Path | None:
             return tuple(reversed(walked))
         edges = [(slot, child, nr) for slot, (child, nr) in enumerate(node.next_functions)
                  if child is not None]
-        if type(node).__name__ not in _ALONG or len(edges) != 1:
+        if type(node).__name__ not in along or len(edges) != 1:
             return None
         slot, child, nr = edges[0]
         if math.prod(autograd_node_output_shape(node)) > math.prod(

@@ -39,6 +39,7 @@ __all__ = [
     "PASS_THROUGH",
     "SHARED_ALONG",
     "TAG",
+    "UNSAVED_ALONG",
     "VIEW_NODES",
     "GraphSurvey",
     "alias_outputs",
@@ -192,8 +193,9 @@ class GraphSurvey:
     readers' separate walks were one too many. The walk is made at the first question;
     a question about other accumulators than the walk counted walks again."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, views_only: bool = False) -> None:
         self.root = root
+        self.views_only = views_only  # saved-tensor hooks were in force: see UNSAVED_ALONG
         self._parents: dict[int, list[tuple[Any, int]]] | None = None
         self._held: list[Any] = []
         self._walked = False
@@ -387,6 +389,16 @@ over the batch: DeBERTa's relative positions): each datum's gradient at the broa
 taken back through them, exactly (:func:`through_views`)."""
 
 
+UNSAVED_ALONG = VIEW_NODES | {
+    "AsStridedBackward0", "SliceBackward0", "SelectBackward0", "ToCopyBackward0",
+    "NegBackward0",
+}
+""":data:`SHARED_ALONG`'s nodes whose backward reads no saved tensor (shape ops; a product
+or quotient by a Python number saves it as a tensor): what a shared output's routing crosses
+under saved-tensor hooks (``GraphSurvey.views_only``: a non-reentrant checkpoint's saved
+tensors are read once, and a second reading, per datum, made the backward itself fail)."""
+
+
 def consumers_through_views(graph: GraphSurvey, found: list[tuple[Any, int]],
                             along: frozenset[str] = VIEW_NODES
                             ) -> list[tuple[Any, int, Chain]] | None:
@@ -434,4 +446,12 @@ def through_views(chain: Chain, per: torch.Tensor) -> torch.Tensor:
             g = next(t for t in got if t is not None) if isinstance(got, tuple) else got
         return g
 
-    return vmap(back)(per)
+    try:
+        return vmap(back)(per)
+    except RuntimeError as e:  # (a checkpoint's saved tensors unpack once: CheckpointError)
+        raise BackendError(
+            f"the per-datum gradients of a shared output could not be taken back through "
+            f"{[type(n).__name__ for n in chain]} ({type(e).__name__}: {e}). Inside "
+            "torch.utils.checkpoint(use_reentrant=False) an op's saved tensors can be read "
+            "once: move the ops on the shared output out of the checkpointed segment, or use "
+            "backend='loop'.") from e

@@ -28,6 +28,7 @@ from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
     SHARED_ALONG,
+    UNSAVED_ALONG,
     VIEW_NODES,
     Chain,
     GraphSurvey,
@@ -231,9 +232,11 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 "accepts (B, T, d); flattened to (B*T, d) or to windows (B*windows, L, d), "
                 "each datum's rows together, through ops that keep rows apart: row-wise "
                 "ops, batched matmuls, views; README's table of layouts), give one loss per "
-                "row the "
-                "layer saw (a batch of two views concatenated to 2B rows makes 2B datums), "
-                "or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else ""))))
+                "row the layer saw (a batch of two views concatenated to 2B rows makes 2B "
+                "datums), or use backend='loop'." + (_OP_ON_PARAMETERS if entry.op else "")
+                + (" Under saved-tensor hooks (torch.utils.checkpoint, whose saved tensors "
+                   "are read once) only shape ops are crossed: move the other ops on the "
+                   "output out of the checkpointed segment." if graph.views_only else ""))))
     yield from _fed(deferred, [c for c in live if c.via_consumers], graph, B, exact)
 
 
@@ -408,7 +411,8 @@ def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
         return None
     if not autograd_node_shapes_known(graph.root):
         return None
-    chained = consumers_through_views(graph, found, SHARED_ALONG)
+    chained = consumers_through_views(graph, found,
+                                      UNSAVED_ALONG if graph.views_only else SHARED_ALONG)
     if not chained:
         return None
     out: Consumers = []
