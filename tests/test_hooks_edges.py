@@ -2341,6 +2341,51 @@ def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> Non
         be.detach()
 
 
+@pytest.mark.parametrize("write", ["q[0, 1, 2] = 5", "q.mul_(2)"])
+def test_a_tensor_made_of_a_parameter_written_in_place_is_refused(write: str) -> None:
+    """The op-level capture follows a layer's weight used outside it through views and ops
+    of it alone (``table.weight.unsqueeze(0) * 1.0``, viewed per head) to the op taking it
+    (a matmul). A write into one of those tensors (``q[0, 1, 2] = 5``) was not seen: the
+    steps followed no longer made that tensor, and from the first step with the write the
+    weight's records were 0.25-1.1 off (the overwritten entries' gradients not zero), which
+    the spot check's few entries missed. A tensor written since it was made is no longer
+    followed: the weight's gradient then refuses the backward, naming the write."""
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.table, self.key = nn.Embedding(6, 4), nn.Linear(4, 4)
+            self.edit = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            k = self.key(x).view(x.shape[0], 2, 2, 2).transpose(1, 2)  # (B, 2, 2, 2)
+            q = (self.table.weight.unsqueeze(0) * 1.0).view(1, 6, 2, 2).permute(0, 2, 1, 3)
+            if self.edit and write == "q.mul_(2)":
+                q.mul_(2)
+            elif self.edit:
+                q[0, 1, 2] = 5.0
+            return torch.matmul(k, q.transpose(-1, -2)).flatten(1)
+
+    model = Table().double()
+    x = torch.randn(3, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        model.zero_grad(set_to_none=True)
+        losses = squares(model(x))
+        be.backward(losses, be.reduce_batch(losses))
+        model.edit = True
+        model.zero_grad(set_to_none=True)
+        losses = squares(model(x))
+        with pytest.raises(GradlogError, match="written in place"):
+            be.backward(losses, be.reduce_batch(losses))
+    finally:
+        be.detach()
+
+
 def test_a_shared_projection_changed_in_place_by_a_parameter_is_refused() -> None:
     """The in-place op takes a second input with a gradient: not crossed, refused."""
     model = _SharedProjection("mul_ by a parameter", False).double()

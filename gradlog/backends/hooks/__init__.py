@@ -365,7 +365,7 @@ class HooksBackend(Backend):
             results = self._results
             materials = results.merge_materials()
             checks.check_coverage(self.params, self._got_grad, results.covered, self._entries,
-                                  self._ops is None or self._ops.watching)
+                                  self._ops)
             self._spot.check({**results.acc, **materials}, self.low_precision, 1 / self._scale)
             if not self.defer_checks:
                 self.settle()

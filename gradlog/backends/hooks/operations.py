@@ -53,6 +53,7 @@ from gradlog._torch_private import (
     forked_rng,
     gradient_accumulator,
     rng_states,
+    tensor_version,
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
@@ -170,9 +171,12 @@ class OpCapture(TorchFunctionMode):
         self.entries: dict[Any, Entry] = {}  # one per op, layout and parameters: reused
         self.deferred: dict[int, int] = {}  # parameter id -> running calls of containers
         # taking it op by op (.containers): uses there do not make every forward watched
-        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse]] = {
-            id(p): (weakref.ref(p), ParamUse(n, p)) for n, p in params.items()
+        # id -> (the tensor, its use, its version when made: None for a parameter, which an
+        # optimizer changes in place between forwards)
+        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse, int | None]] = {
+            id(p): (weakref.ref(p), ParamUse(n, p), None) for n, p in params.items()
         }
+        self.written: set[str] = set()  # parameters whose followed tensors were written in place
 
     # -- pushed around the root module's forward ---------------------------------------------
     def enter(self, *_: Any) -> None:
@@ -196,7 +200,7 @@ class OpCapture(TorchFunctionMode):
                     "outside the compiled function. Nothing of this forward was recorded."
                 ) from None
             self.watching = self.always or self.rescan or self.scans < SCANS or not self.grad
-            self.free = 0
+            self.free, self.written = 0, set()
             if self.watching:
                 self.__enter__()
         self.depth += 1
@@ -314,17 +318,27 @@ class OpCapture(TorchFunctionMode):
 
     def _tracked(self, t: Any) -> bool:
         hit = self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return hit is not None and hit[0]() is t
+        if hit is None or (held := hit[0]()) is None or held is not t:
+            return False
+        return hit[2] in (None, tensor_version(held))
 
     def _uses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, ParamUse]:
-        """The tracked tensors among the arguments (one level of lists: ``torch.cat``)."""
+        """The tracked tensors among the arguments (one level of lists: ``torch.cat``). One
+        written in place since it was made (``q[0] = 5`` on a view of ``W * 1.0``) is no
+        longer the function of its parameter its steps say: not a use (the parameter's
+        gradient then refuses the backward, :func:`.checks.check_coverage`)."""
         found: dict[int, ParamUse] = {}
         tracked = self.tracked
         for a in (*args, *kwargs.values()):
             for t in (a if type(a) in (list, tuple) else (a,)):
                 hit = tracked.get(id(t))
-                if hit is not None and hit[0]() is t:
+                held = hit[0]() if hit is not None else None
+                if hit is None or held is None or held is not t:
+                    continue
+                if hit[2] in (None, tensor_version(held)):
                     found[id(t)] = hit[1]
+                else:
+                    self.written.add(hit[1].name)
         return found
 
     def _track(self, view: torch.Tensor, use: ParamUse) -> None:
@@ -335,7 +349,7 @@ class OpCapture(TorchFunctionMode):
             if entry is not None and entry[0]() is None:
                 del self.tracked[key]
 
-        self.tracked[key] = (weakref.ref(view, drop), use)
+        self.tracked[key] = (weakref.ref(view, drop), use, tensor_version(view))
 
     def _entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                uses: dict[int, ParamUse]) -> Entry:
