@@ -2341,15 +2341,18 @@ def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> Non
         be.detach()
 
 
+@pytest.mark.parametrize("called", [False, True])
 @pytest.mark.parametrize("write", ["q[0, 1, 2] = 5", "q.mul_(2)"])
-def test_a_tensor_made_of_a_parameter_written_in_place_is_refused(write: str) -> None:
+def test_a_tensor_made_of_a_parameter_written_in_place_is_refused(write: str,
+                                                                  called: bool) -> None:
     """The op-level capture follows a layer's weight used outside it through views and ops
     of it alone (``table.weight.unsqueeze(0) * 1.0``, viewed per head) to the op taking it
     (a matmul). A write into one of those tensors (``q[0, 1, 2] = 5``) was not seen: the
     steps followed no longer made that tensor, and from the first step with the write the
     weight's records were 0.25-1.1 off (the overwritten entries' gradients not zero), which
     the spot check's few entries missed. A tensor written since it was made is no longer
-    followed: the weight's gradient then refuses the backward, naming the write."""
+    followed: the weight's gradient then refuses the backward, naming the write, also when
+    the layer itself is called too (``called``: a tied table, its other use covered)."""
 
     class Table(nn.Module):
         def __init__(self) -> None:
@@ -2366,7 +2369,9 @@ def test_a_tensor_made_of_a_parameter_written_in_place_is_refused(write: str) ->
                 q.mul_(2)
             elif self.edit:
                 q[0, 1, 2] = 5.0
-            return torch.matmul(k, q.transpose(-1, -2)).flatten(1)
+            out = torch.matmul(k, q.transpose(-1, -2)).flatten(1)
+            return out + self.table(torch.arange(x.shape[0]) % 6).sum(1, keepdim=True) if (
+                called) else out
 
     model = Table().double()
     x = torch.randn(3, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))

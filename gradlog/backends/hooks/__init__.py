@@ -333,7 +333,7 @@ class HooksBackend(Backend):
         self.settle()  # the last backward's, if its caller did not settle it
         B = int(losses.shape[0])
         survey = graph.GraphSurvey(batch_loss.grad_fn,  # one walk: _reset's and the routing's
-                                   views_only=self._saved_tensor_hooks != "none")
+                                   self._saved_tensor_hooks)
         self._reset(B, survey)
         # after _reset's walk, before the forward's state is dropped (finally): a retry
         self.settle_loss_checks(self._ops.undo if self._ops else None)

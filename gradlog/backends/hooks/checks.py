@@ -512,19 +512,19 @@ def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
                    entries_: Sequence[Entry], ops: Any = None) -> None:
     """Refuse parameters that received a gradient though no hooked call used them
     (``ops``: the op-level capture, :class:`.operations.OpCapture`, or None)."""
-    missed = [n for n in params if n in got_grad and n not in covered]
-    if not missed:
-        return
-    owners = {n: [e.label for e in entries_ if n in e.names.values()] for n in missed}
-    watched = ops is None or ops.watching
-    written = sorted(set(missed) & (ops.written if ops is not None else set()))
-    if written:
+    written = sorted(set(got_grad) & (ops.written if ops is not None else set()))
+    if written:  # (its other uses may be covered: a tied head; the spot check misses a row)
         raise BackendError(
             f"parameter(s) {written}: a tensor made from them in the model's forward (a view, "
             "or an op of them alone, such as W.unsqueeze(0) * c) was written in place before "
             "its use (q[0] = 5, q.mul_(...)), so it is no longer the function of them gradlog "
             "follows. Make that write out of place (torch.where, index_put without _), or use "
             "backend='loop'. p.grad is complete.")
+    missed = [n for n in params if n in got_grad and n not in covered]
+    if not missed:
+        return
+    owners = {n: [e.label for e in entries_ if n in e.names.values()] for n in missed}
+    watched = ops is None or ops.watching
     raise BackendError(
         f"parameter(s) {missed} received a gradient, but no hooked module call used them "
         f"(owners: {owners}) and no op of the model's forward took them: they were used "

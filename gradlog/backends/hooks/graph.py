@@ -193,9 +193,10 @@ class GraphSurvey:
     readers' separate walks were one too many. The walk is made at the first question;
     a question about other accumulators than the walk counted walks again."""
 
-    def __init__(self, root: Any, views_only: bool = False) -> None:
+    def __init__(self, root: Any, hooks: str = "none") -> None:
         self.root = root
-        self.views_only = views_only  # saved-tensor hooks were in force: see UNSAVED_ALONG
+        self.hooks = hooks  # the forward's saved-tensor hooks (datum_check.HOOK_KINDS)
+        self.views_only = hooks != "none"  # see UNSAVED_ALONG
         self._parents: dict[int, list[tuple[Any, int]]] | None = None
         self._held: list[Any] = []
         self._walked = False
@@ -232,6 +233,9 @@ class GraphSurvey:
         order (:func:`.reorder.reordered`): only a datum check sees what that does."""
         if not self._walked:
             self._walk(self._accumulators or {})
+        if self.hooks == "selective":  # (a saved index read uses up its cache: not read)
+            return B > 1 and any(reorder.carries(n) and not _inside_a_call(n, self._outputs)
+                                 for n in self._moving)
         packed = [t for _, call in self._outputs for a in (call.args or ())
                   if isinstance(a, PackedSequence)
                   for t in (a.sorted_indices, a.unsorted_indices) if t is not None]

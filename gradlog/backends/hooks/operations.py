@@ -337,7 +337,7 @@ class OpCapture(TorchFunctionMode):
                     continue
                 if hit[2] in (None, tensor_version(held)):
                     found[id(t)] = hit[1]
-                else:
+                elif not self.inside.get(id(hit[1].param)):  # (inside: its module's rule's)
                     self.written.add(hit[1].name)
         return found
 

@@ -31,7 +31,7 @@ from gradlog._torch_private import (
     autograd_node_shapes_known,
 )
 
-__all__ = ["MOVING", "reordered"]
+__all__ = ["MOVING", "carries", "reordered"]
 
 MOVING = frozenset({
     "IndexBackward0", "IndexSelectBackward0", "GatherBackward0", "SortBackward0",
@@ -64,10 +64,16 @@ def _packing(node: Any, packed: Sequence[torch.Tensor]) -> bool:
         for t in packed)
 
 
+def carries(node: Any) -> bool:
+    """Whether ``node`` takes something carrying a gradient other than parameters (a
+    table's rows taken are no move of the batch's)."""
+    inputs = [type(child).__name__ for child, _ in node.next_functions if child is not None]
+    return bool(inputs) and not all(k == "AccumulateGrad" for k in inputs)
+
+
 def _moves(node: Any, takers: Sequence[str], B: int) -> bool:
     kind = type(node).__name__
-    inputs = [type(child).__name__ for child, _ in node.next_functions if child is not None]
-    if not inputs or all(k == "AccumulateGrad" for k in inputs):
+    if not carries(node):
         return False  # (a table's rows; nothing carrying a gradient)
     # (torch < 2.6, no shapes: dimension 0 taken for the batch's, the index ops read as if
     # every dimension had its size)
