@@ -2300,6 +2300,45 @@ def test_a_shared_projection_inside_a_checkpoint_records_or_is_refused(how: str)
         per_datum(model, losses, "hooks")
 
 
+def test_selective_checkpointing_beside_a_gather_is_refused_not_broken() -> None:
+    """Under selective activation checkpointing, reading a ``gather``'s saved index before
+    the backward (does it reorder the batch?) used up the checkpoint's cache: the batch's
+    own backward then failed in torch. The index is not read there: the op counts as a
+    move, and the backward is refused (the datum check cannot run), before it starts."""
+    import functools
+
+    from torch.utils import checkpoint as ckpt
+
+    if not hasattr(ckpt, "create_selective_checkpoint_contexts"):
+        pytest.skip("no selective activation checkpointing in this torch")
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return (ckpt.CheckpointPolicy.MUST_SAVE if op in saved
+                else ckpt.CheckpointPolicy.PREFER_RECOMPUTE)
+
+    class Gathered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.lin = nn.Linear(4, 6)
+
+        def block(self, x: torch.Tensor) -> torch.Tensor:
+            n, T = x.shape[0], x.shape[1]
+            index = (torch.arange(T)[:, None] + torch.arange(3)[None, :]).expand(n, T, 3)
+            return torch.gather(self.lin(x), -1, index)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            context = functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+            return ckpt.checkpoint(self.block, x, use_reentrant=False, context_fn=context)
+
+    model = Gathered().double()
+    x = torch.randn(3, 2, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(GradlogError):
+        per_datum(model, lambda: squares(model(x)), "hooks")
+
+
 def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> None:
     """A shared relative table of ``2T - 1`` rows, projected and broadcast over the batch:
     at T 3 it is 5 rows (records right, the datum check ran), at T 2 it is 3 rows, the

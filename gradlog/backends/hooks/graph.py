@@ -24,6 +24,7 @@ from gradlog._torch_private import (
     autograd_node_repeats,
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
+    autograd_node_shapes_known,
     view_base,
 )
 from gradlog._tree import flatten
@@ -235,6 +236,8 @@ class GraphSurvey:
             self._walk(self._accumulators or {})
         if self.hooks == "selective":  # (a saved index read uses up its cache: not read)
             return B > 1 and any(reorder.carries(n) and not _inside_a_call(n, self._outputs)
+                                 and (not autograd_node_shapes_known(n)
+                                      or B in autograd_node_output_shape(n))
                                  for n in self._moving)
         packed = [t for _, call in self._outputs for a in (call.args or ())
                   if isinstance(a, PackedSequence)
