@@ -7,9 +7,8 @@ members of autograd nodes, hooks and views, the torch-function mode stack and
 module only. Each function says what it returns when the private API is missing; no fallback
 is wrong, only less precise (a check that runs later, a buffer that is not reused).
 
-The global random-number state (CPU and CUDA generators) is read and restored here too:
-public API, but every layer that replays a computation (the datum check, chunked heads, the
-test zoo, a dropout's mask) needs the same capture and restore.
+The global RNG state (CPU and CUDA) is read and restored here too: public API, but every
+replay of a computation (the datum check, chunked heads, a dropout's mask) needs the same.
 
 Torch versions: CI runs 2.13, the suite also 2.4.1 and 2.6.0 (README). torch 2.4 frees an
 autograd node's Python object no one holds and reuses its id: walks hold the nodes they key.
@@ -200,19 +199,20 @@ def torch_function_mode_paused(mode: Any) -> Iterator[None]:
 
 
 def forward_hooks_first(module: torch.nn.Module) -> tuple[list[Any], tuple[Any, ...]]:
-    """The forward hooks before ``module``'s marked ``gradlog_first`` 2 (the hooks backend's
-    capture), and the global ones (run before all); then that hook is put right after the
-    last marked 1 (``gradlog.sparse``'s, re-rooting the output), the others kept in order.
-    Private API: ``Module._forward_hooks``, ``torch.nn.modules.module._global_forward_hooks``."""
-    hooks = module._forward_hooks
+    """The forward hooks before ``module``'s marked ``gradlog_first`` 2 (the capture), and the
+    global ones; then that hook is put right after the last marked 1 (``gradlog.sparse``'s),
+    the others kept in order. Private API: ``Module._forward_hooks``, ``_global_forward_hooks``."""
+    hooks, above = module._forward_hooks, torch.nn.modules.module._global_forward_hooks
+    if len(hooks) == 1 and not above:  # (the usual case: the capture alone)
+        return ([] if getattr(next(iter(hooks.values())), "gradlog_first", 0) == 2
+                else list(hooks.values())), ()
     items, ranks = list(hooks.items()), [getattr(h, "gradlog_first", 0) for h in hooks.values()]
     at = ranks.index(2) if 2 in ranks else len(ranks)  # (none: nothing moves)
     rest = items[:at] + items[at + 1 :]
     last = max((i + 1 for i, r in enumerate(ranks[:at] + ranks[at + 1 :]) if r == 1), default=0)
     for key, _ in rest[:last] + items[at : at + 1] + rest[last:] if last != at < len(ranks) else ():
         hooks[key] = hooks.pop(key)  # (re-inserted in the order wanted)
-    return [h for _, h in items[:at]], tuple(
-        getattr(torch.nn.modules.module, "_global_forward_hooks", {}).values())
+    return [h for _, h in items[:at]], tuple(above.values())
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

@@ -17,9 +17,8 @@ The captured output gradient is that of ``sum_b w_b losses[b]`` (``w_b = 1/B`` f
 batch loss), so rules multiply by ``1 / w_b``; a module called several times contributes
 once per call. Errors inside the backward are raised after it (``p.grad`` complete).
 
-``batch_grad="sum"``. Recorded ``nn.Linear``/``Conv1D`` layers then take their weight
-gradient from the sum of their per-datum gradients instead of autograd's own matmul
-(:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding, one matmul less per layer.
+``batch_grad="sum"``: recorded Linear/Conv1D weights' gradient is their records' sum, not
+autograd's matmul (:mod:`gradlog.backends.fused`): ``p.grad`` to float rounding.
 
 Only modules owning recorded parameters are hooked. Autocast: :attr:`low_precision`.
 
@@ -291,7 +290,8 @@ class HooksBackend(Backend):
             if link is not None:  # FusedLinear.backward hands it over: no tensor hook needed
                 link.on_grad = functools.partial(self._on_fused_grad, call, i)
             else:
-                target = hook_target(t, call.versions) if i == call.primary else t
+                target = hook_target(t, call.versions) if i == call.primary and (
+                    entry.hook_base or t.shape[:1] == (1,)) else t  # (see Call.mark_base)
                 if target is not t:  # (noted: an in-place op on t drops t's node from the graph)
                     call.mark_base(target, (t.shape, t.stride(),
                                             int(t.storage_offset() - target.storage_offset())))

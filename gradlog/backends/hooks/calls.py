@@ -176,16 +176,19 @@ class Call:
     def mark_base(self, base: torch.Tensor,
                   geometry: tuple[torch.Size, tuple[int, ...], int]) -> None:
         """The primary output is a view of ``base`` (hooked there: ``graph.hook_target``) with
-        ``geometry`` (size, stride, offset in it): note this call in the base's node
-        (:data:`BASE`), where the graph walk finds an in-place op on the view, which drops
-        the view's own node from the graph (``GraphSurvey.consumers``)."""
+        ``geometry`` (size, stride, offset in it): where its size is 1 first (it may be shared
+        by the batch), note this call in the base's node (:data:`BASE`), where the graph walk
+        finds an in-place op on the view, which drops the view's own node from the graph
+        (``GraphSurvey.consumers``)."""
+        self.geometry = geometry
+        if geometry[0][:1] != (1,):  # (a batch's own output: not shared, no walk needs it)
+            return
         metadata = cast(dict[str, Any], cast(Any, base.grad_fn).metadata)  # (hook_target: a node)
         marks = metadata.get(BASE)
         if marks is None:
             marks = metadata[BASE] = _Tags()
         marks.append((base.output_nr, self))
         self.marked.append(weakref.ref(marks))
-        self.geometry = geometry
 
     def untag(self) -> None:
         """Take this call's note out of its ``grad_fn.metadata``, after its backward: the
