@@ -759,13 +759,14 @@ def test_peft_lora_adapters(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_recording_one_of_24_layers_costs_a_tenth_of_recording_all() -> None:
     """Peak RSS of SGD steps recorded into a store, each run in fresh processes (the
-    benchmark's child; the median of three, as peaks vary from process to process): extra of
-    recording = recorded run's peak - plain run's peak."""
+    benchmark's child; the median of five, as peaks vary from process to process by +-15 MB,
+    against a margin of ~20 MB since the CPU's exact norms keep an 8 MiB block buffer):
+    extra of recording = recorded run's peak - plain run's peak."""
     bench = Path(__file__).parent / "benchmarks" / "bench_memory.py"
     peak = {}
     for name in ("plain", "1 of 24", "24 of 24"):
         trials = []
-        for _ in range(3):
+        for _ in range(5):
             done = subprocess.run(
                 [sys.executable, str(bench), "--child", f"layers:{name}", "--mem-reps", "2"],
                 capture_output=True,
@@ -773,6 +774,6 @@ def test_recording_one_of_24_layers_costs_a_tenth_of_recording_all() -> None:
                 check=True,
             )
             trials.append(json.loads(done.stdout.strip().splitlines()[-1])["extra"])
-        peak[name] = sorted(trials)[1]
+        peak[name] = sorted(trials)[2]
     one, every = peak["1 of 24"] - peak["plain"], peak["24 of 24"] - peak["plain"]
     assert every > 0 and one <= every / 10, peak
