@@ -2380,6 +2380,56 @@ def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> Non
         be.detach()
 
 
+def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
+    """A T5-style relative bias (a table of buckets by head on a (T, T) index, broadcast over
+    the batch) at T == B is a layout shapes cannot settle, checked at its first step. There
+    a mask kept one key per datum: the table's gradients were zero for every datum, the
+    check compared zeros with zeros, passed, and marked the layout verified; the next step
+    (same shapes, no mask) recorded the table 0.72 off, unchecked. A layout is verified
+    only by a check that compared a gradient of its parameters that is not zero."""
+
+    class RelBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self.inp, self.qk = nn.Linear(3, 6), nn.Linear(6, 12)
+                self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            n, T = x.shape[0], x.shape[1]
+            h = self.inp(x)
+            q, k = self.qk(h).view(n, T, 2, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
+            idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
+            s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
+            if mask is not None:
+                s = s.masked_fill(~mask[:, None, None, :], -1e9)
+            a = torch.softmax(s, -1).sum(1)  # (n, T, T)
+            return self.head(torch.tanh(h + a @ h))
+
+    model = RelBias().double()
+    gen = torch.Generator().manual_seed(5)
+    one_key = torch.arange(3)[None, :] < torch.ones(3, 1, dtype=torch.long)  # (3, 3)
+    steps = [(torch.randn(4, 5, 3, dtype=D64, generator=gen), None),
+             (torch.randn(3, 3, 3, dtype=D64, generator=gen), one_key),
+             (torch.randn(3, 3, 3, dtype=D64, generator=gen), None)]
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        for step, (x, mask) in enumerate(steps):
+            model.zero_grad(set_to_none=True)
+            losses = squares(model(x, mask))
+            if step < 2:
+                got = be.backward(losses, be.reduce_batch(losses))["rel.weight"]
+                assert (got.abs().max() == 0) == (step == 1)  # (step 1: zeros alone)
+                continue
+            with pytest.raises(GradlogError, match="differ from the datums' own"):
+                be.backward(losses, be.reduce_batch(losses))
+    finally:
+        be.detach()
+
+
 @pytest.mark.parametrize("called", [False, True])
 @pytest.mark.parametrize("write", ["q[0, 1, 2] = 5", "q.mul_(2)"])
 def test_a_tensor_made_of_a_parameter_written_in_place_is_refused(write: str,

@@ -130,7 +130,7 @@ class HooksBackend(Backend):
         self._spot_rng = torch.Generator().manual_seed(0)  # never the global RNG: training's
         self._spot = checks.SpotCheck(self.params, self._spot_rng)
         self._pool = BufferPool()
-        self._datum_checked: set[datum_check.Layout] = set()  # layouts checked
+        self._layouts = datum_check.DatumLayouts()  # those the datum check verified
         self._rows = RowLayouts()
         self._probing = False  # inside the datum check's backward (_datum_probe)
         self._autocast: set[torch.dtype] = set()  # autocast dtypes the forward's calls ran in
@@ -385,7 +385,7 @@ class HooksBackend(Backend):
                                         required=bool(self._rows.pending or self._rows.reordered),
                                         loss_scaled=self.seed_scale != 1,
                                         rerun=self._spot.rerun, own=self._rows.own)
-                self._rows.passed()
+            self._rows.passed(self._layouts.passed(datum))
             return out
         finally:
             for call in self._touched:  # (untagged only now: layouts read earlier calls' tags)
@@ -400,15 +400,15 @@ class HooksBackend(Backend):
             self._ops.checked()
 
     def _wants_datum_check(self, B: int, survey: graph.GraphSurvey) -> bool:
-        """:func:`datum_check.wants_datum_check`, or a self-checked batch, or a new flattened
+        """:meth:`datum_check.DatumLayouts.wants`, or a self-checked batch, or a new flattened
         layout (:class:`.rows.RowLayouts`); never for B 1 (nor where
         :func:`datum_check.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B, survey)
         if B < 2 or not datum_check.datum_check_possible(self.model):
             return False
-        return datum_check.wants_datum_check(calls, B, self._datum_checked, self.model,
-                                             self.params, self.datum_check_due or rows)
+        return self._layouts.wants(calls, B, self.model, self.params,
+                                   self.datum_check_due or rows)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:

@@ -4,7 +4,7 @@ weighted by random ``v_b`` against ``autograd.grad`` of ``sum_b v_b losses[b]``.
 A wrong split between datums (two datums' gradients swapped, a share moved, a loss that
 couples the datums) still sums to ``p.grad`` and passes the spot check
 (:class:`.checks.SpotCheck`); the weighted sum sees it. When it runs
-(:func:`wants_datum_check`, :func:`datum_check_possible`), on which backward
+(:class:`DatumLayouts`, :func:`datum_check_possible`), on which backward
 (:func:`datum_check_mode`), what it compares (:func:`sample_entries`, :func:`check_datum`).
 """
 
@@ -33,13 +33,13 @@ from gradlog.grads import entries
 
 __all__ = [
     "HOOK_KINDS",
+    "DatumLayouts",
     "Layout",
     "check_datum",
     "datum_check_mode",
     "datum_check_possible",
     "probe",
     "sample_entries",
-    "wants_datum_check",
 ]
 
 _DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
@@ -49,33 +49,61 @@ log = logging.getLogger("gradlog")
 Layout = tuple[str, int, tuple[int, ...]]  # (module, calls of it, dims of size B): checked
 
 
-def wants_datum_check(calls: Sequence[Call], B: int, checked: set[Layout],
-                      model: nn.Module, params: Mapping[str, nn.Parameter],
-                      due: bool = False) -> bool:
-    """Check the datums (:func:`check_datum`) on the first backward, and again at each
-    batch size not checked yet (a short last batch) and whenever a forward has a layout
-    not checked yet that shapes alone cannot settle: a layer output with several leading
-    dimensions of size B (a sequence-first tensor whose length equals the batch size) or
-    one after the first (sequence-first; or a shared table as long as the batch, read as
-    batched: its records were then wrong from a later step on, unchecked), or a module
-    called more than once (reuse, or once per datum by hand). A wrong split
-    between datums still sums to ``p.grad``; the weighted check sees it. ``checked``
-    (the layouts checked so far) is updated. ``due``: the recorder self-checks this batch
-    (``check_every``): check a datum too, so a loss that starts coupling data is caught."""
-    uses: dict[int, int] = {}
-    for c in calls:
-        uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
-    unsure: set[Layout] = {("<batch size>", B, ())}
-    for c in calls:
-        shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
-        lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
-        at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
-        if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
-            unsure.add((c.entry.name, uses[id(c.entry)], at if at != (0,) else ()))
-    if checked and unsure <= checked and not due:
-        return False
-    checked |= unsure | {("", 0, ())}
-    return not foreign_backward_hooks(model, params)
+class DatumLayouts:
+    """The forward layouts the datum check (:func:`check_datum`) has verified, and whether
+    a backward needs one.
+
+    The check runs on the first backward, again at each batch size not checked yet (a short
+    last batch), and whenever a forward has a layout not checked yet that shapes alone
+    cannot settle: a layer output with several leading dimensions of size B (a
+    sequence-first tensor whose length equals the batch size) or one after the first
+    (sequence-first; or a shared table as long as the batch, read as batched: its records
+    were then wrong from a later step on, unchecked), or a module called more than once
+    (reuse, or once per datum by hand). A wrong split between datums still sums to
+    ``p.grad``; the weighted check sees it. A layout counts as verified only once a check
+    compared a gradient of its parameters that is not zero (:meth:`passed`): a step where
+    they get none (a mask keeping one key) compares zeros with zeros and proves nothing
+    (it verified a shared table whose next step was then 0.72 off)."""
+
+    def __init__(self) -> None:
+        self.checked: set[Layout] = set()
+        self._pending: dict[Layout, frozenset[str]] = {}  # this backward's: their params
+
+    def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
+              params: Mapping[str, nn.Parameter], due: bool = False) -> bool:
+        """Whether this backward needs a check. ``due``: the recorder self-checks this
+        batch (``check_every``): check a datum too, so a loss that starts coupling data is
+        caught."""
+        uses: dict[int, int] = {}
+        for c in calls:
+            uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
+        every = frozenset(params)
+        unsure: dict[Layout, frozenset[str]] = {("<batch size>", B, ()): every}
+        for c in calls:
+            shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
+            lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
+            at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
+            if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
+                key = (c.entry.name, uses[id(c.entry)], at if at != (0,) else ())
+                unsure[key] = frozenset(c.entry.names.values())
+        self._pending = {}
+        if self.checked and unsure.keys() <= self.checked and not due:
+            return False
+        self._pending = {**unsure, ("", 0, ()): every}
+        return not foreign_backward_hooks(model, params)
+
+    def passed(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]] | None
+               ) -> frozenset[str] | None:
+        """This backward's layouts are verified: those with a parameter whose gradient
+        the passed check compared is not zero (the names returned), or all of them where no
+        check could run (``datum`` None: none will)."""
+        informative = None if datum is None else frozenset(
+            name for name, (_, theirs) in datum[1].items()
+            if theirs is not None and bool(theirs.any()))
+        self.checked |= {layout for layout, names in self._pending.items()
+                         if informative is None or names & informative}
+        self._pending = {}
+        return informative
 
 
 def foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:

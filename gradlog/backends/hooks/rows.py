@@ -294,6 +294,7 @@ class RowLayouts:
         self.verified: set[tuple[str, tuple[int, ...]]] = set()
         self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
         self.own: frozenset[str] = frozenset()
+        self._names: dict[str, frozenset[str]] = {}  # layer -> its recorded parameters
         self.reordered = False  # this backward's batch reordered in the forward: checked
 
     def note(self, calls: Iterable[Call], B: int, graph: GraphSurvey) -> bool:
@@ -308,6 +309,7 @@ class RowLayouts:
             else (c.entry.name, (B, c.datum_rows)) for c in calls
             if (c.chunk is not None and c.chunk.flattened) or c.datum_rows} - self.verified
         self.own = frozenset(n for c in calls if c.copied for n in c.entry.names.values())
+        self._names = {c.entry.name: frozenset(c.entry.names.values()) for c in calls}
         return bool(self.pending) or self.reordered
 
     def require(self, checked: bool) -> None:
@@ -338,8 +340,12 @@ class RowLayouts:
                 "its own dimension ((B, T, d) into the layer; a shared output added to "
                 "batched data), run one step without those, or use backend='loop'.")
 
-    def passed(self) -> None:
-        self.verified |= self.pending
+    def passed(self, informative: frozenset[str] | None) -> None:
+        """The datum check passed: verified are the pending layouts with a parameter in
+        ``informative`` (whose gradient it compared was not zero: see
+        :meth:`.datum_check.DatumLayouts.passed`); the others stay pending."""
+        self.verified |= {key for key in self.pending
+                          if informative is None or self._names[key[0]] & informative}
         self.pending, self.reordered = set(), False
 
 
