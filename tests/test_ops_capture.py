@@ -339,3 +339,56 @@ def test_the_recorder_names_the_ops_it_captured(tmp_path: Path) -> None:
     assert rules is not None and any("op:matmul" in op for op in rules["ops"])
     assert {m["module"] for m in rules["modules"]} == {"wte", "mix"}
     assert gradlog.open(tmp_path / "r.gradlog").attrs["backend"]["ops"] == []
+
+
+# -- tensors made of parameters before the forward ------------------------------------------
+class KeptBeforeForward(nn.Module):
+    """A view of the embedding table made in ``__init__`` and kept on the module (a cached
+    slice of positions, a transposed head, views in a list), used in the forward beside the
+    table's own call and a tied head: op capture followed only tensors the forward made, and
+    the table's records were 1.0 off, unchecked (its covered uses passed the coverage check,
+    the spot and datum checks' few entries missed the sliced rows)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.emb, self.lin = nn.Embedding(500, 8, dtype=D64), nn.Linear(8, 8, dtype=D64)
+        self.how = how  # (float64 from the start: .double() would leave the views behind)
+        w = self.emb.weight
+        if how == "slice":
+            self.pos = w[:16]
+        elif how == "transposed":
+            self.head = w.t()
+        elif how == "list":
+            self.parts = [w[:8], w[8:16:2]]
+        elif how == "made":
+            self.pos = w[:16] * 2.0  # (not a view: its value from __init__)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        x = self.emb(ids)
+        if self.how in ("slice", "made"):
+            x = x + self.pos[:T]
+        elif self.how == "list":
+            x = x + self.parts[0][:T] + self.parts[1][:T]
+        h = torch.tanh(self.lin(x))
+        return h @ self.head if self.how == "transposed" else F.linear(h, self.emb.weight)
+
+
+@pytest.mark.parametrize("how", ["slice", "transposed", "list"])
+def test_a_view_of_a_parameter_kept_from_before_the_forward_is_followed(how: str) -> None:
+    model = KeptBeforeForward(how)
+    gen = torch.Generator().manual_seed(3)
+    for T in (4, 3):  # (the table updated in place between steps, as an optimizer does)
+        ids = torch.randint(0, 500, (3, T), generator=gen)
+        assert_like_loop(model, lambda ids=ids: (model(ids) ** 2).sum((1, 2)))
+        with torch.no_grad():
+            model.emb.weight.mul_(0.9)
+
+
+def test_a_tensor_made_of_a_parameter_before_the_forward_is_refused() -> None:
+    model = KeptBeforeForward("made")
+    ids = torch.randint(0, 500, (3, 4), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(BackendError, match=r"made from them before it ran"):
+        per_datum(model, lambda: (model(ids) ** 2).sum((1, 2)), "hooks", "mean")

@@ -173,10 +173,12 @@ class OpCapture(TorchFunctionMode):
         # taking it op by op (.containers): uses there do not make every forward watched
         # id -> (the tensor, its use, its version when made: None for a parameter, which an
         # optimizer changes in place between forwards)
-        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse, int | None]] = {
+        self.tracked: dict[int, tuple[weakref.ref[torch.Tensor], ParamUse, int | str | None]] = {
             id(p): (weakref.ref(p), ParamUse(n, p), None) for n, p in params.items()
         }
         self.written: set[str] = set()  # parameters whose followed tensors were written in place
+        self.stale: set[str] = set()  # parameters used through tensors kept from before
+        self._follow_attributes(model)
 
     # -- pushed around the root module's forward ---------------------------------------------
     def enter(self, *_: Any) -> None:
@@ -200,7 +202,7 @@ class OpCapture(TorchFunctionMode):
                     "outside the compiled function. Nothing of this forward was recorded."
                 ) from None
             self.watching = self.always or self.rescan or self.scans < SCANS or not self.grad
-            self.free, self.written = 0, set()
+            self.free, self.written, self.stale = 0, set(), set()
             if self.watching:
                 self.__enter__()
         self.depth += 1
@@ -338,10 +340,33 @@ class OpCapture(TorchFunctionMode):
                 if hit[2] in (None, tensor_version(held)):
                     found[id(t)] = hit[1]
                 elif not self.inside.get(id(hit[1].param)):  # (inside: its module's rule's)
-                    self.written.add(hit[1].name)
+                    (self.stale if hit[2] == _STALE else self.written).add(hit[1].name)
         return found
 
-    def _track(self, view: torch.Tensor, use: ParamUse) -> None:
+    def _follow_attributes(self, model: nn.Module) -> None:
+        """Tensors made of recorded parameters before the forward and kept on a module
+        (``self.pos = self.emb.weight[:16]`` in ``__init__``): ops of the forward take the
+        parameter through them as through a view made there, but only tensors the forward
+        made were followed (records 1.0 off, a tied table's other uses covered). A view is
+        followed from its parameter (``as_strided`` of its strides, exact for any view);
+        any other tensor made of one (``W * 2``) holds its value from then, no function of
+        the parameter that gradlog can follow: its use refuses the backward
+        (:func:`.checks.check_coverage`)."""
+        uses = {id(u.param): u for _, u, _ in self.tracked.values()}
+        for module in model.modules():
+            for t in _kept_tensors(vars(module).values()):
+                if isinstance(t, nn.Parameter) or t.grad_fn is None or id(t) in self.tracked:
+                    continue
+                use = uses.get(id(t._base)) if t._base is not None else None
+                if use is not None:
+                    step: Step = (torch.as_strided, (tuple(t.shape), tuple(t.stride()),
+                                               t.storage_offset()), {})
+                    self._track(t, ParamUse(use.name, use.param, (step,)), None)
+                elif (use := _made_of(t.grad_fn, uses)) is not None:
+                    self._track(t, use, _STALE)
+
+    def _track(self, view: torch.Tensor, use: ParamUse,
+               version: int | str | None = "now") -> None:
         key = id(view)
 
         def drop(_: Any, key: int = key) -> None:
@@ -349,7 +374,8 @@ class OpCapture(TorchFunctionMode):
             if entry is not None and entry[0]() is None:
                 del self.tracked[key]
 
-        self.tracked[key] = (weakref.ref(view, drop), use, tensor_version(view))
+        self.tracked[key] = (weakref.ref(view, drop), use,
+                             tensor_version(view) if version == "now" else version)
 
     def _entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                uses: dict[int, ParamUse]) -> Entry:
@@ -384,6 +410,39 @@ class _Accumulators:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Accumulators:
         return _Accumulators()
+
+
+_STALE = "stale"
+"""The version of a tracked tensor kept from before the forward that is no view of its
+parameter (:meth:`OpCapture._follow_attributes`): no use of it is followed."""
+
+
+def _kept_tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among a module's attributes, and in its lists, tuples and dicts."""
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif type(v) in (list, tuple, dict) or isinstance(v, dict):
+            found += [t for t in (v.values() if isinstance(v, dict) else v)
+                      if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _made_of(node: Any, uses: Mapping[int, ParamUse], limit: int = 256) -> ParamUse | None:
+    """The recorded parameter (by id, in ``uses``) whose gradient accumulator a graph from
+    ``node`` reaches within ``limit`` nodes, or None. (By the node's variable: a parameter
+    whose data was set since, ``model.double()``, has a new node, and the graph the old.)"""
+    todo, seen = [node], set[int]()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(getattr(node, "variable", None)) in uses:
+            return uses[id(node.variable)]
+        todo += [child for child, _ in node.next_functions]
+    return None
 
 
 def _steps_key(steps: tuple[Step, ...]) -> tuple[Any, ...]:
