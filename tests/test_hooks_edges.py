@@ -2615,6 +2615,63 @@ def test_a_global_forward_hook_is_named_once() -> None:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-12)
 
 
+class _Core(nn.Module):
+    """A layer gradlog re-runs per datum (no closed-form rule: an LSTM, an attention)
+    between two Linears."""
+
+    def __init__(self, core: nn.Module) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.out = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.core = core
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        y = (self.core(h, h, h) if isinstance(self.core, nn.MultiheadAttention)
+             else self.core(h))[0]
+        return self.out(torch.tanh(y))
+
+
+@pytest.mark.parametrize("hook", ["log", "edit output", "scale input"])
+@pytest.mark.parametrize("core", ["lstm", "attention"])
+def test_a_layer_re_run_per_datum_runs_without_the_users_hooks(core: str, hook: str) -> None:
+    """The re-run per datum of a layer without a rule called the layer, so the user's hooks
+    on it ran again inside gradlog's backward, on one datum's tensors: a logging hook ran 3
+    times a step, a hook editing the output by 1 + 1e-7 was differentiated with the layer
+    (records 1e-7 off, unchecked; by 1 + 1e-3, refused), and a pre-hook scaling the input
+    was applied twice (a pre-hook reading ``args[0]`` failed in MultiheadAttention's replay).
+    The capture saw the inputs after the pre-hooks and the output before later hooks: the
+    re-run replays ``forward`` alone."""
+    torch.manual_seed(0)
+    layer = (nn.LSTM(6, 6, batch_first=True) if core == "lstm"
+             else nn.MultiheadAttention(6, 2, batch_first=True))
+    model = _Core(layer).double()
+    x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    calls: list[tuple[int, ...]] = []
+
+    def log(module: nn.Module, args: Any, out: Any) -> None:
+        calls.append(tuple(out[0].shape))
+
+    def edit(module: nn.Module, args: Any, out: Any) -> Any:
+        return (out[0] * (1 + 1e-3), *out[1:])
+
+    def scale(module: nn.Module, args: Any) -> Any:
+        return (args[0] * 2, *args[1:])
+
+    if hook == "scale input":
+        model.core.register_forward_pre_hook(scale)
+    else:
+        model.core.register_forward_hook(log if hook == "log" else edit)
+    want = per_datum(model, lambda: squares(model(x)), "loop")
+    calls.clear()
+    got = per_datum(model, lambda: squares(model(x)), "hooks")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    assert calls == ([(3, 5, 6)] if hook == "log" else [])
+
+
 _REORDERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "flip": lambda h, p: h.flip(0),
     "roll": lambda h, p: h.roll(1, 0),

@@ -63,6 +63,7 @@ __all__ = [
     "dropout_rate",
     "force_eager",
     "forked_rng",
+    "forward_pre_hooks",
     "fsdp_reduces_grads",
     "global_module_backward_hooks_on",
     "in_autograd_backward",
@@ -229,6 +230,15 @@ def forward_hooks_first(module: torch.nn.Module) -> tuple[list[Any], tuple[Any, 
     for key, _ in rest[:last] + items[at : at + 1] + rest[last:] if last != at < len(ranks) else ():
         hooks[key] = hooks.pop(key)  # (re-inserted in the order wanted)
     return [h for _, h in items[:at]], tuple(above.values())
+
+
+def forward_pre_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]]:
+    """``module``'s forward pre-hooks in order, each with whether it takes keyword arguments.
+    Private API: ``Module._forward_pre_hooks``, ``_forward_pre_hooks_with_kwargs``.
+    Fallback: none (a re-run then misses a pruning mask: its records refused, not wrong)."""
+    hooks = getattr(module, "_forward_pre_hooks", None) or {}
+    with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", None) or {}
+    return [(hook, key in with_kwargs) for key, hook in hooks.items()]
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

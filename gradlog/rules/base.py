@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from gradlog._torch_private import forward_pre_hooks
+
 __all__ = [
     "RULES",
     "Capture",
@@ -34,6 +36,7 @@ __all__ = [
     "RuleResult",
     "attributes",
     "find_rule",
+    "forward_call",
     "one_feature_dim",
     "own_params",
     "parametrized_by",
@@ -150,6 +153,51 @@ def widen(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters a module holds directly (``recurse=False``), by attribute name."""
     return dict(module.named_parameters(recurse=False))
+
+
+class _Forward(nn.Module):
+    """``inner.forward`` alone, after torch's own pre-hooks that make a weight of parameters
+    (:func:`_reparametrizing`): the call :func:`forward_call` replays."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for hook, with_kwargs in forward_pre_hooks(self.inner):
+            if _reparametrizing(hook):  # (they return nothing)
+                hook(self.inner, args, kwargs) if with_kwargs else hook(self.inner, args)
+        return self.inner.forward(*args, **kwargs)
+
+
+def _reparametrizing(hook: Any) -> bool:
+    """A pre-hook of torch's that sets a weight made of parameters before each forward
+    (``prune``'s ``weight_orig * weight_mask``, the old ``weight_norm`` and
+    ``spectral_norm``): part of the module's function, so of its replay."""
+    from torch.nn.utils import prune
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return isinstance(hook, (prune.BasePruningMethod, WeightNorm, SpectralNorm))
+
+
+def forward_call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple[Any, ...],
+                 kwargs: dict[str, Any] | None = None) -> Any:
+    """``torch.func.functional_call`` of the module's ``forward``, without its own hooks:
+    its inputs were captured after its pre-hooks ran and its output before its other
+    forward hooks did (gradlog's capture runs first), so a replay through ``module(...)``
+    applied the user's pre-hooks twice and differentiated the user's hooks editing the
+    output (records 1e-7 off, unchecked, at a scale of 1 + 1e-7), and ran logging hooks
+    again on one datum's tensors. torch's own pre-hooks that make its weight run
+    (:func:`_reparametrizing`); its submodules' hooks are part of its function: they run.
+    """
+    if type(module).__call__ is not nn.Module.__call__:  # (a __call__ of its own)
+        return torch.func.functional_call(module, state, args, kwargs)
+    named = {f"inner.{k}": v for k, v in state.items()}
+    try:
+        return torch.func.functional_call(_Forward(module), named, args, kwargs)
+    finally:  # (functional_call writes a reassigned buffer back into the state it was given)
+        state.update((k, named[f"inner.{k}"]) for k in state)
 
 
 def attributes(*names: str) -> Callable[[nn.Module], dict[str, nn.Parameter]]:

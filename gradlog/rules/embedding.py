@@ -17,7 +17,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from gradlog.errors import BackendError
 from gradlog.grads import Rows
@@ -25,6 +24,7 @@ from gradlog.rules.base import (
     Capture,
     RuleResult,
     attributes,
+    forward_call,
     one_feature_dim,
     register_rule,
 )
@@ -101,7 +101,7 @@ def scaled_embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str])
 
     def theirs() -> torch.Tensor:
         ids, w = probe()
-        return torch.stack([functional_call(module, {"weight": w_}, (ids,)) for w_ in w])
+        return torch.stack([forward_call(module, {"weight": w_}, (ids,)) for w_ in w])
 
     def ours() -> tuple[torch.Tensor]:
         ids, w = probe()

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, Rule, RuleResult, widen
+from gradlog.rules.base import Capture, Rule, RuleResult, forward_call, widen
 from gradlog.rules.randomness import masks_of, replay, unreplayed
 
 __all__ = ["GENERIC", "LeafSpec", "active_randomness", "flatten", "func_grads", "generic"]
@@ -169,7 +169,7 @@ def func_grads(
         with replay(module, [m.unsqueeze(0) for m in xs[len(batched):]]) if masks else (
                 contextlib.nullcontext()):
             state = kept.state(fixed, p)
-            out = functional_call(module, state, tuple(a), kw)
+            out = forward_call(module, state, tuple(a), kw)
             kept.after(state)
         return flatten(out)[0]
 
@@ -225,7 +225,7 @@ def func_grads(
                 with replay(module, [widen(m, wide) for m in masks]) if masks else (
                         contextlib.nullcontext()):
                     state = kept.state(fixed, p)
-                    out = flatten(functional_call(module, state, tuple(a), kw))[0]
+                    out = flatten(forward_call(module, state, tuple(a), kw))[0]
                     kept.after(state)
                     return out
 

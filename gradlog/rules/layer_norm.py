@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradlog.errors import BackendError
-from gradlog.rules.base import Capture, RuleResult, attributes, register_rule, widen
+from gradlog.rules.base import (
+    Capture,
+    RuleResult,
+    attributes,
+    forward_call,
+    register_rule,
+    widen,
+)
 
 __all__ = [
     "is_layer_norm_like",
@@ -151,8 +158,6 @@ def _probes(module: nn.Module, x: torch.Tensor, eps: float) -> tuple[
     at two random weights: a weight at its initial value (0 for Gemma's, 1 for Llama's) would
     not tell ``w * x_hat`` from ``(1 + w) * x_hat`` from a norm of ``x * (1 + w)``, and
     float64 leaves only the module's own rounding (transformers' float32) to allow for."""
-    from torch.func import functional_call
-
     made: dict[str, torch.Tensor] = {}  # (built on the first call only: replays caches)
 
     def probe() -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +171,7 @@ def _probes(module: nn.Module, x: torch.Tensor, eps: float) -> tuple[
 
     def theirs() -> torch.Tensor:
         x64, w = probe()
-        return torch.stack([functional_call(module, {"weight": w_}, (x64,)) for w_ in w])
+        return torch.stack([forward_call(module, {"weight": w_}, (x64,)) for w_ in w])
 
     def ours() -> tuple[torch.Tensor, ...]:
         x64, w = probe()
@@ -282,8 +287,6 @@ def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float, variant: str,
                    ) -> tuple[Callable[[], torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]:
     """:func:`_probes` for a norm with a bias: the forward and the formula's candidates
     (``variant`` of :data:`_NORMALISED`) in float64 at two random weights and biases."""
-    from torch.func import functional_call
-
     normalised, dim = _NORMALISED[variant]
     made: dict[str, torch.Tensor] = {}  # (built on the first call only: replays caches)
 
@@ -300,7 +303,7 @@ def _affine_probes(module: nn.Module, x: torch.Tensor, eps: float, variant: str,
     def theirs() -> torch.Tensor:
         x64, w, b = probe()
         return torch.stack([
-            functional_call(module, {"weight": w_, "bias": b_} if biased else {"weight": w_},
+            forward_call(module, {"weight": w_, "bias": b_} if biased else {"weight": w_},
                             (x64,)) for w_, b_ in zip(w, b, strict=True)])
 
     def ours() -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,14 @@ from torch import nn
 
 from gradlog.errors import BackendError
 from gradlog.grads import Factors, outer_sums
-from gradlog.rules.base import Capture, RuleResult, attributes, one_feature_dim, register_rule
+from gradlog.rules.base import (
+    Capture,
+    RuleResult,
+    attributes,
+    forward_call,
+    one_feature_dim,
+    register_rule,
+)
 
 __all__ = ["as_rows", "conv1d_gpt2", "is_gpt2_conv1d", "linear"]
 
@@ -82,8 +89,6 @@ def linear_like(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> Rule
     (transformers' ``FalconLinear``: ``input @ W.T + b``), matched by qualified class name.
     Its first call is replayed in float64 at a random weight and bias against ``F.linear``
     before the Linear's rule is trusted (a forward computing otherwise is re-run per datum)."""
-    from torch.func import functional_call
-
     from gradlog.rules.func import generic
     from gradlog.rules.replay import replays
 
@@ -102,7 +107,7 @@ def linear_like(module: nn.Linear, cap: Capture, wanted: frozenset[str]) -> Rule
 
     def theirs() -> torch.Tensor:
         at = probe()
-        out: torch.Tensor = functional_call(module, {k: v for k, v in at.items() if k != "x"},
+        out: torch.Tensor = forward_call(module, {k: v for k, v in at.items() if k != "x"},
                                             (at["x"],))
         return out
 
