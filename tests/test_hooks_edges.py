@@ -1112,6 +1112,51 @@ def test_a_module_reassigning_its_buffer_in_a_re_run_is_refused_on_every_call() 
         assert model.calls.item() == forwards
 
 
+class _SelfUpdating(nn.Linear):
+    """A Linear subclass with a forward of its own (re-run per datum) that updates its weight
+    as it runs: a decay through ``.data`` (no version counted), or a clip under no_grad
+    (a no-op while the weight is inside the bounds)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(6, 2, dtype=D64)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "decay":
+            self.weight.data.mul_(0.99)
+        else:
+            with torch.no_grad():
+                self.weight.clamp_(-0.3, 0.3)
+        return F.linear(x * 1.0, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("how", ["decay", "clip"])
+def test_a_module_writing_its_parameters_in_a_re_run_is_refused_on_every_call(
+        how: str) -> None:
+    """Its re-runs per datum wrote the model's parameters again: the decay applied three
+    times a step (0.99**3), the clip's version bump broke the batch's own backward (a torch
+    error, p.grad incomplete). On checked calls the re-runs now get copies; a write refuses
+    the call and every later one, and the weight is what the forwards alone made of it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, dtype=D64), nn.Tanh(), _SelfUpdating(how))
+    start = model[2].weight.detach().clone()
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(1, 5):  # (calls 1, 2 and 4 are checked, 3 is not)
+            model.zero_grad(set_to_none=True)
+            losses = squares(model(torch.randn(3, 4, dtype=D64, generator=gen)))
+            with pytest.raises(BackendError, match="changes its parameters"):
+                be.backward(losses, be.reduce_batch(losses))
+            want = start * 0.99 ** step if how == "decay" else start.clamp(-0.3, 0.3)
+            torch.testing.assert_close(model[2].weight.detach(), want, rtol=1e-15, atol=0)
+            assert model[2].weight.grad is not None  # (p.grad complete)
+    finally:
+        be.detach()
+
+
 class _Noting(nn.Module):
     """A module without a rule noting its batch size in a Python attribute (transformers'
     ``self.bsz = x.size(0)``)."""

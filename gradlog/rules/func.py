@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
+from gradlog._torch_private import tensor_version
 from gradlog._tree import flatten
 from gradlog.errors import BackendError
 from gradlog.rules.base import Capture, Rule, RuleResult, forward_call, widen
@@ -134,17 +135,24 @@ def func_grads(
     # weight under a top-level alias): functional_call refuses two values for tied names, and
     # replaces every alias of a name it is given, so each tensor is passed once, by the first
     # of its names, and its aliases are left out of the constants.
+    # On a checked call (``due``) the re-runs get copies of the parameters: a forward that
+    # writes them (``weight.data.mul_``, a clamp under no_grad) is refused, the model's left
+    # as its forward left them (re-runs on the parameters themselves wrote them again), and
+    # so on every later call too.
+    due = _check_due(module, cap, [s for _, s in batched])
+    guard = due or module in _WRITERS
     diff: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
+    originals: dict[str, torch.Tensor] = {}
     for k, p in params.items():
         if id(p) not in seen:
-            seen[id(p)] = k
-            diff[k] = p.detach()
+            seen[id(p)], originals[k] = k, p
+            diff[k] = p.detach().clone() if guard else p.detach()
     fixed: dict[str, torch.Tensor] = {}
     for k, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in seen:
-            seen[id(p)] = k
-            fixed[k] = p.detach()
+            seen[id(p)], originals[k] = k, p
+            fixed[k] = p.detach().clone() if guard else p.detach()
 
     # Dropout masks the batch's forward drew in this call (see .randomness): each datum's
     # rows go in as batched inputs after the call's own, and its dropouts apply them.
@@ -184,7 +192,6 @@ def func_grads(
 
     xs = [leaves[i] for i, _ in batched] + [widen(m, wide) for m in masks]
     gs = [g for _, _, g in outs]
-    due = _check_due(module, cap, [s for _, s in batched])
     with _buffers_kept(module, kept):
         if module not in _LOOPED:
             try:
@@ -232,12 +239,35 @@ def func_grads(
             floating = [(i, spec.dim, leaves[i]) for i, spec in batched  # (inputs that
                         if spec.dim is not None and i in differentiable]  # carry a gradient)
             _check_weighted(module, whole, diff, result, outs, floating, B)
+    if guard:
+        _refuse_written(module, {**diff, **fixed}, originals)
     return result
+
+
+def _refuse_written(module: nn.Module, copies: Mapping[str, torch.Tensor],
+                    originals: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a module whose re-runs wrote the copies of its parameters they were given (a
+    copy's version moved: a clamp that changed nothing on this call would on a later one,
+    when the re-run writes the parameter the batch's backward saved; or its values changed:
+    a write through ``.data``, which no version counts)."""
+    written = sorted(k for k, t in copies.items()
+                     if tensor_version(t) or not torch.equal(t, originals[k]))
+    if written:
+        _WRITERS.add(module)
+        raise BackendError(
+            f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
+            f"changes its parameters {written[:6]} when it runs (weight.data.mul_(...), a "
+            "clamp under torch.no_grad() in its forward): re-run per datum, it would change "
+            "them again and compute with them changed. Its re-runs changed copies: the "
+            "model's are as its forward left them. Make that change after optimizer.step(), "
+            "or use a parametrization (torch.nn.utils.parametrize), a rule for the module "
+            "(gradlog.rules.register_rule) or backend='loop'.")
 
 
 # Calls of each module re-run so far: the check that its rows are independent runs on the
 # 1st, 2nd, 4th, 8th, ... (a forward's structure rarely changes; a few checks catch it).
 _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_WRITERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # re-runs wrote their parameters
 
 
 
