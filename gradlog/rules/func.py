@@ -255,7 +255,7 @@ def _refuse_written(module: nn.Module, copies: Mapping[str, torch.Tensor],
     if written:
         _WRITERS.add(module)
         raise BackendError(
-            f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
+            f"{type(module).__name__} {_RERUN} "
             f"changes its parameters {written[:6]} when it runs (weight.data.mul_(...), a "
             "clamp under torch.no_grad() in its forward): re-run per datum, it would change "
             "them again and compute with them changed. Its re-runs changed copies: the "
@@ -267,6 +267,7 @@ def _refuse_written(module: nn.Module, copies: Mapping[str, torch.Tensor],
 # Calls of each module re-run so far: the check that its rows are independent runs on the
 # 1st, 2nd, 4th, 8th, ... (a forward's structure rarely changes; a few checks catch it).
 _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_RERUN = "(no closed-form rule applies: gradlog re-runs it on each datum alone)"
 _WRITERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # re-runs wrote their parameters
 
 
@@ -310,7 +311,7 @@ def _buffers_kept(module: nn.Module, kept: _Kept) -> Iterator[None]:
                 vars(m)[k] = v
         if changed:  # (in place of any error the change caused: vmap's, say)
             raise BackendError(
-                f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) "
+                f"{type(module).__name__} {_RERUN} "
                 f"changes its buffers {changed} when it runs (a batch norm's running "
                 "statistics in training mode, a counter): re-run per datum, it computes "
                 "with its state moved on from the forward's (its re-runs changed copies, "
@@ -412,7 +413,7 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor, rtol: 
 
 def _mixes(module: nn.Module, where: str) -> None:
     raise BackendError(
-        f"{type(module).__name__} (no rule: gradlog re-runs it on each datum alone) mixes "
+        f"{type(module).__name__} {_RERUN} mixes "
         f"the batch's datums: re-run on each datum alone, {where} are not what the batch's "
         "run gives each datum (its records weighted by random v_b, against the gradient of "
         "sum_b v_b <output_b, G_b> through it run on the whole batch). A batch statistic, "
