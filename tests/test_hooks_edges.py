@@ -1119,10 +1119,12 @@ class _SelfUpdating(nn.Linear):
 
     def __init__(self, how: str) -> None:
         super().__init__(6, 2, dtype=D64)
-        self.how = how
+        self.how, self.writing = how, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == "decay":
+        if not self.writing:
+            pass
+        elif self.how == "decay":
             self.weight.data.mul_(0.99)
         else:
             with torch.no_grad():
@@ -1130,13 +1132,15 @@ class _SelfUpdating(nn.Linear):
         return F.linear(x * 1.0, self.weight, self.bias)
 
 
+@pytest.mark.parametrize("from_call", [1, 3])
 @pytest.mark.parametrize("how", ["decay", "clip"])
 def test_a_module_writing_its_parameters_in_a_re_run_is_refused_on_every_call(
-        how: str) -> None:
+        how: str, from_call: int) -> None:
     """Its re-runs per datum wrote the model's parameters again: the decay applied three
     times a step (0.99**3), the clip's version bump broke the batch's own backward (a torch
-    error, p.grad incomplete). On checked calls the re-runs now get copies; a write refuses
-    the call and every later one, and the weight is what the forwards alone made of it."""
+    error, p.grad incomplete; also on a call the re-run is not checked on). The re-runs get
+    copies: a write refuses each call, and the weight is what the forwards alone made of it.
+    A NaN in the weight is no write."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6, dtype=D64), nn.Tanh(), _SelfUpdating(how))
     start = model[2].weight.detach().clone()
@@ -1145,13 +1149,22 @@ def test_a_module_writing_its_parameters_in_a_re_run_is_refused_on_every_call(
     be.attach()
     gen = torch.Generator().manual_seed(1)
     try:
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan") if how == "clip" else model[2].weight[0, 0]
+        start = model[2].weight.detach().clone()
         for step in range(1, 5):  # (calls 1, 2 and 4 are checked, 3 is not)
             model.zero_grad(set_to_none=True)
+            model[2].writing = step >= from_call  # (from_call 3: an unchecked call first)
             losses = squares(model(torch.randn(3, 4, dtype=D64, generator=gen)))
+            if step < from_call:
+                be.backward(losses, be.reduce_batch(losses))
+                continue
             with pytest.raises(BackendError, match="changes its parameters"):
                 be.backward(losses, be.reduce_batch(losses))
-            want = start * 0.99 ** step if how == "decay" else start.clamp(-0.3, 0.3)
-            torch.testing.assert_close(model[2].weight.detach(), want, rtol=1e-15, atol=0)
+            writes = step - from_call + 1
+            want = start * 0.99 ** writes if how == "decay" else start.clamp(-0.3, 0.3)
+            torch.testing.assert_close(model[2].weight.detach(), want, rtol=1e-15, atol=0,
+                                       equal_nan=True)
             assert model[2].weight.grad is not None  # (p.grad complete)
     finally:
         be.detach()
@@ -2715,6 +2728,77 @@ def test_a_layer_re_run_per_datum_runs_without_the_users_hooks(core: str, hook: 
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12,
                                    msg=lambda m, n=n: f"{n}: {m}")
     assert calls == ([(3, 5, 6)] if hook == "log" else [])
+
+
+def test_a_nan_in_a_re_run_modules_parameter_is_no_write() -> None:
+    """The re-runs' copies are compared with the parameters after them: NaN != NaN made a
+    NaN entry look written, and a module that records fine was refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, dtype=D64), nn.Tanh(), _SelfUpdating("decay"))
+    model[2].writing = False
+    with torch.no_grad():
+        model[2].bias[1] = float("nan")
+    x = torch.randn(3, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    want = per_datum(model, lambda: squares(model(x)[:, :1]), "loop")
+    got = per_datum(model, lambda: squares(model(x)[:, :1]), "hooks")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+class _WeightDropped(nn.Module):
+    """A weight drop written by hand (AWD-LSTM's): a pre-hook of the user's makes the
+    weight the forward reads from a raw parameter and a mask, like ``prune``'s."""
+
+    def __init__(self, lstm: bool) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.out = nn.Linear(4, 6), nn.Linear(6, 2)
+            self.core = nn.LSTM(6, 6, batch_first=True) if lstm else nn.Linear(6, 6)
+            name = "weight_hh_l0" if lstm else "weight"
+            raw = getattr(self.core, name)
+            del self.core._parameters[name]
+            self.core.register_parameter(name + "_raw", nn.Parameter(raw.detach().clone()))
+            self.core.register_buffer("mask", (torch.rand(raw.shape) > 0.3).to(raw.dtype))
+
+        def drop(module: nn.Module, args: Any) -> None:
+            setattr(module, name, getattr(module, name + "_raw") * module.mask)
+
+        drop(self.core, ())
+        self.core.register_forward_pre_hook(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.core(self.inp(x))
+        return self.out(torch.tanh(y[0] if isinstance(y, tuple) else y))
+
+
+@pytest.mark.parametrize("lstm", [False, True], ids=["subclass", "lstm"])
+def test_a_weight_made_by_a_users_pre_hook_is_made_again_in_the_re_run(lstm: bool) -> None:
+    """The re-run per datum replays the module's pre-hooks for the state they set (here
+    the weight, from the re-run's own raw parameter), dropping what they return: a first
+    version replayed torch's own (prune's) alone, and the raw weight's records were zero,
+    refused every step."""
+    model = _WeightDropped(lstm).double()
+    if not lstm:  # (a Linear whose weight is no parameter: a module re-run per datum)
+        model.core.forward = lambda x: F.linear(x, model.core.weight, model.core.bias)
+    x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    assert_hooks_match_loop(model, lambda: squares(model(x)))
+
+
+def test_a_users_pre_hook_failing_in_the_re_run_is_named() -> None:
+    """A pre-hook that holds only for the batch (its size) fails on one datum's inputs in
+    the replay: refused, naming the hook and what the replay passes it."""
+    torch.manual_seed(0)
+    model = _Core(nn.LSTM(6, 6, batch_first=True)).double()
+
+    def batch_of_three(module: nn.Module, args: Any) -> None:
+        if args[0].shape[0] != 3:
+            raise ValueError("expected the batch of 3")
+
+    model.core.register_forward_pre_hook(batch_of_three)
+    x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UnsupportedLayerError, match="a forward pre-hook of yours on LSTM"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
 
 
 _REORDERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

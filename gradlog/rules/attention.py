@@ -70,8 +70,11 @@ def multihead_attention(
         arguments["attn_mask"] = mask.reshape(B, module.num_heads, *mask.shape[1:])
         specs["attn_mask"] = LeafSpec(0, unsqueeze=False)  # per datum (heads, L, S)
     params = {k: p for k, p in _covers(module).items() if k in wanted}
+    names = list(arguments)  # (as the call passed them: its pre-hooks see the same args)
+    at = min(len(cap.args), 3)
     out: RuleResult = dict(func_grads(
-        module, params, cap, args=(), kwargs=arguments,
+        module, params, cap, args=tuple(arguments[k] for k in names[:at]),
+        kwargs={k: arguments[k] for k in names[at:]},
         in_specs=[specs.get(k) for k in arguments],
         out_dims=[bd, 0],  # attn_output; attn_weights are (B, ..., L, S) either way
     ))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import forward_pre_hooks
+from gradlog.errors import UnsupportedLayerError
 
 __all__ = [
     "RULES",
@@ -156,40 +157,49 @@ def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 class _Forward(nn.Module):
-    """``inner.forward`` alone, after torch's own pre-hooks that make a weight of parameters
-    (:func:`_reparametrizing`): the call :func:`forward_call` replays."""
+    """``inner.forward`` after its pre-hooks, their results dropped: the call
+    :func:`forward_call` replays."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for hook, with_kwargs in forward_pre_hooks(self.inner):
-            if _reparametrizing(hook):  # (they return nothing)
-                hook(self.inner, args, kwargs) if with_kwargs else hook(self.inner, args)
-        return self.inner.forward(*args, **kwargs)
+        inner = self.inner
+        for hook, with_kwargs in forward_pre_hooks(inner):
+            if _gradlogs(hook):
+                continue
+            try:
+                hook(inner, args, kwargs) if with_kwargs else hook(inner, args)
+            except Exception as e:
+                raise UnsupportedLayerError(
+                    f"a forward pre-hook of yours on {type(inner).__name__} ({hook!r}) failed "
+                    f"when gradlog replayed the module ({type(e).__name__}: {e}). gradlog "
+                    "replays a module per datum after its pre-hooks, for the state they set "
+                    "(a weight made of parameters: prune's, a weight drop's), dropping what "
+                    "they return (the inputs it captured are theirs already), on one datum's "
+                    "inputs, which may be passed by keyword. Make the hook accept that, "
+                    "register a rule for the module (gradlog.rules.register_rule), or use "
+                    "backend='loop'.") from e
+        return inner.forward(*args, **kwargs)
 
 
-def _reparametrizing(hook: Any) -> bool:
-    """A pre-hook of torch's that sets a weight made of parameters before each forward
-    (``prune``'s ``weight_orig * weight_mask``, the old ``weight_norm`` and
-    ``spectral_norm``): part of the module's function, so of its replay."""
-    from torch.nn.utils import prune
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    return isinstance(hook, (prune.BasePruningMethod, WeightNorm, SpectralNorm))
+def _gradlogs(hook: Any) -> bool:
+    """A hook of gradlog's own (its capture, its hook order, its op capture, dropout masks):
+    not part of the module's function."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("gradlog.")
 
 
 def forward_call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple[Any, ...],
                  kwargs: dict[str, Any] | None = None) -> Any:
-    """``torch.func.functional_call`` of the module's ``forward``, without its own hooks:
-    its inputs were captured after its pre-hooks ran and its output before its other
-    forward hooks did (gradlog's capture runs first), so a replay through ``module(...)``
-    applied the user's pre-hooks twice and differentiated the user's hooks editing the
-    output (records 1e-7 off, unchecked, at a scale of 1 + 1e-7), and ran logging hooks
-    again on one datum's tensors. torch's own pre-hooks that make its weight run
-    (:func:`_reparametrizing`); its submodules' hooks are part of its function: they run.
+    """``torch.func.functional_call`` of the module's ``forward`` after its pre-hooks, whose
+    results are dropped, without its forward hooks: gradlog captured its inputs after its
+    pre-hooks ran (a replay through ``module(...)`` applied a pre-hook scaling them twice)
+    and its output before its other forward hooks did (gradlog's capture runs first: a hook
+    editing the output was differentiated with the layer, records 1e-7 off unchecked at a
+    scale of 1 + 1e-7; logging hooks ran again on one datum's tensors). Pre-hooks still run
+    for the state they set (``prune``'s ``weight_orig * weight_mask``, a weight drop's: the
+    weight made of the replay's parameters); hooks on its submodules are part of it.
     """
     if type(module).__call__ is not nn.Module.__call__:  # (a __call__ of its own)
         return torch.func.functional_call(module, state, args, kwargs)

@@ -28,7 +28,7 @@ from torch.func import grad, vmap
 
 from gradlog._torch_private import tensor_version
 from gradlog._tree import flatten
-from gradlog.errors import BackendError
+from gradlog.errors import BackendError, GradlogError
 from gradlog.rules.base import Capture, Rule, RuleResult, forward_call, widen
 from gradlog.rules.randomness import masks_of, replay, unreplayed
 
@@ -135,24 +135,24 @@ def func_grads(
     # weight under a top-level alias): functional_call refuses two values for tied names, and
     # replaces every alias of a name it is given, so each tensor is passed once, by the first
     # of its names, and its aliases are left out of the constants.
-    # On a checked call (``due``) the re-runs get copies of the parameters: a forward that
-    # writes them (``weight.data.mul_``, a clamp under no_grad) is refused, the model's left
-    # as its forward left them (re-runs on the parameters themselves wrote them again), and
-    # so on every later call too.
+    # The re-runs get copies of the parameters (O(parameters), against their O(B x the
+    # module's compute)): a forward that writes them (``weight.data.mul_``, a clamp under
+    # no_grad) is refused, the model's as its forward left them (re-runs on the parameters
+    # themselves wrote them again: a decay 3 times a step, a version bump that broke the
+    # batch's own backward).
     due = _check_due(module, cap, [s for _, s in batched])
-    guard = due or module in _WRITERS
     diff: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     originals: dict[str, torch.Tensor] = {}
     for k, p in params.items():
         if id(p) not in seen:
             seen[id(p)], originals[k] = k, p
-            diff[k] = p.detach().clone() if guard else p.detach()
+            diff[k] = p.detach().clone()
     fixed: dict[str, torch.Tensor] = {}
     for k, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in seen:
             seen[id(p)], originals[k] = k, p
-            fixed[k] = p.detach().clone() if guard else p.detach()
+            fixed[k] = p.detach().clone()
 
     # Dropout masks the batch's forward drew in this call (see .randomness): each datum's
     # rows go in as batched inputs after the call's own, and its dropouts apply them.
@@ -206,6 +206,8 @@ def func_grads(
                     warnings.filterwarnings("ignore", message="There is a performance drop")
                     result: dict[str, torch.Tensor] = per_datum(diff, xs, gs)
             except RuntimeError as e:
+                if isinstance(e, GradlogError):  # (a pre-hook's replay: forward_call)
+                    raise
                 if "random" in str(e):
                     raise BackendError(
                         f"{type(module).__name__} draws random numbers in its forward; gradlog "
@@ -239,8 +241,7 @@ def func_grads(
             floating = [(i, spec.dim, leaves[i]) for i, spec in batched  # (inputs that
                         if spec.dim is not None and i in differentiable]  # carry a gradient)
             _check_weighted(module, whole, diff, result, outs, floating, B)
-    if guard:
-        _refuse_written(module, {**diff, **fixed}, originals)
+    _refuse_written(module, {**diff, **fixed}, originals)
     return result
 
 
@@ -250,10 +251,10 @@ def _refuse_written(module: nn.Module, copies: Mapping[str, torch.Tensor],
     copy's version moved: a clamp that changed nothing on this call would on a later one,
     when the re-run writes the parameter the batch's backward saved; or its values changed:
     a write through ``.data``, which no version counts)."""
-    written = sorted(k for k, t in copies.items()
-                     if tensor_version(t) or not torch.equal(t, originals[k]))
+    written = sorted(k for k, t in copies.items() if tensor_version(t) or not (
+        torch.equal(t, originals[k])  # (NaN entries equal too: a NaN is not a write)
+        or torch.allclose(t, originals[k], rtol=0.0, atol=0.0, equal_nan=True)))
     if written:
-        _WRITERS.add(module)
         raise BackendError(
             f"{type(module).__name__} {_RERUN} "
             f"changes its parameters {written[:6]} when it runs (weight.data.mul_(...), a "
@@ -268,7 +269,6 @@ def _refuse_written(module: nn.Module, copies: Mapping[str, torch.Tensor],
 # 1st, 2nd, 4th, 8th, ... (a forward's structure rarely changes; a few checks catch it).
 _CALLS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 _RERUN = "(no closed-form rule applies: gradlog re-runs it on each datum alone)"
-_WRITERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # re-runs wrote their parameters
 
 
 
