@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gradlog._torch_private import forward_pre_hooks
+from gradlog._tree import leaves
 from gradlog.errors import UnsupportedLayerError
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "attributes",
     "find_rule",
     "forward_call",
+    "held_tensors",
     "one_feature_dim",
     "own_params",
     "parametrized_by",
@@ -154,6 +156,20 @@ def widen(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 def own_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters a module holds directly (``recurse=False``), by attribute name."""
     return dict(module.named_parameters(recurse=False))
+
+
+def held_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors a module holds outside its parameters' registry, through lists, tuples and
+    dicts, and one plain object's attributes (a dataclass; its buffers too): where one made
+    of a parameter before the forward may be kept (``self.pos = self.emb.weight[:16]``)."""
+    found = leaves(list(vars(module).values()))
+    found += [t for v in found if _plain_object(v) for t in leaves(list(vars(v).values()))]
+    return [t for t in found if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+
+
+def _plain_object(v: Any) -> bool:
+    return (hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type))
+            and not callable(v))
 
 
 class _Forward(nn.Module):

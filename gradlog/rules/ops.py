@@ -66,12 +66,15 @@ class ParamUse:
         name: The recorded parameter's name.
         param: The parameter.
         steps: View ops applied to it, first to last (empty: the parameter itself).
+        kept: Made from a view kept on a module from before the forward, which no rule of
+            a module follows: its uses are ops of their own, inside a module's call too.
     """
 
     name: str
     param: nn.Parameter
     steps: tuple[Step, ...] = ()
     key: str = field(default="", compare=False)
+    kept: bool = field(default=False, compare=False)
 
     def value(self, p: torch.Tensor | None = None) -> torch.Tensor:
         """The argument made from ``p`` (default: the parameter, detached)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import Entry
 from gradlog.backends.hooks.graph import GraphSurvey
 from gradlog.errors import UnsupportedLayerError
+from gradlog.rules.base import held_tensors
 from gradlog.rules.ops import ParamUse, Step, op_kind, op_rule
 
 __all__ = ["SCANS", "VIEWS", "WATCH", "OpCapture"]
@@ -178,6 +180,7 @@ class OpCapture(TorchFunctionMode):
         }
         self.written: set[str] = set()  # parameters whose followed tensors were written in place
         self.stale: set[str] = set()  # parameters used through tensors kept from before
+        self.scanned = 0  # scans of the modules' attributes (_follow_attributes)
         self._follow_attributes(model)
 
     # -- pushed around the root module's forward ---------------------------------------------
@@ -202,6 +205,8 @@ class OpCapture(TorchFunctionMode):
                     "outside the compiled function. Nothing of this forward was recorded."
                 ) from None
             self.watching = self.always or self.rescan or self.scans < SCANS or not self.grad
+            if self.grad and self.scanned <= SCANS:
+                self._follow_attributes(self.model)
             self.free, self.written, self.stale = 0, set(), set()
             if self.watching:
                 self.__enter__()
@@ -302,16 +307,15 @@ class OpCapture(TorchFunctionMode):
                     func, args[0], out) and _drew_nothing(before, args[0])))):
             use = uses[id(args[0])]
             step: Step = (func, tuple(args[1:]), dict(kwargs))
-            self._track(out, ParamUse(use.name, use.param, (*use.steps, step)))
+            self._track(out, replace(use, steps=(*use.steps, step)))
             return out
         if len(uses) == 1 and before is not None and func in _MASKED:
             mask = _drawn_mask(func, args, kwargs, before, out)
             if mask is not None:  # (else an op of its own, refused: a draw it cannot redo)
                 use = uses[id(args[0])]
-                self._track(out, ParamUse(use.name, use.param,
-                                          (*use.steps, (torch.mul, (mask,), {}))))
+                self._track(out, replace(use, steps=(*use.steps, (torch.mul, (mask,), {}))))
                 return out
-        free = {k: u for k, u in uses.items() if not self.inside.get(id(u.param))}
+        free = {k: u for k, u in uses.items() if u.kept or not self.inside.get(id(u.param))}
         if free:  # (a use inside a covering module's call is its rule's)
             if any(not self.deferred.get(id(u.param)) for u in free.values()):
                 self.free += 1
@@ -339,29 +343,37 @@ class OpCapture(TorchFunctionMode):
                     continue
                 if hit[2] in (None, tensor_version(held)):
                     found[id(t)] = hit[1]
+                elif hit[2] == _STALE:  # (no rule follows one: inside its module too)
+                    self.stale.add(hit[1].name)
                 elif not self.inside.get(id(hit[1].param)):  # (inside: its module's rule's)
-                    (self.stale if hit[2] == _STALE else self.written).add(hit[1].name)
+                    self.written.add(hit[1].name)
         return found
 
     def _follow_attributes(self, model: nn.Module) -> None:
         """Tensors made of recorded parameters before the forward and kept on a module
-        (``self.pos = self.emb.weight[:16]`` in ``__init__``): ops of the forward take the
-        parameter through them as through a view made there, but only tensors the forward
-        made were followed (records 1.0 off, a tied table's other uses covered). A view is
-        followed from its parameter (``as_strided`` of its strides, exact for any view);
-        any other tensor made of one (``W * 2``) holds its value from then, no function of
-        the parameter that gradlog can follow: its use refuses the backward
-        (:func:`.checks.check_coverage`)."""
+        (``self.pos = self.emb.weight[:16]`` in ``__init__``, in a list or a dict): ops of
+        the forward take the parameter through them as through a view made there, but only
+        tensors the forward made were followed (records 1.0 off, a tied table's other uses
+        covered). A view of the parameter's data is followed from it (``as_strided`` of its
+        strides, exact for any view of its dtype); any other tensor made of one (``W * 2``,
+        ``view_as_real``) holds its value from then, no function of the parameter that
+        gradlog can follow: its use refuses the backward (:func:`.checks.check_coverage`).
+        A view left on older data (``model.float()`` since) is another tensor: not followed.
+        Run at attach and at the first forwards (a view kept after attach)."""
+        self.scanned += 1
         uses = {id(u.param): u for _, u, _ in self.tracked.values()}
         for module in model.modules():
-            for t in _kept_tensors(vars(module).values()):
-                if isinstance(t, nn.Parameter) or t.grad_fn is None or id(t) in self.tracked:
+            for t in held_tensors(module):
+                if t.grad_fn is None or id(t) in self.tracked:
                     continue
                 use = uses.get(id(t._base)) if t._base is not None else None
-                if use is not None:
+                if use is not None and _same_data(t, use.param):
                     step: Step = (torch.as_strided, (tuple(t.shape), tuple(t.stride()),
-                                               t.storage_offset()), {})
-                    self._track(t, ParamUse(use.name, use.param, (step,)), None)
+                                                     t.storage_offset()), {})
+                    self._track(t, ParamUse(use.name, use.param, (step,), kept=True), None)
+                elif use is not None and t.untyped_storage().data_ptr() != (
+                        use.param.untyped_storage().data_ptr()):
+                    continue
                 elif (use := _made_of(t.grad_fn, uses)) is not None:
                     self._track(t, use, _STALE)
 
@@ -417,16 +429,10 @@ _STALE = "stale"
 parameter (:meth:`OpCapture._follow_attributes`): no use of it is followed."""
 
 
-def _kept_tensors(values: Any) -> list[torch.Tensor]:
-    """The tensors among a module's attributes, and in its lists, tuples and dicts."""
-    found: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif type(v) in (list, tuple, dict) or isinstance(v, dict):
-            found += [t for t in (v.values() if isinstance(v, dict) else v)
-                      if isinstance(t, torch.Tensor)]
-    return found
+def _same_data(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """A view of the parameter's current data in its dtype (so ``as_strided`` replays it)."""
+    return view.dtype == param.dtype and (
+        view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr())
 
 
 def _made_of(node: Any, uses: Mapping[int, ParamUse], limit: int = 256) -> ParamUse | None:
