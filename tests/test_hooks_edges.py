@@ -2438,34 +2438,36 @@ def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> Non
         be.detach()
 
 
+class _RelBias(nn.Module):
+    """A T5-style relative bias: a table of buckets by head on a (T, T) index, broadcast
+    over the batch (at T == B a layout only a datum check settles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.qk = nn.Linear(3, 6), nn.Linear(6, 12)
+            self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, T = x.shape[0], x.shape[1]
+        h = self.inp(x)
+        q, k = self.qk(h).view(n, T, 2, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
+        idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
+        s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, None, :], -1e9)
+        a = torch.softmax(s, -1).sum(1)  # (n, T, T)
+        return self.head(torch.tanh(h + a @ h))
+
+
 def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
-    """A T5-style relative bias (a table of buckets by head on a (T, T) index, broadcast over
-    the batch) at T == B is a layout shapes cannot settle, checked at its first step. There
-    a mask kept one key per datum: the table's gradients were zero for every datum, the
-    check compared zeros with zeros, passed, and marked the layout verified; the next step
-    (same shapes, no mask) recorded the table 0.72 off, unchecked. A layout is verified
-    only by a check that compared a gradient of its parameters that is not zero."""
-
-    class RelBias(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                self.inp, self.qk = nn.Linear(3, 6), nn.Linear(6, 12)
-                self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
-
-        def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            n, T = x.shape[0], x.shape[1]
-            h = self.inp(x)
-            q, k = self.qk(h).view(n, T, 2, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
-            idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
-            s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
-            if mask is not None:
-                s = s.masked_fill(~mask[:, None, None, :], -1e9)
-            a = torch.softmax(s, -1).sum(1)  # (n, T, T)
-            return self.head(torch.tanh(h + a @ h))
-
-    model = RelBias().double()
+    """The relative bias at T == B is checked at its first step. There a mask kept one key
+    per datum: the table's gradients were zero for every datum, the check compared zeros
+    with zeros, passed, and marked the layout verified; the next step (same shapes, no
+    mask) recorded the table 0.72 off, unchecked. A layout is verified only by a check
+    that compared a gradient of its parameters that is not zero."""
+    model = _RelBias().double()
     gen = torch.Generator().manual_seed(5)
     one_key = torch.arange(3)[None, :] < torch.ones(3, 1, dtype=torch.long)  # (3, 3)
     steps = [(torch.randn(4, 5, 3, dtype=D64, generator=gen), None),
@@ -2484,6 +2486,36 @@ def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
                 continue
             with pytest.raises(GradlogError, match="differ from the datums' own"):
                 be.backward(losses, be.reduce_batch(losses))
+    finally:
+        be.detach()
+
+
+def test_a_layout_first_seen_where_no_check_runs_is_checked_at_the_next_step() -> None:
+    """A backward hook of the user's skips the check (it would fire twice): the relative
+    bias at T == B, first seen on such a step, went unchecked (documented) and was marked
+    verified, so the next step, without the hook, was 0.64 off, unchecked too."""
+    model = _RelBias().double()
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(4, 5, 3, dtype=D64, generator=gen)] + [
+        torch.randn(3, 3, 3, dtype=D64, generator=gen) for _ in range(2)]
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        for step, x in enumerate(xs):
+            handle = model.head.register_full_backward_hook(
+                lambda m, gi, go: None) if step == 1 else None
+            model.zero_grad(set_to_none=True)
+            losses = squares(model(x))
+            try:
+                if step < 2:
+                    be.backward(losses, be.reduce_batch(losses))
+                    continue
+                with pytest.raises(GradlogError, match="differ from the datums' own"):
+                    be.backward(losses, be.reduce_batch(losses))
+            finally:
+                if handle is not None:
+                    handle.remove()
     finally:
         be.detach()
 

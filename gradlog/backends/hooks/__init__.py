@@ -405,10 +405,9 @@ class HooksBackend(Backend):
         :func:`datum_check.datum_check_possible` says no: FSDP, DDP with ``static_graph``)."""
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B, survey)
-        if B < 2 or not datum_check.datum_check_possible(self.model):
-            return False
+        possible = B > 1 and datum_check.datum_check_possible(self.model)
         return self._layouts.wants(calls, B, self.model, self.params,
-                                   self.datum_check_due or rows)
+                                   self.datum_check_due or rows, possible)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,
                      keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:

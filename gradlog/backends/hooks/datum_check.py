@@ -70,10 +70,15 @@ class DatumLayouts:
         self._pending: dict[Layout, frozenset[str]] = {}  # this backward's: their params
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
-              params: Mapping[str, nn.Parameter], due: bool = False) -> bool:
+              params: Mapping[str, nn.Parameter], due: bool = False,
+              possible: bool = True) -> bool:
         """Whether this backward needs a check. ``due``: the recorder self-checks this
         batch (``check_every``): check a datum too, so a loss that starts coupling data is
-        caught."""
+        caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
+        above 1): where not, layouts go unchecked (README)."""
+        self._pending = {}
+        if not possible:
+            return False
         uses: dict[int, int] = {}
         for c in calls:
             uses[id(c.entry)] = uses.get(id(c.entry), 0) + 1
@@ -86,7 +91,6 @@ class DatumLayouts:
             if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
                 key = (c.entry.name, uses[id(c.entry)], at if at != (0,) else ())
                 unsure[key] = frozenset(c.entry.names.values())
-        self._pending = {}
         if self.checked and unsure.keys() <= self.checked and not due:
             return False
         self._pending = {**unsure, ("", 0, ()): every}
@@ -95,13 +99,18 @@ class DatumLayouts:
     def passed(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]] | None
                ) -> frozenset[str] | None:
         """This backward's layouts are verified: those with a parameter whose gradient
-        the passed check compared is not zero (the names returned), or all of them where no
-        check could run (``datum`` None: none will)."""
-        informative = None if datum is None else frozenset(
-            name for name, (_, theirs) in datum[1].items()
-            if theirs is not None and bool(theirs.any()))
+        the passed check compared is not zero (the names returned). Where no check could run
+        (``datum`` None: backward hooks of the user's, a reentrant checkpoint, autograd
+        refused it), none is: that step goes unchecked (README), and the next one where a
+        check runs checks them (a table as long as the batch, let be at a step with a
+        backward hook, was 0.64 off at the next step, without one, unchecked)."""
+        if datum is None:
+            self._pending = {}
+            return None
+        informative = frozenset(name for name, (_, theirs) in datum[1].items()
+                                if theirs is not None and bool(theirs.any()))
         self.checked |= {layout for layout, names in self._pending.items()
-                         if informative is None or names & informative}
+                         if names & informative}
         self._pending = {}
         return informative
 
