@@ -74,6 +74,8 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
     common = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                   attention_dropout=DROP)
+    ssm = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=4,
+               mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4)
     config, cls = {
         "gpt2": (lambda: t.GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
                                       n_positions=32, resid_pdrop=DROP, embd_pdrop=DROP,
@@ -102,6 +104,17 @@ def _decoder(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor
         "granitemoe": (lambda: t.GraniteMoeConfig(**common, num_local_experts=4,
                                                   num_experts_per_tok=2),
                        t.GraniteMoeForCausalLM),
+        # hybrids of attention and Mamba-2 mixers (the mixer's own parameters op by op, or
+        # the mixer re-run per datum) and a gated short convolution (LFM2)
+        "falcon_h1": (lambda: t.FalconH1Config(**common, **ssm, mamba_d_ssm=32,
+                                               embedding_multiplier=2.0,
+                                               lm_head_multiplier=0.5),
+                      t.FalconH1ForCausalLM),
+        "bamba": (lambda: t.BambaConfig(**common, **ssm, attn_layer_indices=[1]),
+                  t.BambaForCausalLM),
+        "lfm2": (lambda: t.Lfm2Config(**common, layer_types=["conv", "full_attention"],
+                                      conv_L_cache=3, block_auto_adjust_ff_dim=False),
+                 t.Lfm2ForCausalLM),
         # FalconLinear (input @ W.T + b), replayed once against F.linear; ALiBi, biases
         "falcon": (lambda: t.FalconConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
                                           num_attention_heads=2, attention_dropout=DROP,
@@ -225,7 +238,7 @@ def _case(kind: str, attn: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     if kind in ("wav2vec2", "hubert"):
         return _audio(kind, attn)
     if kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                "olmoe", "granitemoe", "falcon"):
+                "olmoe", "granitemoe", "falcon", "falcon_h1", "bamba", "lfm2"):
         return _decoder(kind, attn)
     if kind in ("bert", "distilbert", "t5", "deberta", "deberta_raw", "deberta_v1"):
         return _encoder(kind, attn)
@@ -242,13 +255,13 @@ _T5_SDPA = pytest.mark.xfail(
 _DEFAULT = [("gpt2", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("vit", "eager"),
             ("t5", "eager"), ("opt", "eager"), ("mixtral", "eager"), ("swin", "eager"),
             ("wav2vec2", "sdpa"), ("falcon", "eager"), ("deberta", "eager"),
-            ("deberta_v1", "eager")]
+            ("deberta_v1", "eager"), ("falcon_h1", "eager")]
 _MATRIX = [
     pytest.param(kind, attn, marks=[pytest.mark.slow, *([_T5_SDPA] if (kind, attn) == (
         "t5", "sdpa") else [])])
     for kind in ("gpt2", "llama", "qwen2", "mistral", "gemma", "opt", "mixtral", "qwen2_moe",
-                 "olmoe", "granitemoe", "falcon", "bert", "distilbert", "t5", "vit", "convnext",
-                 "swin", "wav2vec2", "hubert")
+                 "olmoe", "granitemoe", "falcon", "falcon_h1", "bamba", "lfm2", "bert",
+                 "distilbert", "t5", "vit", "convnext", "swin", "wav2vec2", "hubert")
     for attn in ("eager", "sdpa")
     if (kind, attn) not in _DEFAULT and not (kind == "convnext" and attn == "sdpa")
 ]
