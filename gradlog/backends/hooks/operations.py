@@ -439,12 +439,13 @@ def _made_of(node: Any, uses: Mapping[int, ParamUse], limit: int = 256) -> Param
     """The recorded parameter (by id, in ``uses``) whose gradient accumulator a graph from
     ``node`` reaches within ``limit`` nodes, or None. (By the node's variable: a parameter
     whose data was set since, ``model.double()``, has a new node, and the graph the old.)"""
-    todo, seen = [node], set[int]()
+    todo, seen, held = [node], set[int](), []  # (held: torch 2.4 reuses a freed node's id)
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        held.append(node)
         if id(getattr(node, "variable", None)) in uses:
             return uses[id(node.variable)]
         todo += [child for child, _ in node.next_functions]
