@@ -186,7 +186,7 @@ class _Forward(nn.Module):
             if _gradlogs(hook):
                 continue
             try:
-                hook(inner, args, kwargs) if with_kwargs else hook(inner, args)
+                hook(inner, args, dict(kwargs)) if with_kwargs else hook(inner, args)
             except Exception as e:
                 raise UnsupportedLayerError(
                     f"a forward pre-hook of yours on {type(inner).__name__} ({hook!r}) failed "
@@ -215,10 +215,10 @@ def forward_call(module: nn.Module, state: dict[str, torch.Tensor], args: tuple[
     editing the output was differentiated with the layer, records 1e-7 off unchecked at a
     scale of 1 + 1e-7; logging hooks ran again on one datum's tensors). Pre-hooks still run
     for the state they set (``prune``'s ``weight_orig * weight_mask``, a weight drop's: the
-    weight made of the replay's parameters); hooks on its submodules are part of it.
+    weight made of the replay's parameters; a hook editing the keyword arguments in place
+    edits a copy); hooks on its submodules are part of it. A ``__call__`` of the module's
+    own is not replayed: the capture saw what it passed on to ``forward``.
     """
-    if type(module).__call__ is not nn.Module.__call__:  # (a __call__ of its own)
-        return torch.func.functional_call(module, state, args, kwargs)
     named = {f"inner.{k}": v for k, v in state.items()}
     try:
         return torch.func.functional_call(_Forward(module), named, args, kwargs)

@@ -68,6 +68,8 @@ class ParamUse:
         steps: View ops applied to it, first to last (empty: the parameter itself).
         kept: Made from a view kept on a module from before the forward, which no rule of
             a module follows: its uses are ops of their own, inside a module's call too.
+        forward: The forward it was made in (op capture's count): one kept from an earlier
+            forward is as ``kept``.
     """
 
     name: str
@@ -75,6 +77,7 @@ class ParamUse:
     steps: tuple[Step, ...] = ()
     key: str = field(default="", compare=False)
     kept: bool = field(default=False, compare=False)
+    forward: int = field(default=0, compare=False)
 
     def value(self, p: torch.Tensor | None = None) -> torch.Tensor:
         """The argument made from ``p`` (default: the parameter, detached)."""

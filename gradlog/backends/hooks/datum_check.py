@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 _DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
+_ZEROS_NAMED = 4  # checks comparing only zeros before a layout's re-checks are named
 
 log = logging.getLogger("gradlog")
 
@@ -68,6 +69,7 @@ class DatumLayouts:
     def __init__(self) -> None:
         self.checked: set[Layout] = set()
         self._pending: dict[Layout, frozenset[str]] = {}  # this backward's: their params
+        self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
               params: Mapping[str, nn.Parameter], due: bool = False,
@@ -109,8 +111,18 @@ class DatumLayouts:
             return None
         informative = frozenset(name for name, (_, theirs) in datum[1].items()
                                 if theirs is not None and bool(theirs.any()))
-        self.checked |= {layout for layout, names in self._pending.items()
-                         if names & informative}
+        for layout, names in self._pending.items():
+            if names & informative:
+                self.checked.add(layout)
+                continue
+            self._zeros[layout] = zeros = self._zeros.get(layout, 0) + 1
+            if zeros == _ZEROS_NAMED and layout[0] not in ("", "<batch size>"):
+                log.warning(
+                    "gradlog: the datum check of %s's layout %s has compared only zero "
+                    "gradients %d times (its parameters get none: a branch weighted 0, "
+                    "unused rows); it verifies a layout only on gradients that are not zero, "
+                    "so it runs again at every step with that layout (one extra backward "
+                    "each) until they get one.", layout[0], layout[1:], zeros)
         self._pending = {}
         return informative
 

@@ -181,6 +181,7 @@ class OpCapture(TorchFunctionMode):
         self.written: set[str] = set()  # parameters whose followed tensors were written in place
         self.stale: set[str] = set()  # parameters used through tensors kept from before
         self.scanned = 0  # scans of the modules' attributes (_follow_attributes)
+        self.index = 0  # forwards so far (ParamUse.forward)
         self._follow_attributes(model)
 
     # -- pushed around the root module's forward ---------------------------------------------
@@ -190,6 +191,7 @@ class OpCapture(TorchFunctionMode):
         otherwise trace gradlog's hooks and this mode, guard on the ids they look up and
         recompile at every step (its recompile limit was hit by step 8)."""
         if self.depth == 0:
+            self.index += 1
             self.grad = torch.is_grad_enabled()  # (a forward without grad is always watched)
             try:
                 self.restore = force_eager() if self.grad else None
@@ -307,20 +309,30 @@ class OpCapture(TorchFunctionMode):
                     func, args[0], out) and _drew_nothing(before, args[0])))):
             use = uses[id(args[0])]
             step: Step = (func, tuple(args[1:]), dict(kwargs))
-            self._track(out, replace(use, steps=(*use.steps, step)))
+            self._track(out, replace(use, steps=(*use.steps, step), kept=self._kept(use),
+                                     forward=self.index))
             return out
         if len(uses) == 1 and before is not None and func in _MASKED:
             mask = _drawn_mask(func, args, kwargs, before, out)
             if mask is not None:  # (else an op of its own, refused: a draw it cannot redo)
                 use = uses[id(args[0])]
-                self._track(out, replace(use, steps=(*use.steps, (torch.mul, (mask,), {}))))
+                self._track(out, replace(use, steps=(*use.steps, (torch.mul, (mask,), {})),
+                                         kept=self._kept(use), forward=self.index))
                 return out
-        free = {k: u for k, u in uses.items() if u.kept or not self.inside.get(id(u.param))}
+        free = {k: u for k, u in uses.items()
+                if self._kept(u) or not self.inside.get(id(u.param))}
         if free:  # (a use inside a covering module's call is its rule's)
             if any(not self.deferred.get(id(u.param)) for u in free.values()):
                 self.free += 1
             self.capture(self._entry(func, args, kwargs, free), self.model, args, kwargs, out)
         return out
+
+    def _kept(self, use: ParamUse) -> bool:
+        """A use through a tensor kept from before this forward (``ParamUse.kept``), or made
+        in an earlier one (``self.c = self.w[:6]`` at the end of a forward, read in the
+        next): no module's rule follows it, inside the module's call too (a module re-run
+        per datum swaps its parameters, not such a view: 1.0 off)."""
+        return use.kept or (bool(use.steps) and use.forward != self.index)
 
     def _tracked(self, t: Any) -> bool:
         hit = self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -341,12 +353,16 @@ class OpCapture(TorchFunctionMode):
                 held = hit[0]() if hit is not None else None
                 if hit is None or held is None or held is not t:
                     continue
-                if hit[2] in (None, tensor_version(held)):
-                    found[id(t)] = hit[1]
-                elif hit[2] == _STALE:  # (no rule follows one: inside its module too)
-                    self.stale.add(hit[1].name)
-                elif not self.inside.get(id(hit[1].param)):  # (inside: its module's rule's)
-                    self.written.add(hit[1].name)
+                use = hit[1]
+                carried = use.forward != self.index and not use.kept and bool(use.steps)
+                if carried and all(f in VIEWS for f, _, _ in use.steps):
+                    found[id(t)] = use  # (a view: still one of the parameter's data)
+                elif hit[2] == _STALE or carried:  # (its value from then: no rule follows it)
+                    self.stale.add(use.name)
+                elif hit[2] in (None, tensor_version(held)):
+                    found[id(t)] = use
+                elif not self.inside.get(id(use.param)):  # (inside: its module's rule's)
+                    self.written.add(use.name)
         return found
 
     def _follow_attributes(self, model: nn.Module) -> None:
