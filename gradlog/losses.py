@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from gradlog._torch_private import (
+from gradlog._torch_private import is_functorch_wrapped
+from gradlog._torch_private.nodes import (
     autograd_node_nll_target,
     autograd_node_output_shape,
     autograd_node_shapes_known,
     autograd_node_view_input_sizes,
-    is_functorch_wrapped,
 )
 from gradlog.errors import InputError
 

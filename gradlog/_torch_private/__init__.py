@@ -25,38 +25,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from gradlog._torch_private.nodes import (
-    autograd_node_dims,
-    autograd_node_forward_class,
-    autograd_node_leading_copies,
-    autograd_node_nll_target,
-    autograd_node_output_dims,
-    autograd_node_output_dtypes,
-    autograd_node_output_shape,
-    autograd_node_repeats,
-    autograd_node_saved,
-    autograd_node_saved_alpha,
-    autograd_node_saved_condition,
-    autograd_node_shapes_known,
-    autograd_node_view_input_sizes,
-)
-
 __all__ = [
     "DispatchMode",
     "InCompiledRegion",
-    "autograd_node_dims",
-    "autograd_node_forward_class",
-    "autograd_node_leading_copies",
-    "autograd_node_nll_target",
-    "autograd_node_output_dims",
-    "autograd_node_output_dtypes",
-    "autograd_node_output_shape",
-    "autograd_node_repeats",
-    "autograd_node_saved",
-    "autograd_node_saved_alpha",
-    "autograd_node_saved_condition",
-    "autograd_node_shapes_known",
-    "autograd_node_view_input_sizes",
     "backward_keeps_graph",
     "conv_reversed_padding",
     "cuda_devices",

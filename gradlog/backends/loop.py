@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gradlog._torch_private import autograd_node_output_dtypes
+from gradlog._torch_private.nodes import autograd_node_output_dtypes
 from gradlog.backends.base import Backend, PerDatumGrads, graph_nodes, is_reentrant_checkpoint
 from gradlog.errors import BackendError
 from gradlog.memory.autocast import computed_dtypes

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from gradlog._torch_private import autograd_node_output_shape
+from gradlog._torch_private.nodes import autograd_node_output_shape
 from gradlog.backends.hooks.graph import UNSAVED_ALONG, VIEW_NODES, GraphSurvey
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from gradlog._torch_private import (
+from gradlog._torch_private import view_base
+from gradlog._torch_private.nodes import (
     autograd_node_forward_class,
     autograd_node_output_dims,
     autograd_node_output_shape,
@@ -25,7 +26,6 @@ from gradlog._torch_private import (
     autograd_node_saved_alpha,
     autograd_node_saved_condition,
     autograd_node_shapes_known,
-    view_base,
 )
 from gradlog._tree import flatten
 from gradlog.backends.base import graph_nodes, is_reentrant_checkpoint

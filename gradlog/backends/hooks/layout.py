@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from gradlog._torch_private import (
+from gradlog._torch_private import storage_key
+from gradlog._torch_private.nodes import (
     autograd_node_leading_copies,
     autograd_node_output_shape,
     autograd_node_shapes_known,
-    storage_key,
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import TAG, Call

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradlog._torch_private import (
+from gradlog._torch_private.nodes import (
     autograd_node_output_shape,
     autograd_node_saved,
     autograd_node_shapes_known,

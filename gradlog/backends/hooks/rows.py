@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradlog._torch_private import (
+from gradlog._torch_private import view_base
+from gradlog._torch_private.nodes import (
     autograd_node_dims,
     autograd_node_output_shape,
     autograd_node_shapes_known,
     autograd_node_view_input_sizes,
-    view_base,
 )
 from gradlog._tree import flatten
 from gradlog.backends.hooks.calls import TAG, Call, Entry
