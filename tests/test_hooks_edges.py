@@ -2891,6 +2891,65 @@ def test_a_pre_hook_is_applied_once_by_the_re_run(hook: str, call: bool) -> None
     assert_hooks_match_loop(model, losses)
 
 
+class _Listed(nn.Module):
+    """A module without a rule taking its input in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=D64, generator=torch.Generator()
+                                          .manual_seed(0)) * 0.3)
+
+    def forward(self, hs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(sum(h @ self.w.T for h in hs))
+
+
+@pytest.mark.parametrize("hook", ["one-shot hook", "list in place", "global"])
+def test_a_replayed_pre_hook_is_applied_once_and_leaves_the_model_alone(hook: str) -> None:
+    """A pre-hook registering a one-shot forward hook (removed when it runs): the replay,
+    which runs no forward hooks, left it on the module, and the next real forward ran it
+    (training changed: parameters 2e-2 off after a step). A pre-hook appending to a list
+    argument, or a global pre-hook scaling the input, was applied twice by the replay."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    core = _Listed()
+    handles: list[Any] = []
+    if hook == "one-shot hook":
+        def register(module: nn.Module, args: Any) -> None:
+            def once(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+                handles.pop().remove()
+                return out * 1.5
+
+            handles.append(module.register_forward_hook(once))
+
+        core.register_forward_pre_hook(register)
+    elif hook == "list in place":
+        core.register_forward_pre_hook(lambda m, args: args[0].append(args[0][0] * 0.5))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"inp": nn.Linear(4, 6), "core": core, "out": nn.Linear(6, 2)})
+    model = model.double()
+    x = torch.randn(3, 5, 4, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        return squares(model["out"](model["core"]([model["inp"](x)])))
+
+    def scale(module: nn.Module, args: Any) -> Any:  # (the list's tensors: the core's)
+        return tuple([h * 2 for h in a] if isinstance(a, list) else a for a in args)
+
+    handle = register_module_forward_pre_hook(scale) if hook == "global" else None
+    try:
+        want = per_datum(model, losses, "loop")
+        outputs = model["out"](model["core"]([model["inp"](x)])).detach()
+        got = per_datum(model, losses, "hooks")
+        after = model["out"](model["core"]([model["inp"](x)])).detach()
+    finally:
+        if handle is not None:
+            handle.remove()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(after, outputs, rtol=0, atol=0)  # (no hook left behind)
+
+
 def test_a_users_pre_hook_failing_in_the_re_run_is_named() -> None:
     """A pre-hook that holds only for the batch (its size) fails on one datum's inputs in
     the replay: refused, naming the hook and what the replay passes it."""

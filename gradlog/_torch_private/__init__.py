@@ -34,6 +34,7 @@ __all__ = [
     "dropout_rate",
     "force_eager",
     "forked_rng",
+    "forward_hooks_kept",
     "forward_pre_hooks",
     "fsdp_reduces_grads",
     "global_module_backward_hooks_on",
@@ -210,6 +211,29 @@ def forward_pre_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]
     hooks = getattr(module, "_forward_pre_hooks", None) or {}
     with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", None) or {}
     return [(hook, key in with_kwargs) for key, hook in hooks.items()]
+
+
+@contextlib.contextmanager
+def forward_hooks_kept(module: nn.Module) -> Iterator[None]:
+    """The forward hooks and pre-hooks of ``module`` and its submodules as they were: any
+    registered meanwhile (by a pre-hook replayed: a one-shot hook, which removes itself only
+    when it runs) are removed after. Private API: ``Module._forward_hooks``,
+    ``_forward_pre_hooks`` and their ``_with_kwargs``/``_always_called`` notes. Fallback:
+    none is removed."""
+    names = ("_forward_hooks", "_forward_pre_hooks")
+    notes = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+             "_forward_pre_hooks_with_kwargs")
+    before = [(m, {n: set(getattr(m, n, None) or ()) for n in names}) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, keys in before:
+            for n in names:
+                hooks = getattr(m, n, None) or {}
+                for key in [k for k in hooks if k not in keys[n]]:
+                    hooks.pop(key, None)
+                    for note in notes:
+                        (getattr(m, note, None) or {}).pop(key, None)
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gradlog._torch_private import forward_pre_hooks
-from gradlog._tree import leaves
+from gradlog._torch_private import forward_hooks_kept, forward_pre_hooks
+from gradlog._tree import flatten, leaves
 from gradlog.errors import UnsupportedLayerError
 
 __all__ = [
@@ -180,24 +180,35 @@ class _Forward(nn.Module):
         super().__init__()
         self.inner = inner
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # (no global hooks on the wrapper)
+        return self.forward(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.inner
-        for hook, with_kwargs in forward_pre_hooks(inner):
-            if _gradlogs(hook):
-                continue
-            try:
-                hook(inner, args, dict(kwargs)) if with_kwargs else hook(inner, args)
-            except Exception as e:
-                raise UnsupportedLayerError(
-                    f"a forward pre-hook of yours on {type(inner).__name__} ({hook!r}) failed "
-                    f"when gradlog replayed the module ({type(e).__name__}: {e}). gradlog "
-                    "replays a module per datum after its pre-hooks, for the state they set "
-                    "(a weight made of parameters: prune's, a weight drop's), dropping what "
-                    "they return (the inputs it captured are theirs already), on one datum's "
-                    "inputs, which may be passed by keyword. Make the hook accept that, "
-                    "register a rule for the module (gradlog.rules.register_rule), or use "
-                    "backend='loop'.") from e
+        with forward_hooks_kept(inner):
+            for hook, with_kwargs in forward_pre_hooks(inner):
+                if not _gradlogs(hook):
+                    _replay_pre_hook(inner, hook, with_kwargs, args, kwargs)
         return inner.forward(*args, **kwargs)
+
+
+def _replay_pre_hook(inner: nn.Module, hook: Any, with_kwargs: bool, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> None:
+    """One pre-hook of the user's on copies of the argument containers (it may edit a list
+    or the keyword arguments in place: applied twice on the inputs themselves)."""
+    items, rebuild = flatten((args, kwargs))
+    hook_args, hook_kwargs = rebuild(items)
+    try:
+        hook(inner, hook_args, hook_kwargs) if with_kwargs else hook(inner, hook_args)
+    except Exception as e:
+        raise UnsupportedLayerError(
+            f"a forward pre-hook of yours on {type(inner).__name__} ({hook!r}) failed when "
+            f"gradlog replayed the module ({type(e).__name__}: {e}). gradlog replays a module "
+            "per datum after its pre-hooks, for the state they set (a weight made of "
+            "parameters: prune's, a weight drop's), dropping what they return (the inputs it "
+            "captured are theirs already), on one datum's inputs, which may be passed by "
+            "keyword. Make the hook accept that, register a rule for the module "
+            "(gradlog.rules.register_rule), or use backend='loop'.") from e
 
 
 def _gradlogs(hook: Any) -> bool:

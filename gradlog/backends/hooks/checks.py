@@ -523,11 +523,12 @@ def check_coverage(params: Iterable[str], got_grad: set[str], covered: set[str],
     stale = sorted(set(got_grad) & (ops.stale if ops is not None else set()))
     if stale:
         raise BackendError(
-            f"parameter(s) {stale}: the forward used a tensor made from them before it ran and "
-            "kept on a module (self.w2 = self.weight * 2 in __init__), which holds their value "
-            "from then and is no function of them gradlog can follow. Make it inside the "
-            "forward (a view kept from before, self.pos = self.emb.weight[:16], is followed), "
-            "or use backend='loop'. p.grad is complete.")
+            f"parameter(s) {stale}: the forward used a tensor made from them before it ran "
+            "(in __init__, or in an earlier forward) and kept (self.w2 = self.weight * 2, a "
+            "copy: self.c = self.weight.clone()), which holds their value from then and is no "
+            "function of them gradlog can follow. Make it inside the forward (a view kept from "
+            "before, self.pos = self.emb.weight[:16], is followed), or use backend='loop'. "
+            "p.grad is complete.")
     missed = [n for n in params if n in got_grad and n not in covered]
     if not missed:
         return

@@ -334,17 +334,30 @@ class OpCapture(TorchFunctionMode):
         per datum swaps its parameters, not such a view: 1.0 off)."""
         return use.kept or (bool(use.steps) and use.forward != self.index)
 
+    def _state(self, use: ParamUse, held: torch.Tensor, version: int | str | None) -> str:
+        """How a tracked tensor stands now: ``"use"`` (followed), ``"stale"`` (its value
+        from an earlier forward or from before the forward, no function of the parameter
+        now: one kept from an earlier forward is followed only as a view of the parameter's
+        data, not as a copy, ``clone()``/``float()``, whose values an optimizer step or an
+        edit left behind: 1e-3-3e-2 off), or ``"written"`` (in place since it was made)."""
+        if use.steps and not use.kept and use.forward != self.index:
+            return "use" if _same_data(held, use.param) else "stale"
+        if version == _STALE:
+            return "stale"
+        return "use" if version is None or version == tensor_version(held) else "written"
+
     def _tracked(self, t: Any) -> bool:
         hit = self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
         if hit is None or (held := hit[0]()) is None or held is not t:
             return False
-        return hit[2] in (None, tensor_version(held))
+        return self._state(hit[1], held, hit[2]) == "use"
 
     def _uses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, ParamUse]:
         """The tracked tensors among the arguments (one level of lists: ``torch.cat``). One
         written in place since it was made (``q[0] = 5`` on a view of ``W * 1.0``) is no
         longer the function of its parameter its steps say: not a use (the parameter's
-        gradient then refuses the backward, :func:`.checks.check_coverage`)."""
+        gradient then refuses the backward, :func:`.checks.check_coverage`), nor is one
+        holding an older value (:meth:`_state`)."""
         found: dict[int, ParamUse] = {}
         tracked = self.tracked
         for a in (*args, *kwargs.values()):
@@ -354,13 +367,11 @@ class OpCapture(TorchFunctionMode):
                 if hit is None or held is None or held is not t:
                     continue
                 use = hit[1]
-                carried = use.forward != self.index and not use.kept and bool(use.steps)
-                if carried and all(f in VIEWS for f, _, _ in use.steps):
-                    found[id(t)] = use  # (a view: still one of the parameter's data)
-                elif hit[2] == _STALE or carried:  # (its value from then: no rule follows it)
-                    self.stale.add(use.name)
-                elif hit[2] in (None, tensor_version(held)):
+                state = self._state(use, held, hit[2])
+                if state == "use":
                     found[id(t)] = use
+                elif state == "stale":  # (no rule follows it: inside its module too)
+                    self.stale.add(use.name)
                 elif not self.inside.get(id(use.param)):  # (inside: its module's rule's)
                     self.written.add(use.name)
         return found
