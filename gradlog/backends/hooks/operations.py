@@ -457,9 +457,19 @@ parameter (:meth:`OpCapture._follow_attributes`): no use of it is followed."""
 
 
 def _same_data(view: torch.Tensor, param: torch.Tensor) -> bool:
-    """A view of the parameter's current data in its dtype (so ``as_strided`` replays it)."""
-    return view.dtype == param.dtype and (
-        view.untyped_storage().data_ptr() == param.untyped_storage().data_ptr())
+    """A view of the parameter's current data in its dtype (so ``as_strided`` replays it):
+    its storage, and within the parameter's span of it (a flat buffer of several)."""
+    if view.dtype != param.dtype or (
+            view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()):
+        return False
+    (start, end), (first, last) = _span(view), _span(param)
+    return first <= start and end <= last
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The elements of its storage a tensor reaches: [first, last]."""
+    start = int(t.storage_offset())
+    return start, start + sum((int(n) - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n)
 
 
 def _made_of(node: Any, uses: Mapping[int, ParamUse], limit: int = 256) -> ParamUse | None:
