@@ -273,6 +273,78 @@ def test_parametrized_weights_and_re_run_modules_on_cuda_equal_the_loop(autocast
         assert torch.equal(value, after_loop[name]), name
 
 
+class _KeptViewsAndHooks(nn.Module):
+    """What the fifth session of 2026-11-27 made exact, on one ``device``: views of the
+    embedding table kept on the module (from ``__init__``, and one made in each forward and
+    read in the next), a tied head, a user's pre-hook on a Linear (the replay runs it for
+    its state, its result is the call's input) and on a module re-run per datum."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.emb, self.lin = nn.Embedding(300, 8, **kw), nn.Linear(8, 8, **kw)
+        self.scaled = _LayerScaled(8).to(device, dtype)  # (gamma (8, 1): over (T, 8))
+        self.pos, self.parts = self.emb.weight[:16], [self.emb.weight[16:32:2]]
+        self.last: torch.Tensor | None = None
+        self.calls = 0
+
+        def halve(module: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor]:
+            self.calls += 1
+            return (args[0] * 0.5,)
+
+        self.lin.register_forward_pre_hook(halve)
+        self.scaled.register_forward_pre_hook(lambda m, args: (args[0] + 1.0,))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]  # (8: the re-run module's gamma broadcasts over it)
+        x = self.emb(ids) + self.pos[:T] + self.parts[0][:T]
+        if self.last is not None:
+            x = x + self.last[:T]
+        self.last = self.emb.weight[40:56]  # (read by the next forward)
+        h = self.scaled(torch.tanh(self.lin(x)))
+        return F.linear(h, self.emb.weight)
+
+
+@pytest.mark.gpu
+def test_kept_views_and_replayed_pre_hooks_on_cuda_equal_the_loop() -> None:
+    """Kept views, views carried between forwards, replayed pre-hooks and a re-run module
+    on CUDA, three steps with the table updated in place between them: as the loop backend
+    on CUDA (float64), each user pre-hook run once per forward as in a plain step."""
+    from gradlog.backends import BACKENDS as _BACKENDS
+    from gradlog.grads import dense
+    from gradlog.params import select_params
+
+    def run(name: str) -> tuple[list[dict[str, torch.Tensor]], int]:
+        torch.manual_seed(0)
+        model = _KeptViewsAndHooks(CUDA, torch.float64)
+        gen = torch.Generator().manual_seed(3)
+        be = _BACKENDS[name](model, select_params(model, ["*"]), batch_reduction="mean",
+                             randomness="different")
+        be.attach()
+        out = []
+        try:
+            for _ in range(3):
+                ids = torch.randint(0, 300, (3, 8), generator=gen).to(CUDA)
+                model.zero_grad(set_to_none=True)
+                losses = (model(ids) ** 2).sum((1, 2))
+                got = be.backward(losses, be.reduce_batch(losses))
+                out.append({n: dense(g).cpu() for n, g in got.items()})
+                with torch.no_grad():
+                    model.emb.weight.mul_(0.9)  # (as an optimizer step)
+        finally:
+            be.detach()
+        return out, model.calls
+
+    got, calls = run("hooks")
+    want, _ = run("loop")
+    assert calls == 3  # the user's pre-hook: once per forward
+    for step, (ours, truth) in enumerate(zip(got, want, strict=True)):
+        assert ours.keys() == truth.keys()
+        for name in truth:
+            torch.testing.assert_close(ours[name], truth[name], rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
+
+
 @pytest.mark.gpu
 def test_one_pass_float64_norms_on_cuda_equal_the_naive_sums() -> None:
     from gradlog.grads import float64_sqnorms
