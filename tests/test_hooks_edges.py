@@ -2490,6 +2490,58 @@ def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
         be.detach()
 
 
+class _SharedRelBias(nn.Module):
+    """:class:`_RelBias` in full attention, its table also read by an op of the forward (its
+    row 0, which the bias leaves at T 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.inp, self.qkv, self.o = nn.Linear(3, 6), nn.Linear(6, 18), nn.Linear(6, 6)
+            self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, T = x.shape[0], x.shape[1]
+        h = self.inp(x) + self.rel.weight[0].sum()
+        q, k, v = self.qkv(h).view(n, T, 3, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
+        idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
+        s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None, None, :], -1e9)
+        a = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(n, T, 6)
+        return self.head(torch.tanh(h + self.o(a)))
+
+
+def test_a_layout_is_verified_only_where_its_own_calls_got_a_gradient() -> None:
+    """As above, with the table also read by an op: at the masked step its gradient was not
+    zero (row 0, from that read), so the check counted the bias's layout as verified
+    though the bias's own calls got no gradient; the next step recorded the table 4.1e-2
+    off (of its largest entry), unchecked. Now that step is checked, and refused."""
+    gen = torch.Generator().manual_seed(5)
+    steps = []
+    for n, T, masked in [(4, 5, True), (3, 3, True), (3, 3, False)]:
+        x = torch.randn(n, T, 3, dtype=D64, generator=gen)
+        keep = torch.arange(T)[None, :] < torch.randint(1, T + 1, (n,), generator=gen)[:, None]
+        steps.append((x, keep if masked else None))  # (step 1 keeps one key per datum)
+    assert steps[1][1] is not None and steps[1][1].sum(1).tolist() == [1, 1, 1]
+    model = _SharedRelBias().double()
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        for step, (x, mask) in enumerate(steps):
+            model.zero_grad(set_to_none=True)
+            losses = squares(model(x, mask))
+            if step < 2:
+                be.backward(losses, be.reduce_batch(losses))
+                continue
+            with pytest.raises(GradlogError, match="differ from the datums' own"):
+                be.backward(losses, be.reduce_batch(losses))
+    finally:
+        be.detach()
+
+
 def test_a_layout_whose_checks_compare_only_zeros_is_named_once(
         caplog: pytest.LogCaptureFixture) -> None:
     """A module called twice (a layout checked once) whose parameters get no gradient (a

@@ -545,6 +545,7 @@ class HooksBackend(Backend):
                 # this handler returns; taken before _add, which may add into the tensor.
                 call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
+            call.moved = datum_check.moved(grads, call.moved) if call.watched else None
             narrow = call_precision(call, grads)
             if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded
                 for name in entry.names.values():

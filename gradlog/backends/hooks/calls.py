@@ -109,6 +109,7 @@ class Call:
         "kwargs",
         "lead",
         "marked",
+        "moved",
         "out_shape",
         "pending",
         "primary",
@@ -119,6 +120,7 @@ class Call:
         "twice",
         "versions",
         "via_consumers",
+        "watched",
     )
 
     def __init__(self, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -148,6 +150,10 @@ class Call:
         self.fused: FusedLink | None = None  # batch_grad="sum": where the weight sum goes
         self.autocast: torch.dtype | None = None  # the autocast dtype its forward ran under
         self.tagged: weakref.ref[_Tags] | None = None  # its note in its output's grad_fn
+        # a layout the datum check verifies this backward (datum_check.DatumLayouts): whether
+        # any of its per-datum output gradients is not zero (a device bool, read by the check)
+        self.watched = False
+        self.moved: torch.Tensor | None = None
         self.inner: list[Call] | None = None  # a container's op calls (.containers)
         self.marked: list[weakref.ref[_Tags]] = []  # its notes in its outputs' (OUTPUT)
         self.geometry: tuple[torch.Size, tuple[int, ...], int] | None = None  # see mark_base

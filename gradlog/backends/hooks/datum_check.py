@@ -38,6 +38,7 @@ __all__ = [
     "check_datum",
     "datum_check_mode",
     "datum_check_possible",
+    "moved",
     "probe",
     "sample_entries",
 ]
@@ -62,13 +63,15 @@ class DatumLayouts:
     were then wrong from a later step on, unchecked), or a module called more than once
     (reuse, or once per datum by hand). A wrong split between datums still sums to
     ``p.grad``; the weighted check sees it. A layout counts as verified only once a check
-    compared a gradient of its parameters that is not zero (:meth:`passed`): a step where
-    they get none (a mask keeping one key) compares zeros with zeros and proves nothing
-    (it verified a shared table whose next step was then 0.72 off)."""
+    compared a gradient of its parameters that is not zero, and its own calls got an output
+    gradient that is not zero (:meth:`passed`): a step where they get none (a mask keeping
+    one key) compares zeros with zeros and proves nothing (it verified a shared table whose
+    next step was then 0.72 off; 4.1e-2 where the table's other reads gave it a gradient)."""
 
     def __init__(self) -> None:
         self.checked: set[Layout] = set()
         self._pending: dict[Layout, frozenset[str]] = {}  # this backward's: their params
+        self._calls: dict[Layout, list[Call]] = {}  # this backward's: the layouts' calls
         self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
@@ -78,7 +81,7 @@ class DatumLayouts:
         batch (``check_every``): check a datum too, so a loss that starts coupling data is
         caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
         above 1): where not, layouts go unchecked (README)."""
-        self._pending = {}
+        self._pending, self._calls = {}, {}
         if not possible:
             return False
         uses: dict[int, int] = {}
@@ -93,9 +96,13 @@ class DatumLayouts:
             if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
                 key = (c.entry.name, uses[id(c.entry)], at if at != (0,) else ())
                 unsure[key] = frozenset(c.entry.names.values())
+                self._calls.setdefault(key, []).append(c)
         if self.checked and unsure.keys() <= self.checked and not due:
+            self._calls = {}
             return False
         self._pending = {**unsure, ("", 0, ()): every}
+        for c in (c for layout in self._calls.values() for c in layout):
+            c.watched = True
         return not foreign_backward_hooks(model, params)
 
     def passed(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]] | None
@@ -106,13 +113,15 @@ class DatumLayouts:
         refused it), none is: that step goes unchecked (README), and the next one where a
         check runs checks them (a table as long as the batch, let be at a step with a
         backward hook, was 0.64 off at the next step, without one, unchecked)."""
+        pending, calls, self._pending, self._calls = self._pending, self._calls, {}, {}
         if datum is None:
-            self._pending = {}
             return None
         informative = frozenset(name for name, (_, theirs) in datum[1].items()
                                 if theirs is not None and bool(theirs.any()))
-        for layout, names in self._pending.items():
-            if names & informative:
+        for layout, names in pending.items():
+            own = calls.get(layout)  # (None: the batch size, the step's other layers)
+            if names & informative and (own is None or any(
+                    c.moved is not None and bool(c.moved) for c in own)):
                 self.checked.add(layout)
                 continue
             self._zeros[layout] = zeros = self._zeros.get(layout, 0) + 1
@@ -123,8 +132,15 @@ class DatumLayouts:
                     "unused rows); it verifies a layout only on gradients that are not zero, "
                     "so it runs again at every step with that layout (one extra backward "
                     "each) until they get one.", layout[0], layout[1:], zeros)
-        self._pending = {}
         return informative
+
+
+def moved(grads: Sequence[torch.Tensor | None], before: torch.Tensor | None) -> torch.Tensor:
+    """Whether any of a call's per-datum output gradients ``grads`` is not zero, or
+    ``before`` was (a device bool: read once, by :meth:`DatumLayouts.passed`)."""
+    flags = [g.any() for g in grads if g is not None]
+    now = torch.stack(flags).any() if flags else torch.tensor(False)
+    return now if before is None else before.to(now.device) | now
 
 
 def foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:
