@@ -337,6 +337,32 @@ def test_t5_with_sdpa_and_padding_masks_records_like_the_loop_oracle() -> None:
     assert not described["fallback"]
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_t5_whose_length_equals_the_batch_size_records_like_the_loop_oracle(attn: str) -> None:
+    """Padded to a length equal to the batch size (T == B == 3), T5's relative position
+    bias ``(T, T, H)`` has the batch's size first: it was read as batched, and the datum
+    check refused the step (a run with dynamic padding stopped wherever the two met). It
+    reaches the batch only through a permute, an unsqueeze and a broadcast: shared."""
+    t = transformers
+    ids, mask = (x[:, :B] for x in _ids())
+    model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                              num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
+                              relative_attention_num_buckets=8, decoder_start_token_id=0,
+                              pad_token_id=0), t.T5ForConditionalGeneration, attn)
+    labels = ids.masked_fill(mask == 0, -100)
+    keep = labels != -100
+
+    def forward() -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=mask, labels=labels,
+                       decoder_attention_mask=mask).logits
+        per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
+
+    assert ids.shape == (B, B)
+    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
+    assert not described["fallback"]
+
+
 def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:
     """ViTEmbeddings owns cls_token and position_embeddings (no rule: torch.func per module)
     and ends in a dropout; its re-run applies the masks the batch's forward drew (it was

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +23,7 @@ from torch import nn
 import gradlog
 from gradlog.backends import BACKENDS
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
+from gradlog.grads import dense
 from gradlog.params import select_params
 
 D64 = torch.float64
@@ -2397,12 +2398,38 @@ def test_selective_checkpointing_beside_a_gather_is_refused_not_broken() -> None
         per_datum(model, lambda: squares(model(x)), "hooks")
 
 
-def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> None:
+def _like_loop_over_steps(make: Callable[[], nn.Module],
+                          inputs: Sequence[tuple[Any, ...]]) -> None:
+    """``make()``'s per-datum gradients over the steps ``inputs`` (the model's arguments),
+    one backend attached throughout, equal the loop backend's (float64)."""
+    def run(name: str) -> list[dict[str, torch.Tensor]]:
+        model = make()
+        be = BACKENDS[name](model, select_params(model, ["*"]), batch_reduction="mean",
+                            randomness="different")
+        be.attach()
+        try:
+            out = []
+            for args in inputs:
+                model.zero_grad(set_to_none=True)
+                losses = squares(model(*args))
+                out.append({n: dense(g) for n, g in
+                            be.backward(losses, be.reduce_batch(losses)).items()})
+            return out
+        finally:
+            be.detach()
+
+    for step, (got, want) in enumerate(zip(run("hooks"), run("loop"), strict=True)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
+
+
+def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_exact() -> None:
     """A shared relative table of ``2T - 1`` rows, projected and broadcast over the batch:
-    at T 3 it is 5 rows (records right, the datum check ran), at T 2 it is 3 rows, the
-    batch's size, and read as batched its records were 0.5 off, unchecked (the layout key
-    did not change: only the table had a dimension of size B). A dimension of size B after
-    the first is now a layout of its own: checked, and refused."""
+    at T 3 it is 5 rows, at T 2 it is 3 rows, the batch's size. Read as batched its records
+    were 0.5 off, unchecked (the layout key did not change: only the table had a dimension
+    of size B); then checked, and refused. Its output reaches the batch only through views
+    and a broadcast, so it is shared whole whatever its sizes: exact."""
 
     class Rel(nn.Module):
         def __init__(self) -> None:
@@ -2420,45 +2447,75 @@ def test_a_shared_table_as_long_as_the_batch_at_a_later_step_is_checked() -> Non
             k = self.key(h).view(n, T, 2, 2).transpose(1, 2)
             return torch.tanh(torch.matmul(k, q.transpose(-1, -2))).flatten(1)
 
-    model = Rel().double()
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(3, T, 3, dtype=D64, generator=gen) for T in (3, 2)]
-    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
-                           randomness="different")
-    be.attach()
-    try:
-        model.zero_grad(set_to_none=True)
-        losses = squares(model(xs[0]))
-        be.backward(losses, be.reduce_batch(losses))
-        model.zero_grad(set_to_none=True)
-        losses = squares(model(xs[1]))
-        with pytest.raises(GradlogError, match="differ from the datums' own"):
-            be.backward(losses, be.reduce_batch(losses))
-    finally:
-        be.detach()
+    _like_loop_over_steps(lambda: Rel().double(),
+                          [(torch.randn(3, T, 3, dtype=D64, generator=gen),) for T in (3, 2)])
 
 
 class _RelBias(nn.Module):
     """A T5-style relative bias: a table of buckets by head on a (T, T) index, broadcast
-    over the batch (at T == B a layout only a datum check settles)."""
+    over the batch. ``path``: what the bias goes through before the broadcast; at T == B
+    gradlog proves it shared through views and ops of it alone (``"plain"``, ``"tanh"``,
+    ``"expand"``, ``"repeat"``); through a Linear (``"projected"``, exact at T != B: the
+    table's gradients taken back through the Linear's) it reads the table by size, a layout
+    only the datum check settles: its records are then wrong, and the check refuses them."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "projected") -> None:
         super().__init__()
+        self.path = path
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.inp, self.qk = nn.Linear(3, 6), nn.Linear(6, 12)
             self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
+            self.proj = nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         n, T = x.shape[0], x.shape[1]
         h = self.inp(x)
         q, k = self.qk(h).view(n, T, 2, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
         idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
-        s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
+        bias = self.rel(idx)  # (T, T, 3)
+        if self.path == "projected":
+            bias = self.proj(bias)
+        elif self.path == "tanh":
+            bias = torch.tanh(bias)
+        bias = bias.permute(2, 0, 1).unsqueeze(0)  # (1, 3, T, T)
+        if self.path == "expand":
+            bias = bias.expand(n, -1, -1, -1)
+        elif self.path == "repeat":
+            bias = bias.repeat(n, 1, 1, 1)
+        s = q @ k.transpose(-1, -2) + bias
         if mask is not None:
             s = s.masked_fill(~mask[:, None, None, :], -1e9)
         a = torch.softmax(s, -1).sum(1)  # (n, T, T)
         return self.head(torch.tanh(h + a @ h))
+
+
+@pytest.mark.parametrize("path", ["plain", "tanh", "expand", "repeat"])
+def test_a_relative_bias_at_t_equal_to_b_is_exact(path: str) -> None:
+    """The bias's ``(T, T, H)`` output at T == B has the batch's size first: it was read as
+    batched (records wrong, the datum check refused the step: a T5 run whose padded length
+    met its batch size stopped there). It reaches the batch only through views, ops of it
+    alone and a broadcast, so it is shared whole: exact, at a first step, after a masked
+    one and at T != B."""
+    gen = torch.Generator().manual_seed(5)
+    one_key = torch.arange(3)[None, :] < torch.ones(3, 1, dtype=torch.long)  # (3, 3)
+    _like_loop_over_steps(lambda: _RelBias(path).double(), [
+        (torch.randn(3, 3, 3, dtype=D64, generator=gen), None),
+        (torch.randn(3, 3, 3, dtype=D64, generator=gen), one_key),
+        (torch.randn(3, 5, 3, dtype=D64, generator=gen), None),
+        (torch.randn(3, 3, 3, dtype=D64, generator=gen), None)])
+
+
+def test_a_relative_bias_at_t_equal_to_b_where_no_check_runs_is_refused() -> None:
+    """Its size alone said batched; the proof of sharing (views and a broadcast) is trusted
+    only once a datum check passed on the layout: with a backward hook of the user's (no
+    check can run) the step is refused, not recorded unchecked."""
+    model = _RelBias("plain").double()
+    model.head.register_full_backward_hook(lambda m, gi, go: None)
+    x = torch.randn(3, 3, 3, dtype=D64, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(GradlogError, match="check cannot run here"):
+        per_datum(model, lambda: squares(model(x)), "hooks")
 
 
 def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
@@ -2491,22 +2548,23 @@ def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
 
 
 class _SharedRelBias(nn.Module):
-    """:class:`_RelBias` in full attention, its table also read by an op of the forward (its
-    row 0, which the bias leaves at T 3)."""
+    """:class:`_RelBias` (projected) in full attention, its table also read by an op of the
+    forward (its row 0, which the bias leaves at T 3), its projection also called on the
+    input (so that its layout is verified by its own calls)."""
 
     def __init__(self) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.inp, self.qkv, self.o = nn.Linear(3, 6), nn.Linear(6, 18), nn.Linear(6, 6)
-            self.rel, self.head = nn.Embedding(9, 3), nn.Linear(6, 2)
+            self.rel, self.head, self.proj = nn.Embedding(9, 3), nn.Linear(6, 2), nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         n, T = x.shape[0], x.shape[1]
-        h = self.inp(x) + self.rel.weight[0].sum()
+        h = self.inp(x + self.proj(x) + self.rel.weight[0].sum())  # (proj: called twice)
         q, k, v = self.qkv(h).view(n, T, 3, 3, 2).permute(2, 0, 3, 1, 4)  # (n, 3, T, 2)
         idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
-        s = q @ k.transpose(-1, -2) + self.rel(idx).permute(2, 0, 1).unsqueeze(0)
+        s = q @ k.transpose(-1, -2) + self.proj(self.rel(idx)).permute(2, 0, 1).unsqueeze(0)
         if mask is not None:
             s = s.masked_fill(~mask[:, None, None, :], -1e9)
         a = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(n, T, 6)
@@ -2573,7 +2631,9 @@ def test_a_layout_whose_checks_compare_only_zeros_is_named_once(
 def test_a_layout_first_seen_where_no_check_runs_is_checked_at_the_next_step() -> None:
     """A backward hook of the user's skips the check (it would fire twice): the relative
     bias at T == B, first seen on such a step, went unchecked (documented) and was marked
-    verified, so the next step, without the hook, was 0.64 off, unchecked too."""
+    verified, so the next step, without the hook, was 0.64 off, unchecked too. Now that
+    step is refused (its projection's output is proved shared by views and a broadcast,
+    a proof a check must confirm), and the next one is checked."""
     model = _RelBias().double()
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(4, 5, 3, dtype=D64, generator=gen)] + [
@@ -2588,10 +2648,11 @@ def test_a_layout_first_seen_where_no_check_runs_is_checked_at_the_next_step() -
             model.zero_grad(set_to_none=True)
             losses = squares(model(x))
             try:
-                if step < 2:
+                if step == 0:
                     be.backward(losses, be.reduce_batch(losses))
                     continue
-                with pytest.raises(GradlogError, match="differ from the datums' own"):
+                with pytest.raises(GradlogError, match="check cannot run here" if step == 1
+                                   else "differ from the datums' own"):
                     be.backward(losses, be.reduce_batch(losses))
             finally:
                 if handle is not None:

@@ -198,13 +198,16 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
             locate_batch(call, B, sequence_first)  # broadcast over it, shared all the same
             table = call.lead == B and len(shape) < widest and all(
                 type(n).__name__ in SHARED_ALONG for n, _ in found)
-        if (shared or call.lead != B or table) and first and call.hooked == 1:
+        coincides = exact and call.lead == B and B in shape[1:]  # (T, T, H) with T == B
+        if (shared or call.lead != B or table or coincides) and first and call.hooked == 1:
             chained = _through_views(found, graph, shape, B)
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
                 call.via_consumers = True
                 call.datum_rows = max(_copies(node, at, B) for node, _, _, at in chained)
                 call.copied = call.datum_rows > 0
+                if coincides and not (shared or table):
+                    _unproved(call)  # (its size alone said batched: the datum check decides)
                 yield call, chained, None
                 continue
         if flatten_rows(call, B, shared, graph, bool(sequence_first)):
