@@ -2628,6 +2628,41 @@ def test_a_layout_whose_checks_compare_only_zeros_is_named_once(
     assert len(named) == 1 and "shared" in named[0].getMessage()
 
 
+def test_a_layout_no_check_can_verify_is_named_in_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A module called twice (a layout only the datum check settles) on steps where no check
+    can run (a backward hook of the user's): its records go unchecked, as the README says,
+    and now the log says so too, once per layout; not for a layout already verified."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 4), "shared": nn.Linear(4, 4),
+                           "once": nn.Linear(4, 4)}).double()
+    x = torch.randn(B, 3, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses(twice: bool) -> torch.Tensor:
+        h = torch.tanh(model["a"](x))
+        h = model["shared"](model["shared"](h)) if twice else model["once"](h)
+        return squares(h)
+
+    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        with caplog.at_level("WARNING", logger="gradlog"):
+            for step in range(4):  # (step 0: checked, without the hook; then with it)
+                handle = model["once"].register_full_backward_hook(
+                    lambda m, gi, go: None) if step else None
+                model.zero_grad(set_to_none=True)
+                loss = losses(twice=step > 0)
+                be.backward(loss, be.reduce_batch(loss))
+                if handle is not None:
+                    handle.remove()
+    finally:
+        be.detach()
+    told = [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()]
+    assert len(told) == 1 and "shared's layout (2, ())" in told[0], told
+    assert "backward hooks of yours" in told[0]
+
+
 def test_a_layout_first_seen_where_no_check_runs_is_checked_at_the_next_step() -> None:
     """A backward hook of the user's skips the check (it would fire twice): the relative
     bias at T == B, first seen on such a step, went unchecked (documented) and was marked

@@ -73,6 +73,7 @@ class DatumLayouts:
         self._pending: dict[Layout, frozenset[str]] = {}  # this backward's: their params
         self._calls: dict[Layout, list[Call]] = {}  # this backward's: the layouts' calls
         self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
+        self._told: set[Layout] = set()  # unverified layouts the log named (unverified)
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
               params: Mapping[str, nn.Parameter], due: bool = False,
@@ -80,9 +81,9 @@ class DatumLayouts:
         """Whether this backward needs a check. ``due``: the recorder self-checks this
         batch (``check_every``): check a datum too, so a loss that starts coupling data is
         caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
-        above 1): where not, layouts go unchecked (README)."""
+        above 1): where not, layouts go unchecked (README), and the log says so."""
         self._pending, self._calls = {}, {}
-        if not possible:
+        if B < 2:
             return False
         uses: dict[int, int] = {}
         for c in calls:
@@ -100,10 +101,30 @@ class DatumLayouts:
         if self.checked and unsure.keys() <= self.checked and not due:
             self._calls = {}
             return False
+        if not possible or foreign_backward_hooks(model, params):
+            self._calls = {}
+            self.unverified(unsure, "under FSDP or DDP(static_graph=True)" if not possible
+                            else "parameters or modules carry backward hooks of yours")
+            return False
         self._pending = {**unsure, ("", 0, ()): every}
         for c in (c for layout in self._calls.values() for c in layout):
             c.watched = True
-        return not foreign_backward_hooks(model, params)
+        return True
+
+    def unverified(self, layouts: Iterable[Layout], why: str) -> None:
+        """Log, once per layout, those that shapes alone cannot settle and no check has
+        verified, on a step where none can run: their records are not checked."""
+        for layout in layouts:
+            if layout[0] in ("", "<batch size>") or layout in self.checked | self._told:
+                continue
+            self._told.add(layout)
+            log.warning(
+                "gradlog: %s's layout %s (a size of B beside the batch, or a module called "
+                "more than once) is settled only by the datum check, and no check can run on "
+                "this step (%s): its per-datum records here are unverified, and wrong if the "
+                "batch was mistaken. Record one step with that layout without the cause, "
+                "use a batch size unlike the model's other sizes, or use backend='loop'.",
+                layout[0], layout[1:], why)
 
     def passed(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]] | None
                ) -> frozenset[str] | None:
@@ -115,6 +136,8 @@ class DatumLayouts:
         backward hook, was 0.64 off at the next step, without one, unchecked)."""
         pending, calls, self._pending, self._calls = self._pending, self._calls, {}, {}
         if datum is None:
+            self.unverified(pending, "its extra backward could not run: a reentrant "
+                            "checkpoint, or autograd Functions gradlog does not know")
             return None
         informative = frozenset(name for name, (_, theirs) in datum[1].items()
                                 if theirs is not None and bool(theirs.any()))
