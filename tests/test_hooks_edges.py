@@ -569,6 +569,65 @@ def test_no_datum_check_under_reentrant_checkpointing() -> None:
     assert got["inner.0.weight"].shape == (B, 4, 4)
 
 
+class _SequenceFirstCheckpointed(nn.Module):
+    """A Linear on a sequence-first ``(T, B, d)`` view, or a T5-style bias ``(T, T, H)``
+    broadcast over the batch's scores, inside a reentrant checkpoint (or not)."""
+
+    def __init__(self, kind: str, checkpointed: bool = True) -> None:
+        super().__init__()
+        self.kind, self.checkpointed = kind, checkpointed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.lin, self.rel = nn.Linear(4, 4), nn.Embedding(9, 4)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        if self.kind == "sequence-first":
+            return self.lin(x.transpose(0, 1)).transpose(0, 1)
+        idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
+        scores = x @ x.transpose(1, 2)  # (B, T, T)
+        return torch.softmax(scores + self.rel(idx).sum(-1).unsqueeze(0), -1) @ self.lin(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True) if self.checkpointed else (
+            self.block(x))
+
+
+@pytest.mark.parametrize("kind", ["sequence-first", "T5's bias"])
+def test_a_layout_only_a_check_settles_in_a_reentrant_checkpoint_is_refused_or_named(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A call a reentrant checkpoint recomputes is seen only in the backward, where no datum
+    check can run: at T == B a sequence-first Linear was read as batch-first, T5's bias
+    as batched, 1.4-1.6 off the loop's, unchecked and unlogged (HF T5 with
+    ``gradient_checkpointing_enable()``: its biases 1.2 off). A table (no input carries
+    data) is refused; a layer on data is read batch-first as before, and the log names it
+    once. At T != B the sequence-first Linear is exact (T5's bias in such a checkpoint is
+    refused there too)."""
+    from gradlog.backends.hooks import layout
+
+    gen = torch.Generator().manual_seed(1)
+    model = _SequenceFirstCheckpointed(kind).double()
+    x = torch.randn(3, 3, 4, dtype=D64, generator=gen, requires_grad=True)
+    if kind != "sequence-first":
+        with pytest.raises(UnsupportedLayerError, match="reentrant activation checkpoint"):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+        return
+    layout._UNVERIFIED.discard("lin")
+    with caplog.at_level("WARNING", logger="gradlog"):
+        for _ in range(2):
+            per_datum(model, lambda: squares(model(x)), "hooks")
+    told = [r.getMessage() for r in caplog.records if "reentrant" in r.getMessage()]
+    assert len(told) == 1 and "Linear 'lin'" in told[0] and "unverified" in told[0]
+    x = torch.randn(3, 5, 4, dtype=D64, generator=gen, requires_grad=True)
+    got = per_datum(model, lambda: squares(model(x)), "hooks")
+    plain = _SequenceFirstCheckpointed(kind, checkpointed=False).double()
+    want = per_datum(plain, lambda: squares(plain(x)), "loop")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
 class _Block(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -2628,6 +2687,98 @@ def test_a_layout_whose_checks_compare_only_zeros_is_named_once(
     assert len(named) == 1 and "shared" in named[0].getMessage()
 
 
+class _TwoCallsGated(nn.Module):
+    """One Linear called twice on (B, T, d) with T == B, once sequence-first (its share
+    weighted by ``gate``): both calls under one layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y2 = self.lin(x2.transpose(0, 1)).transpose(0, 1)
+        return self.lin(x1) + gate[:, None, None] * y2
+
+
+class _TiedSequenceFirst(nn.Module):
+    """Two Linears sharing a weight, the second sequence-first at T == B (its input zero at
+    the first step: an output gradient, no weight gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.a(x1) + self.b(x2.transpose(0, 1) * gate[None, :, None]).transpose(0, 1)
+
+
+class _GatedTable(nn.Module):
+    """Sequence-first, a position table of T == B rows shared over the batch (a layout only
+    the check settles: :class:`.rows.RowLayouts`), weighted by ``gate``; the same table also
+    read batch-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe, self.lin = nn.Embedding(8, 4), nn.Linear(4, 4)
+        self.lin.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(0, 1)  # (T, B, d)
+        p = self.wpe(torch.arange(x.shape[0])).unsqueeze(1)  # (T, 1, d)
+        extra = F.embedding(ids, self.wpe.weight).transpose(0, 1)
+        return self.lin(x + gate * p + extra).transpose(0, 1)
+
+
+@pytest.mark.parametrize("make", [_TwoCallsGated, _TiedSequenceFirst, _GatedTable],
+                         ids=["two calls, one weighted 0", "tied, zero input", "row layout"])
+def test_a_layout_whose_own_share_was_zero_at_its_check_is_not_verified(
+        make: Callable[[], nn.Module]) -> None:
+    """The check's step gave the layout's split nothing to show (a call weighted 0 beside
+    one that is not, a zero input whose output still gets a gradient, a table weighted 0
+    whose weight another read makes informative): it was verified all the same, and the
+    next steps were 0.66-1.27 off, unchecked. Every step is now exact or refused."""
+    gen = torch.Generator().manual_seed(1)
+
+    def step(gate: float) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(3, 3, 4, dtype=D64, generator=gen)
+        if make is _GatedTable:
+            return x, torch.randint(0, 8, (3, 3), generator=gen), torch.tensor(gate, dtype=D64)
+        return x, torch.randn(3, 3, 4, dtype=D64, generator=gen), torch.full((3,), gate,
+                                                                              dtype=D64)
+
+    steps = [step(0.0), step(1.0), step(1.0)]
+
+    def run(name: str) -> list[dict[str, torch.Tensor] | None]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = make().double()
+        be = BACKENDS[name](model, select_params(model, ["*"]), batch_reduction="mean",
+                            randomness="different")
+        be.attach()
+        out: list[dict[str, torch.Tensor] | None] = []
+        try:
+            for args in steps:
+                model.zero_grad(set_to_none=True)
+                losses = squares(model(*args))
+                try:
+                    got = be.backward(losses, be.reduce_batch(losses))
+                except GradlogError:
+                    out.append(None)  # (refused: allowed)
+                    continue
+                out.append({n: dense(g) for n, g in got.items()})
+        finally:
+            be.detach()
+        return out
+
+    got, want = run("hooks"), run("loop")
+    assert got[0] is not None  # (its first step is right and checked)
+    for ours, truth in zip(got, want, strict=True):
+        assert truth is not None
+        for name in truth if ours is not None else ():
+            torch.testing.assert_close(ours[name], truth[name], rtol=1e-9, atol=1e-12)
+
+
 def test_a_layout_no_check_can_verify_is_named_in_the_log(
         caplog: pytest.LogCaptureFixture) -> None:
     """A module called twice (a layout only the datum check settles) on steps where no check
@@ -3051,12 +3202,15 @@ class _Listed(nn.Module):
         return torch.tanh(sum(h @ self.w.T for h in hs))
 
 
-@pytest.mark.parametrize("hook", ["one-shot hook", "list in place", "global"])
+@pytest.mark.parametrize("hook", ["one-shot hook", "one-shot hook on a sibling",
+                                  "list in place", "global"])
 def test_a_replayed_pre_hook_is_applied_once_and_leaves_the_model_alone(hook: str) -> None:
     """A pre-hook registering a one-shot forward hook (removed when it runs): the replay,
     which runs no forward hooks, left it on the module, and the next real forward ran it
-    (training changed: parameters 2e-2 off after a step). A pre-hook appending to a list
-    argument, or a global pre-hook scaling the input, was applied twice by the replay."""
+    (training changed: parameters 2e-2 off after a step); registered on a sibling module,
+    it stayed there too (records 1.5 off the loop's from the second step). A pre-hook
+    appending to a list argument, or a global pre-hook scaling the input, was applied twice
+    by the replay."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     core = _Listed()
@@ -3070,6 +3224,15 @@ def test_a_replayed_pre_hook_is_applied_once_and_leaves_the_model_alone(hook: st
             handles.append(module.register_forward_hook(once))
 
         core.register_forward_pre_hook(register)
+    elif hook == "one-shot hook on a sibling":
+        def register_on_out(module: nn.Module, args: Any) -> None:
+            def once(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+                handles.pop().remove()
+                return out * 1.5
+
+            handles.append(model["out"].register_forward_hook(once))
+
+        core.register_forward_pre_hook(register_on_out)
     elif hook == "list in place":
         core.register_forward_pre_hook(lambda m, args: args[0].append(args[0][0] * 0.5))
     with torch.random.fork_rng(devices=[]):

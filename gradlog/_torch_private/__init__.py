@@ -213,27 +213,33 @@ def forward_pre_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]
     return [(hook, key in with_kwargs) for key, hook in hooks.items()]
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_backward_hooks", "_backward_pre_hooks")
+
+
 @contextlib.contextmanager
-def forward_hooks_kept(module: nn.Module) -> Iterator[None]:
-    """The forward hooks and pre-hooks of ``module`` and its submodules as they were: any
-    registered meanwhile (by a pre-hook replayed: a one-shot hook, which removes itself only
-    when it runs) are removed after. Private API: ``Module._forward_hooks``,
-    ``_forward_pre_hooks`` and their ``_with_kwargs``/``_always_called`` notes. Fallback:
-    none is removed."""
-    names = ("_forward_hooks", "_forward_pre_hooks")
-    notes = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-             "_forward_pre_hooks_with_kwargs")
-    before = [(m, {n: set(getattr(m, n, None) or ()) for n in names}) for m in module.modules()]
+def forward_hooks_kept(*modules: nn.Module) -> Iterator[None]:
+    """The hooks of ``modules``, their submodules and the global module hooks left as they
+    were: any registered meanwhile (by a pre-hook replayed: a one-shot hook, which removes
+    itself only when it runs, on the module, a sibling or the model) are removed after, and
+    any removed are put back, in their order. Private API: ``Module._forward_hooks``,
+    ``_forward_pre_hooks``, ``_backward_hooks``, ``_backward_pre_hooks``, their
+    ``_with_kwargs``/``_always_called`` notes, and ``torch.nn.modules.module``'s
+    ``_global_*`` dicts. Fallback: those not found are not kept."""
+    owners: dict[int, nn.Module] = {}
+    for module in modules:
+        owners.update((id(m), m) for m in module.modules())
+    found = [getattr(torch.nn.modules.module, "_global" + name, None) for name in _HOOK_DICTS]
+    found += [getattr(m, name, None) for m in owners.values() for name in _HOOK_DICTS]
+    kept = [(hooks, dict(hooks)) for hooks in found if isinstance(hooks, dict)]
     try:
         yield
     finally:
-        for m, keys in before:
-            for n in names:
-                hooks = getattr(m, n, None) or {}
-                for key in [k for k in hooks if k not in keys[n]]:
-                    hooks.pop(key, None)
-                    for note in notes:
-                        (getattr(m, note, None) or {}).pop(key, None)
+        for hooks, saved in kept:
+            if hooks.keys() != saved.keys():
+                hooks.clear()
+                hooks.update(saved)
 
 
 def gradient_accumulator(t: torch.Tensor) -> Any:

@@ -85,7 +85,7 @@ from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory import current_chunk  # rows of chunked_linear_loss's head calls
 from gradlog.params import check_differentiable
 from gradlog.rules import track_dropout
-from gradlog.rules.base import Capture, RuleResult
+from gradlog.rules.base import Capture, RuleResult, replays_keep_hooks
 from gradlog.rules.ops import GENERIC_BATCH_DIM
 from gradlog.rules.replay import replayed_otherwise
 
@@ -175,6 +175,7 @@ class HooksBackend(Backend):
         self._containers = Containers(self._ops, self._capturing)
         self._handles += [self.model.register_forward_pre_hook(self._ops.enter, prepend=True),
                           self.model.register_forward_hook(self._ops.leave, always_call=True),
+                          replays_keep_hooks(self.model),
                           *(p.register_hook(functools.partial(self._on_param_grad, name))
                             for name, p in self.params.items())]
 
@@ -196,8 +197,7 @@ class HooksBackend(Backend):
 
     @property
     def fused_params(self) -> frozenset[str]:
-        """Recorded weights whose gradient is the sum of their records (``batch_grad="sum"``;
-        known once attached)."""
+        """Recorded weights whose gradient is their records' sum (``batch_grad="sum"``)."""
         return frozenset(e.names["weight"] for e in self._entries if e.fused)
 
     def describe(self) -> dict[str, Any]:
@@ -506,7 +506,7 @@ class HooksBackend(Backend):
                 batch, rows, args, kwargs, grads, flat = rows_by_datum(
                     call.chunk, entry, self._batch, args, kwargs, grads)
             elif call.lead is None and not expanded:  # a call captured during the backward
-                locate_batch(call, self._batch, self._sequence_first)
+                locate_batch(call, self._batch, self._sequence_first, unchecked=True)
             if call.bd != 0 and entry.rule.feature_dims is not None:
                 args, kwargs, grads = batch_first(call.bd, self._batch, args, kwargs, grads)
             cap = Capture(
@@ -545,7 +545,7 @@ class HooksBackend(Backend):
                 # this handler returns; taken before _add, which may add into the tensor.
                 call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
-            call.moved = datum_check.moved(grads, call.moved) if call.watched else None
+            call.moved = datum_check.moved(result.values(), call.moved) if call.watched else None
             narrow = call_precision(call, grads)
             if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded
                 for name in entry.names.values():

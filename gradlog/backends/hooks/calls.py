@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -32,7 +32,7 @@ from gradlog.errors import UnsupportedLayerError
 from gradlog.rules import GENERIC, Rule, find_rule
 from gradlog.rules.base import parametrized_by
 
-__all__ = ["TAG", "Call", "Entry", "plan_entries"]
+__all__ = ["TAG", "Call", "Entry", "calls_moved", "plan_entries", "sizes_of_b"]
 
 TAG = "gradlog_calls"  # autograd Node.metadata key: [(output_nr, call)] of captured outputs
 OUTPUT = "gradlog_output"  # and [(output_nr, call)] of every hooked output (reorder's inside)
@@ -85,6 +85,23 @@ class _Tags(list[tuple[int, "Call"]]):
     (a strong reference would make a cycle through the node's metadata)."""
 
     __slots__ = ("__weakref__",)
+
+
+def sizes_of_b(call: Call, B: int) -> tuple[int, ...]:
+    """The leading (not feature) dimensions of the call's output whose size is ``B``: where
+    its batch may be. More than one, or one after the first, is a layout only the datum
+    check settles (:class:`.datum_check.DatumLayouts`)."""
+    shape, features = tuple(call.out_shape), call.entry.rule.feature_dims
+    lead = shape[: len(shape) - (features(call.entry.module) if features else 1)]
+    return tuple(k for k, n in enumerate(lead) if n == B)
+
+
+def calls_moved(calls: Iterable[Call]) -> bool:
+    """Whether every one of a layout's calls gave per-datum gradients that are not zero
+    (:attr:`Call.moved`, set where :attr:`Call.watched`): one whose share was zero proves
+    nothing of its split (two calls of a layer under one layout, one weighted 0, were
+    verified by the other)."""
+    return all(c.moved is not None and bool(c.moved) for c in calls)
 
 
 class Call:

@@ -25,11 +25,11 @@ from gradlog._torch_private import (
     tensor_hook_count,
 )
 from gradlog.backends.base import check_tolerance
-from gradlog.backends.hooks.calls import Call
+from gradlog.backends.hooks.calls import Call, calls_moved, sizes_of_b
 from gradlog.backends.hooks.checks import over_tolerance, rerun_hint
 from gradlog.backends.hooks.graph import foreign_functions
 from gradlog.errors import BackendError
-from gradlog.grads import entries
+from gradlog.grads import Factors, Rows, dense, entries
 
 __all__ = [
     "HOOK_KINDS",
@@ -91,9 +91,7 @@ class DatumLayouts:
         every = frozenset(params)
         unsure: dict[Layout, frozenset[str]] = {("<batch size>", B, ()): every}
         for c in calls:
-            shape, features = tuple(c.out_shape), c.entry.rule.feature_dims
-            lead = shape[: len(shape) - (features(c.entry.module) if features else 1)]
-            at = tuple(k for k, n in enumerate(lead) if n == B)  # where the batch may be
+            at = sizes_of_b(c, B)  # where the batch may be
             if len(at) > 1 or uses[id(c.entry)] > 1 or at[:1] not in ((), (0,)):
                 key = (c.entry.name, uses[id(c.entry)], at if at != (0,) else ())
                 unsure[key] = frozenset(c.entry.names.values())
@@ -143,8 +141,7 @@ class DatumLayouts:
                                 if theirs is not None and bool(theirs.any()))
         for layout, names in pending.items():
             own = calls.get(layout)  # (None: the batch size, the step's other layers)
-            if names & informative and (own is None or any(
-                    c.moved is not None and bool(c.moved) for c in own)):
+            if names & informative and (own is None or calls_moved(own)):
                 self.checked.add(layout)
                 continue
             self._zeros[layout] = zeros = self._zeros.get(layout, 0) + 1
@@ -158,12 +155,26 @@ class DatumLayouts:
         return informative
 
 
-def moved(grads: Sequence[torch.Tensor | None], before: torch.Tensor | None) -> torch.Tensor:
-    """Whether any of a call's per-datum output gradients ``grads`` is not zero, or
-    ``before`` was (a device bool: read once, by :meth:`DatumLayouts.passed`)."""
-    flags = [g.any() for g in grads if g is not None]
-    now = torch.stack(flags).any() if flags else torch.tensor(False)
+def moved(result: Iterable[Any], before: torch.Tensor | None) -> torch.Tensor:
+    """Whether the per-datum gradients a call's rule gave (``result``'s values: dense,
+    :class:`~gradlog.grads.Rows`, :class:`~gradlog.grads.Factors`) are not all zero, or
+    ``before`` was (a device bool, read once, by :meth:`DatumLayouts.passed`). Its output
+    gradient is not enough: a layer on a zero input gets one and gives its weight none."""
+    flags = [_any(v) for v in result]
+    now = torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else (
+        torch.tensor(False))
     return now if before is None else before.to(now.device) | now
+
+
+def _any(material: Any) -> torch.Tensor:
+    if isinstance(material, torch.Tensor):
+        return material.any()
+    if isinstance(material, Rows):
+        return material.values.any()
+    if isinstance(material, Factors):
+        g, a = material.held
+        return g.any() & a.any()  # (nonzero factors of every datum: a nonzero product)
+    return dense(material).any()
 
 
 def foreign_backward_hooks(model: nn.Module, params: Mapping[str, nn.Parameter]) -> bool:

@@ -10,6 +10,7 @@ head's or a row-wise layer's rows flattened over the batch's tokens: :mod:`.rows
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from gradlog._torch_private.nodes import (
     autograd_node_shapes_known,
 )
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import TAG, Call
+from gradlog.backends.hooks.calls import TAG, Call, sizes_of_b
 from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
@@ -51,7 +52,8 @@ Consumers = list[tuple[Any, int, Chain, tuple[int, ...]]]
 output (``Chain`` is empty when the node consumes the output itself)."""
 
 
-def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
+def locate_batch(call: Call, B: int, sequence_first: list[str], unchecked: bool = False
+                 ) -> None:
     """Settle the call's batch dimension: fixed by its rule, or, for layers that treat
     leading dimensions alike, the leading dimension of size B (dim 0 if it is one).
 
@@ -59,8 +61,33 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
         call: The call; its ``bd`` and ``lead`` are set.
         B: The batch size.
         sequence_first: The model's modules with ``batch_first=False``.
+        unchecked: No datum check verifies this call's layout (captured in the backward, in
+            a reentrant checkpoint's recompute): with two dimensions of size B it is read
+            batch-first, and the log says so, or refused in a model with sequence-first
+            layers or where no input carries data (a table: T5's bias, 1.2-1.6 off so).
     """
     entry, shape = call.entry, call.out_shape
+    at = sizes_of_b(call, B)
+    if unchecked and B > 1 and len(at) > 1 and not sequence_first and any(
+            t.requires_grad for t in flatten((call.args, call.kwargs))[0]
+            if isinstance(t, torch.Tensor)):
+        if entry.name not in _UNVERIFIED:
+            _UNVERIFIED.add(entry.name)
+            log.warning(
+                "gradlog: %s ran inside a reentrant activation checkpoint with output shape "
+                "%s, two of its dimensions of the batch's size (B=%d): it is read batch-first, "
+                "unverified (no datum check runs there); a sequence-first use would be "
+                "recorded wrong. use_reentrant=False lets the check run.",
+                entry.label, tuple(shape), B)
+    elif unchecked and B > 1 and len(at) > 1:
+        raise UnsupportedLayerError(
+            f"{entry.label} ran inside a reentrant activation checkpoint "
+            f"(use_reentrant=True) with output shape {tuple(shape)}: more than one of its "
+            f"dimensions has the batch's size (B={B}), a layout gradlog settles with a "
+            "datum check, which autograd refuses there. Use "
+            "use_reentrant=False (HF: gradient_checkpointing_enable(gradient_checkpointing_"
+            "kwargs={'use_reentrant': False})), a batch size different from the model's "
+            "other sizes, or backend='loop'.")
     first = call.args[0] if call.args else None
     if isinstance(first, PackedSequence):  # its batch: the sequences (the RNN rule splits it)
         call.lead = int(first.batch_sizes[0]) if len(first.batch_sizes) else 0
@@ -81,12 +108,16 @@ def locate_batch(call: Call, B: int, sequence_first: list[str]) -> None:
     elif entry.fallback and not entry.op and (len(shape) <= call.bd or shape[call.bd] != B):
         # a module without a rule on a sequence-first (T, B, D) layout; never the last
         # (feature) axis: a flattened (B*T, d) output with d == B has no batch axis
-        at = [k for k, n in enumerate(shape[:-1]) if n == B]
-        if len(at) == 1:
-            call.bd = at[0]
+        sized = [k for k, n in enumerate(shape[:-1]) if n == B]
+        if len(sized) == 1:
+            call.bd = sized[0]
     call.lead = shape[call.bd] if len(shape) > call.bd else None
     if entry.op and entry.op not in COPYING_OPS and _on_parameters_alone(call):
         call.lead = None  # a size of B there is the parameters': no datum's data came in
+
+
+_UNVERIFIED: set[str] = set()  # calls read batch-first in a reentrant checkpoint, logged
+log = logging.getLogger("gradlog")
 
 
 COPYING_OPS = frozenset({"repeat", "expand", "expand_as", "tile", "broadcast_to", "cat",

@@ -22,7 +22,7 @@ from gradlog._torch_private.nodes import (
     autograd_node_view_input_sizes,
 )
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import TAG, Call, Entry
+from gradlog.backends.hooks.calls import TAG, Call, Entry, calls_moved
 from gradlog.backends.hooks.graph import VIEW_NODES, GraphSurvey, row_wise
 from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.memory.chunk import ChunkInfo
@@ -295,6 +295,7 @@ class RowLayouts:
         self.pending: set[tuple[str, tuple[int, ...]]] = set()  # this backward's new ones
         self.own: frozenset[str] = frozenset()
         self._names: dict[str, frozenset[str]] = {}  # layer -> its recorded parameters
+        self._calls: dict[tuple[str, tuple[int, ...]], list[Call]] = {}  # pending ones
         self.reordered = False  # this backward's batch reordered in the forward: checked
 
     def note(self, calls: Iterable[Call], B: int, graph: GraphSurvey) -> bool:
@@ -304,10 +305,15 @@ class RowLayouts:
         the parameters of copies over the batch among them."""
         calls = list(calls)
         self.reordered = B > 1 and graph.reordered(B)
-        self.pending = set() if B < 2 else {
-            (c.entry.name, tuple(c.chunk.lead_shape)) if c.chunk is not None
-            else (c.entry.name, (B, c.datum_rows)) for c in calls
-            if (c.chunk is not None and c.chunk.flattened) or c.datum_rows} - self.verified
+        self._calls = {}
+        for c in calls if B > 1 else ():
+            if (c.chunk is not None and c.chunk.flattened) or c.datum_rows:
+                key = (c.entry.name, tuple(c.chunk.lead_shape) if c.chunk is not None
+                       else (B, c.datum_rows))
+                if key not in self.verified:
+                    self._calls.setdefault(key, []).append(c)
+                    c.watched = True  # (its results' being zero read by passed)
+        self.pending = set(self._calls)
         self.own = frozenset(n for c in calls if c.copied for n in c.entry.names.values())
         self._names = {c.entry.name: frozenset(c.entry.names.values()) for c in calls}
         return bool(self.pending) or self.reordered
@@ -343,10 +349,13 @@ class RowLayouts:
     def passed(self, informative: frozenset[str] | None) -> None:
         """The datum check passed: verified are the pending layouts with a parameter in
         ``informative`` (whose gradient it compared was not zero: see
-        :meth:`.datum_check.DatumLayouts.passed`); the others stay pending."""
+        :meth:`.datum_check.DatumLayouts.passed`) whose calls gave gradients that are not
+        zero (:func:`.calls.calls_moved`: a table weighted 0 at the check, another read of
+        its weight informative, was 1.0 off at the next step); the others stay pending."""
         self.verified |= {key for key in self.pending
-                          if informative is None or self._names[key[0]] & informative}
-        self.pending, self.reordered = set(), False
+                          if informative is None or (self._names[key[0]] & informative
+                                                     and calls_moved(self._calls[key]))}
+        self.pending, self.reordered, self._calls = set(), False, {}
 
 
 def rows_by_datum(chunk: Any, entry: Entry, B: int, args: tuple[Any, ...],
