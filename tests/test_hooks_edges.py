@@ -2779,6 +2779,69 @@ def test_a_layout_whose_own_share_was_zero_at_its_check_is_not_verified(
             torch.testing.assert_close(ours[name], truth[name], rtol=1e-9, atol=1e-12)
 
 
+class _TiedSequenceFirstEmbedding(nn.Module):
+    """Sequence-first token ids ``(T, B)`` into an Embedding of 500 rows tied to the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(500, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x) + self.emb(ids).transpose(0, 1)  # (T, B, d) -> (B, T, d)
+        return F.linear(h, self.emb.weight)
+
+
+def test_a_checks_entries_include_where_the_layouts_own_calls_gave_gradients() -> None:
+    """At T == B the embedding's ``(T, B, d)`` output was split at its first dimension
+    (wrong); the datum check's entries, half among the tied weight's nonzero ones, fell on
+    the head's dense gradient and missed the few looked-up rows: passed, records 0.85 off.
+    The check now also compares entries where the layout's own calls gave gradients:
+    refused. At T != B: exact."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _TiedSequenceFirstEmbedding().double()
+    gen = torch.Generator().manual_seed(1)
+    ids, x = torch.randint(0, 500, (3, 3), generator=gen), torch.randn(3, 3, 8, dtype=D64,
+                                                                        generator=gen)
+    with pytest.raises(GradlogError, match="differ from the datums' own"):
+        per_datum(model, lambda: squares(model(ids, x)), "hooks")
+    ids, x = torch.randint(0, 500, (5, 3), generator=gen), torch.randn(3, 5, 8, dtype=D64,
+                                                                        generator=gen)
+    got = per_datum(model, lambda: squares(model(ids, x)), "hooks")
+    want = per_datum(model, lambda: squares(model(ids, x)), "loop")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+class _ScaledTwice(nn.Module):
+    """A module without a rule, with a 0-dimensional parameter, called twice (a layout the
+    datum check watches: its per-datum gradients are ``(B,)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h * self.s)
+
+
+def test_a_watched_call_of_a_0_dimensional_parameter_is_exact() -> None:
+    """The entries a watched call adds to the check were read as ``(B, n)``: a parameter of
+    no dimensions failed there (CLIP's ``logit_scale`` at T == B, a sweep found it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), _ScaledTwice(), nn.Linear(4, 2)).double()
+    twice = model[1]
+    x = torch.randn(4, 3, dtype=D64, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        return squares(model[2](twice(twice(model[0](x)))))
+
+    got, want = per_datum(model, losses, "hooks"), per_datum(model, losses, "loop")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
 def test_a_layout_no_check_can_verify_is_named_in_the_log(
         caplog: pytest.LogCaptureFixture) -> None:
     """A module called twice (a layout only the datum check settles) on steps where no check

@@ -349,8 +349,7 @@ class HooksBackend(Backend):
             datum = self._datum_probe(losses, rng, keep_graph=True) if when == "before" else None
             self._armed = True
             try:
-                # the ordinary backward: p.grad exactly as without gradlog (its graph kept for
-                # a datum check after it, see datum_check.datum_check_mode)
+                # the ordinary backward, p.grad as without gradlog (see datum_check_mode)
                 batch_loss.backward(retain_graph=True if when == "after" else None)
             finally:
                 self._armed = False
@@ -381,6 +380,7 @@ class HooksBackend(Backend):
             if datum is not None:
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
+                datum = self._layouts.with_own_entries(datum)  # (and their own entries)
                 datum_check.check_datum(datum, out, self.params, narrow, trusted=not foreign,
                                         required=bool(self._rows.pending or self._rows.reordered),
                                         loss_scaled=self.seed_scale != 1,
@@ -415,7 +415,7 @@ class HooksBackend(Backend):
         self._probing = True  # (see _on_output_grad)
         try:
             return datum_check.probe(losses, self.params, self._spot_rng,
-                                     cuda_devices(self.model), rng, keep_graph)
+                                     cuda_devices(self.model), rng, keep_graph, self._layouts)
         finally:
             self._probing = False
 
@@ -545,7 +545,7 @@ class HooksBackend(Backend):
                 # this handler returns; taken before _add, which may add into the tensor.
                 call.fused.weight_grad = weight.sum(0).div_(self._scale)
             self._add(entry, result, cap, rows)
-            call.moved = datum_check.moved(result.values(), call.moved) if call.watched else None
+            datum_check.watch(call, result)  # (where a datum check verifies its layout)
             narrow = call_precision(call, grads)
             if narrow is not None:  # the layer ran in autocast's dtype: p.grad is rounded
                 for name in entry.names.values():

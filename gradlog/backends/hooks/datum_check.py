@@ -38,9 +38,9 @@ __all__ = [
     "check_datum",
     "datum_check_mode",
     "datum_check_possible",
-    "moved",
     "probe",
     "sample_entries",
+    "watch",
 ]
 
 _DATUM_ENTRIES = 64  # entries per parameter of the datum check (check_datum)
@@ -74,6 +74,7 @@ class DatumLayouts:
         self._calls: dict[Layout, list[Call]] = {}  # this backward's: the layouts' calls
         self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
         self._told: set[Layout] = set()  # unverified layouts the log named (unverified)
+        self._held: dict[str, torch.Tensor | None] = {}  # the check's gradients (hold)
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
               params: Mapping[str, nn.Parameter], due: bool = False,
@@ -108,6 +109,39 @@ class DatumLayouts:
         for c in (c for layout in self._calls.values() for c in layout):
             c.watched = True
         return True
+
+    def hold(self, got: Mapping[str, torch.Tensor | None]) -> None:
+        """Keep the check's whole gradient of the parameters this backward's layouts' calls
+        use, for :meth:`with_own_entries`."""
+        used = {n for calls in self._calls.values() for c in calls
+                for n in c.entry.names.values()}
+        self._held = {n: g for n, g in got.items() if n in used}
+
+    def with_own_entries(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]]
+                         ) -> tuple[torch.Tensor, dict[str, tuple[Any, Any]]]:
+        """``datum`` with entries of each layout's parameters where its own calls' per-datum
+        gradients are not zero (:attr:`.calls.Call.hot`, taken by :func:`moved`) added to
+        those compared: the check's random entries fall where the parameter's gradient is
+        not zero, which another use may fill (an embedding tied to a head of 500 rows: its
+        few looked-up rows were missed, and a wrong split passed, 0.85 off)."""
+        sampled = dict(datum[1])
+        for c in (c for calls in self._calls.values() for c in calls):
+            for name, index in (c.hot or {}).items():
+                full = self._held.get(name)  # (None: unused by the check's backward)
+                if name not in sampled or full is None or not len(index):
+                    continue
+                at, theirs = sampled[name]
+                extra = torch.take(full, index.to(full.device))
+                sampled[name] = (torch.cat([at, index.to(at.device)]),
+                                 torch.cat([theirs.to(extra.device), extra]))
+        self._held = {}
+        k = max((len(at) for at, _ in sampled.values()), default=0)
+        for name, (at, theirs) in sampled.items():  # (as many for each: check_datum's k)
+            if len(at) < k:
+                again = torch.arange(k - len(at), device=at.device) % len(at)
+                sampled[name] = (torch.cat([at, at[again]]), None if theirs is None else
+                                 torch.cat([theirs, theirs[again.to(theirs.device)]]))
+        return datum[0], sampled
 
     def unverified(self, layouts: Iterable[Layout], why: str) -> None:
         """Log, once per layout, those that shapes alone cannot settle and no check has
@@ -155,15 +189,47 @@ class DatumLayouts:
         return informative
 
 
-def moved(result: Iterable[Any], before: torch.Tensor | None) -> torch.Tensor:
-    """Whether the per-datum gradients a call's rule gave (``result``'s values: dense,
-    :class:`~gradlog.grads.Rows`, :class:`~gradlog.grads.Factors`) are not all zero, or
-    ``before`` was (a device bool, read once, by :meth:`DatumLayouts.passed`). Its output
-    gradient is not enough: a layer on a zero input gets one and gives its weight none."""
-    flags = [_any(v) for v in result]
+def watch(call: Call, result: Mapping[str, Any]) -> None:
+    """What a watched call's rule gave (``result``: dense per-datum gradients,
+    :class:`~gradlog.grads.Rows`, :class:`~gradlog.grads.Factors`, by attribute): whether
+    it is not all zero (:attr:`.calls.Call.moved`, a device bool read once, by
+    :meth:`DatumLayouts.passed`; its output gradient is not enough: a layer on a zero input
+    gets one and gives its weight none), and a few entries where it is not
+    (:attr:`.calls.Call.hot`, for :meth:`DatumLayouts.with_own_entries`). Others: nothing."""
+    if not call.watched:
+        return
+    flags = [_any(v) for v in result.values()]
     now = torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else (
         torch.tensor(False))
-    return now if before is None else before.to(now.device) | now
+    call.moved = now if call.moved is None else call.moved.to(now.device) | now
+    hot = dict(call.hot or {})
+    for attr, material in result.items():
+        name = call.entry.names.get(attr)
+        index = _hot(material)
+        if name is not None and index is not None:
+            hot[name] = index if name not in hot else torch.cat([hot[name], index.to(
+                hot[name].device)])
+    call.hot = hot
+
+
+_HOT = 8  # entries per parameter a watched call adds to the datum check's
+
+
+def _hot(material: Any) -> torch.Tensor | None:
+    """Up to :data:`_HOT` flat indices into the parameter where some datum's gradient in
+    ``material`` is not zero, spread over them (no random draw: training's streams stay);
+    None for factors (a dense weight: the check's random entries cover it)."""
+    if isinstance(material, Rows):
+        values = material.values.flatten(2)  # (B, N, row)
+        live = (material.index >= 0) & (values != 0).any(-1)  # (B, N)
+        at = live.flatten().nonzero().squeeze(1)  # (a device sync: check steps only)
+        at = at[torch.linspace(0, len(at) - 1, min(_HOT, len(at))).long()] if len(at) else at
+        col = values.flatten(0, 1)[at].abs().argmax(-1)
+        return material.index.flatten()[at] * values.shape[-1] + col
+    if isinstance(material, torch.Tensor):
+        at = material.detach().abs().reshape(len(material), -1).sum(0).nonzero().squeeze(1)
+        return at[torch.linspace(0, len(at) - 1, min(_HOT, len(at))).long()] if len(at) else at
+    return None
 
 
 def _any(material: Any) -> torch.Tensor:
@@ -237,10 +303,12 @@ def datum_check_mode(losses: torch.Tensor, batch_loss: torch.Tensor,
 
 def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
           generator: torch.Generator, devices: list[int], rng: dict[str, torch.Tensor] | None,
-          keep_graph: bool) -> tuple[torch.Tensor, dict[str, Any]] | None:
+          keep_graph: bool, layouts: DatumLayouts | None = None
+          ) -> tuple[torch.Tensor, dict[str, Any]] | None:
     """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries per
     parameter (None: autograd refused; no check); see :func:`check_datum`. The global RNG
-    is forked and set to ``rng``: the backward's random draws repeat."""
+    is forked and set to ``rng``: the backward's random draws repeat. ``layouts`` keeps the
+    whole gradient of the parameters its layouts' calls use (:meth:`DatumLayouts.held`)."""
     names = [n for n, p in params.items() if p.numel()]
     v = torch.randn(losses.shape[0], generator=generator, dtype=torch.float64)
     try:
@@ -252,6 +320,8 @@ def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
         # Function whose backward uses up its state: no check (p.grad is unaffected)
         log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
         return None
+    if layouts is not None:
+        layouts.hold(dict(zip(names, got, strict=True)))
     return v, sample_entries(names, got, params, generator)
 
 
