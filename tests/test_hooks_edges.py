@@ -2780,35 +2780,84 @@ def test_a_layout_whose_own_share_was_zero_at_its_check_is_not_verified(
 
 
 class _TiedSequenceFirstEmbedding(nn.Module):
-    """Sequence-first token ids ``(T, B)`` into an Embedding of 500 rows tied to the head."""
+    """Sequence-first token ids ``(T, B)`` into an Embedding tied to the head."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int) -> None:
         super().__init__()
-        self.emb, self.proj = nn.Embedding(500, 8), nn.Linear(8, 8)
+        self.emb, self.proj = nn.Embedding(rows, 8), nn.Linear(8, 8)
 
     def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x) + self.emb(ids).transpose(0, 1)  # (T, B, d) -> (B, T, d)
         return F.linear(h, self.emb.weight)
 
 
-def test_a_checks_entries_include_where_the_layouts_own_calls_gave_gradients() -> None:
-    """At T == B the embedding's ``(T, B, d)`` output was split at its first dimension
-    (wrong); the datum check's entries, half among the tied weight's nonzero ones, fell on
-    the head's dense gradient and missed the few looked-up rows: passed, records 0.85 off.
-    The check now also compares entries where the layout's own calls gave gradients:
-    refused. At T != B: exact."""
+class _TiedTableOfB(nn.Module):
+    """A table of B rows (``emb(arange(B))``) every datum attends to, its Embedding tied to
+    the head: shared, but its output's shape says batched."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(rows, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        keys = self.emb(torch.arange(x.shape[0]))  # (B, d)
+        h = self.proj(x)
+        h = h + torch.softmax(h @ keys.t(), -1) @ keys
+        return F.linear(h, self.emb.weight)
+
+
+@pytest.mark.parametrize(("make", "B", "rows"), [
+    (_TiedSequenceFirstEmbedding, 3, 500), (_TiedSequenceFirstEmbedding, 8, 50000),
+    (_TiedTableOfB, 3, 500)], ids=["sequence-first B 3", "sequence-first B 8", "table of B"])
+def test_the_datum_check_compares_the_rows_embeddings_looked_up(
+        make: Callable[[int], nn.Module], B: int, rows: int) -> None:
+    """Split wrong (a sequence-first embedding at T == B; a table of B rows read as
+    batched), an embedding tied to a head of 500-50000 rows passed the datum check: its
+    entries, half among the weight's nonzero gradient entries, fell on the head's dense
+    gradient and missed the few rows looked up (0.85-1.8 off from the first step). The
+    check now also compares entries in the rows each embedding call looked up: refused.
+    The sequence-first embedding at T != B: exact."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = _TiedSequenceFirstEmbedding().double()
+        model = make(rows).double()
     gen = torch.Generator().manual_seed(1)
-    ids, x = torch.randint(0, 500, (3, 3), generator=gen), torch.randn(3, 3, 8, dtype=D64,
-                                                                        generator=gen)
+    T = B if make is _TiedSequenceFirstEmbedding else 5
+    ids, x = torch.randint(0, rows, (T, B), generator=gen), torch.randn(B, T, 8, dtype=D64,
+                                                                         generator=gen)
     with pytest.raises(GradlogError, match="differ from the datums' own"):
         per_datum(model, lambda: squares(model(ids, x)), "hooks")
-    ids, x = torch.randint(0, 500, (5, 3), generator=gen), torch.randn(3, 5, 8, dtype=D64,
-                                                                        generator=gen)
+    if make is not _TiedSequenceFirstEmbedding:
+        return
+    ids, x = torch.randint(0, rows, (B + 2, B), generator=gen), torch.randn(
+        B, B + 2, 8, dtype=D64, generator=gen)
     got = per_datum(model, lambda: squares(model(ids, x)), "hooks")
     want = per_datum(model, lambda: squares(model(ids, x)), "loop")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+class _OffsetPositions(nn.Embedding):
+    """BART's learned positions: a subclass whose forward takes the ids' shape and looks up
+    ``arange(T) + 2`` for every datum, not its argument."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward((torch.arange(ids.shape[1]) + 2).expand(ids.shape[0], -1))
+
+
+def test_an_embedding_with_a_forward_of_its_own_is_left_to_the_checks_own_entries() -> None:
+    """The rows an embedding call looked up are read from its first argument, which a
+    subclass may not look up (the entries taken from it were out of the table's range:
+    Whisper, MVP and BigBird-Pegasus failed with an IndexError in a first version)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"tok": nn.Embedding(50, 6), "pos": _OffsetPositions(8, 6),
+                               "head": nn.Linear(6, 2)}).double()
+    ids = torch.randint(40, 50, (3, 5), generator=torch.Generator().manual_seed(1))
+
+    def losses() -> torch.Tensor:
+        return squares(model["head"](torch.tanh(model["tok"](ids) + model["pos"](ids))))
+
+    got, want = per_datum(model, losses, "hooks"), per_datum(model, losses, "loop")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
 

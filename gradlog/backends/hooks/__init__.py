@@ -380,7 +380,6 @@ class HooksBackend(Backend):
             if datum is not None:
                 self.settle()  # the spot check's verdict first, and none left pending
                 narrow = (*self.low_precision.values(), *self._autocast)
-                datum = self._layouts.with_own_entries(datum)  # (and their own entries)
                 datum_check.check_datum(datum, out, self.params, narrow, trusted=not foreign,
                                         required=bool(self._rows.pending or self._rows.reordered),
                                         loss_scaled=self.seed_scale != 1,

@@ -122,7 +122,6 @@ class Call:
         "grads",
         "handles",
         "hooked",
-        "hot",
         "inner",
         "kwargs",
         "lead",
@@ -172,7 +171,6 @@ class Call:
         # any of its per-datum output gradients is not zero (a device bool, read by the check)
         self.watched = False
         self.moved: torch.Tensor | None = None
-        self.hot: dict[str, torch.Tensor] | None = None  # entries it gave (datum_check.watch)
         self.inner: list[Call] | None = None  # a container's op calls (.containers)
         self.marked: list[weakref.ref[_Tags]] = []  # its notes in its outputs' (OUTPUT)
         self.geometry: tuple[torch.Size, tuple[int, ...], int] | None = None  # see mark_base

@@ -74,7 +74,7 @@ class DatumLayouts:
         self._calls: dict[Layout, list[Call]] = {}  # this backward's: the layouts' calls
         self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
         self._told: set[Layout] = set()  # unverified layouts the log named (unverified)
-        self._held: dict[str, torch.Tensor | None] = {}  # the check's gradients (hold)
+        self._tables: list[Call] = []  # this backward's embedding calls (table_entries)
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
               params: Mapping[str, nn.Parameter], due: bool = False,
@@ -84,6 +84,7 @@ class DatumLayouts:
         caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
         above 1): where not, layouts go unchecked (README), and the log says so."""
         self._pending, self._calls = {}, {}
+        self._tables = [c for c in calls if _table(c)]  # (their rows: table_entries)
         if B < 2:
             return False
         uses: dict[int, int] = {}
@@ -110,38 +111,30 @@ class DatumLayouts:
             c.watched = True
         return True
 
-    def hold(self, got: Mapping[str, torch.Tensor | None]) -> None:
-        """Keep the check's whole gradient of the parameters this backward's layouts' calls
-        use, for :meth:`with_own_entries`."""
-        used = {n for calls in self._calls.values() for c in calls
-                for n in c.entry.names.values()}
-        self._held = {n: g for n, g in got.items() if n in used}
-
-    def with_own_entries(self, datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]]
-                         ) -> tuple[torch.Tensor, dict[str, tuple[Any, Any]]]:
-        """``datum`` with entries of each layout's parameters where its own calls' per-datum
-        gradients are not zero (:attr:`.calls.Call.hot`, taken by :func:`moved`) added to
-        those compared: the check's random entries fall where the parameter's gradient is
-        not zero, which another use may fill (an embedding tied to a head of 500 rows: its
-        few looked-up rows were missed, and a wrong split passed, 0.85 off)."""
-        sampled = dict(datum[1])
-        for c in (c for calls in self._calls.values() for c in calls):
-            for name, index in (c.hot or {}).items():
-                full = self._held.get(name)  # (None: unused by the check's backward)
-                if name not in sampled or full is None or not len(index):
-                    continue
-                at, theirs = sampled[name]
-                extra = torch.take(full, index.to(full.device))
-                sampled[name] = (torch.cat([at, index.to(at.device)]),
-                                 torch.cat([theirs.to(extra.device), extra]))
-        self._held = {}
-        k = max((len(at) for at, _ in sampled.values()), default=0)
-        for name, (at, theirs) in sampled.items():  # (as many for each: check_datum's k)
-            if len(at) < k:
-                again = torch.arange(k - len(at), device=at.device) % len(at)
-                sampled[name] = (torch.cat([at, at[again]]), None if theirs is None else
-                                 torch.cat([theirs, theirs[again.to(theirs.device)]]))
-        return datum[0], sampled
+    def table_entries(self, params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+        """Flat entries of embedding tables in the rows this backward's calls looked up, a
+        few per call, drawn at random (:data:`_PICK`), for the datum check to compare beside
+        its own: those half among a parameter's nonzero gradient entries fall where another
+        use fills it (a table tied to a head of 500 rows: the few rows looked up were
+        missed, and a split read wrong passed, 0.85-1.8 off). Read from the calls' token
+        ids before the backward (in a check after it, the calls have let them go)."""
+        out: dict[str, torch.Tensor] = {}
+        for c in self._tables:
+            name, ids = c.entry.names.get("weight", ""), c.args[0] if c.args else None
+            table: Any = c.args[1] if c.entry.op and c.args and len(c.args) > 1 else getattr(
+                c.entry.module, "weight", None)
+            if name not in params or table is not params[name]:
+                continue  # (a view of the parameter, a parametrized weight: its own layout)
+            w: torch.Tensor = params[name]
+            if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
+                continue
+            ids = ids.reshape(-1)
+            at = torch.randint(ids.numel(), (_HOT,), generator=_PICK).to(ids.device)
+            col = torch.randint(max(1, w[0].numel()), (_HOT,), generator=_PICK)
+            index = ids[at].to(w.device).long() * w[0].numel() + col.to(w.device)
+            out[name] = torch.cat([out[name], index]) if name in out else index
+        self._tables = []
+        return out
 
     def unverified(self, layouts: Iterable[Layout], why: str) -> None:
         """Log, once per layout, those that shapes alone cannot settle and no check has
@@ -167,6 +160,7 @@ class DatumLayouts:
         check runs checks them (a table as long as the batch, let be at a step with a
         backward hook, was 0.64 off at the next step, without one, unchecked)."""
         pending, calls, self._pending, self._calls = self._pending, self._calls, {}, {}
+        self._tables = []
         if datum is None:
             self.unverified(pending, "its extra backward could not run: a reentrant "
                             "checkpoint, or autograd Functions gradlog does not know")
@@ -190,46 +184,30 @@ class DatumLayouts:
 
 
 def watch(call: Call, result: Mapping[str, Any]) -> None:
-    """What a watched call's rule gave (``result``: dense per-datum gradients,
-    :class:`~gradlog.grads.Rows`, :class:`~gradlog.grads.Factors`, by attribute): whether
-    it is not all zero (:attr:`.calls.Call.moved`, a device bool read once, by
-    :meth:`DatumLayouts.passed`; its output gradient is not enough: a layer on a zero input
-    gets one and gives its weight none), and a few entries where it is not
-    (:attr:`.calls.Call.hot`, for :meth:`DatumLayouts.with_own_entries`). Others: nothing."""
+    """Whether what a watched call's rule gave (``result``: dense per-datum gradients,
+    :class:`~gradlog.grads.Rows`, :class:`~gradlog.grads.Factors`, by attribute) is not all
+    zero (:attr:`.calls.Call.moved`, a device bool read once, by
+    :meth:`DatumLayouts.passed`): its output gradient is not enough, a layer on a zero
+    input gets one and gives its weight none. Other calls: nothing."""
     if not call.watched:
         return
     flags = [_any(v) for v in result.values()]
     now = torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else (
         torch.tensor(False))
     call.moved = now if call.moved is None else call.moved.to(now.device) | now
-    hot = dict(call.hot or {})
-    for attr, material in result.items():
-        name = call.entry.names.get(attr)
-        index = _hot(material)
-        if name is not None and index is not None:
-            hot[name] = index if name not in hot else torch.cat([hot[name], index.to(
-                hot[name].device)])
-    call.hot = hot
 
 
-_HOT = 8  # entries per parameter a watched call adds to the datum check's
+_HOT = 8  # entries per embedding call the datum check adds to its own (table_entries)
+_PICK = torch.Generator().manual_seed(0)  # (its own: training's random streams stay)
 
 
-def _hot(material: Any) -> torch.Tensor | None:
-    """Up to :data:`_HOT` flat indices into the parameter where some datum's gradient in
-    ``material`` is not zero, spread over them (no random draw: training's streams stay);
-    None for factors (a dense weight: the check's random entries cover it)."""
-    if isinstance(material, Rows):
-        values = material.values.flatten(2)  # (B, N, row)
-        live = (material.index >= 0) & (values != 0).any(-1)  # (B, N)
-        at = live.flatten().nonzero().squeeze(1)  # (a device sync: check steps only)
-        at = at[torch.linspace(0, len(at) - 1, min(_HOT, len(at))).long()] if len(at) else at
-        col = values.flatten(0, 1)[at].abs().argmax(-1)
-        return material.index.flatten()[at] * values.shape[-1] + col
-    if isinstance(material, torch.Tensor):
-        at = material.detach().abs().reshape(len(material), -1).sum(0).nonzero().squeeze(1)
-        return at[torch.linspace(0, len(at) - 1, min(_HOT, len(at))).long()] if len(at) else at
-    return None
+def _table(call: Call) -> bool:
+    """An embedding's call (the module, or ``F.embedding`` on a parameter) whose first
+    argument holds the rows it looks up (not a subclass with a forward of its own: BART's
+    and Whisper's positions take a shape and add an offset)."""
+    if call.entry.op:
+        return call.entry.op == "embedding" and "weight" in call.entry.names
+    return type(call.entry.module).forward is nn.Embedding.forward
 
 
 def _any(material: Any) -> torch.Tensor:
@@ -307,8 +285,8 @@ def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
           ) -> tuple[torch.Tensor, dict[str, Any]] | None:
     """``autograd.grad(sum_b v_b losses[b])``, ``v ~ N(0, 1)``, at a few random entries per
     parameter (None: autograd refused; no check); see :func:`check_datum`. The global RNG
-    is forked and set to ``rng``: the backward's random draws repeat. ``layouts`` keeps the
-    whole gradient of the parameters its layouts' calls use (:meth:`DatumLayouts.held`)."""
+    is forked and set to ``rng``: the backward's random draws repeat. ``layouts`` adds
+    entries in the rows its embedding calls looked up (:meth:`DatumLayouts.table_entries`)."""
     names = [n for n, p in params.items() if p.numel()]
     v = torch.randn(losses.shape[0], generator=generator, dtype=torch.float64)
     try:
@@ -320,9 +298,20 @@ def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
         # Function whose backward uses up its state: no check (p.grad is unaffected)
         log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
         return None
-    if layouts is not None:
-        layouts.hold(dict(zip(names, got, strict=True)))
-    return v, sample_entries(names, got, params, generator)
+    sampled = sample_entries(names, got, params, generator)
+    extra = layouts.table_entries(params) if layouts is not None else {}
+    for name, grad in zip(names, got, strict=True):
+        if name in extra and grad is not None:
+            at, theirs = sampled[name]
+            index = extra[name].to(at.device)
+            sampled[name] = (torch.cat([at, index]), torch.cat([theirs, torch.take(grad, index)]))
+    k = max((len(at) for at, _ in sampled.values()), default=0)
+    for name, (at, theirs) in sampled.items():  # (as many for each: check_datum's k)
+        if len(at) < k:
+            again = torch.arange(k - len(at), device=at.device) % len(at)
+            sampled[name] = (torch.cat([at, at[again]]), None if theirs is None else
+                             torch.cat([theirs, theirs[again.to(theirs.device)]]))
+    return v, sampled
 
 
 def sample_entries(names: list[str], got: Sequence[torch.Tensor | None],
