@@ -83,8 +83,7 @@ class DatumLayouts:
         batch (``check_every``): check a datum too, so a loss that starts coupling data is
         caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
         above 1): where not, layouts go unchecked (README), and the log says so."""
-        self._pending, self._calls = {}, {}
-        self._tables = [c for c in calls if _table(c)]  # (their rows: table_entries)
+        self._pending, self._calls, self._tables = {}, {}, []
         if B < 2:
             return False
         uses: dict[int, int] = {}
@@ -109,6 +108,7 @@ class DatumLayouts:
         self._pending = {**unsure, ("", 0, ()): every}
         for c in (c for layout in self._calls.values() for c in layout):
             c.watched = True
+        self._tables = [c for c in calls if _table(c)]  # (their rows: table_entries)
         return True
 
     def table_entries(self, params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
