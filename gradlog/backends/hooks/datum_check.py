@@ -74,7 +74,7 @@ class DatumLayouts:
         self._calls: dict[Layout, list[Call]] = {}  # this backward's: the layouts' calls
         self._zeros: dict[Layout, int] = {}  # checks that compared only zeros, by layout
         self._told: set[Layout] = set()  # unverified layouts the log named (unverified)
-        self._tables: list[Call] = []  # this backward's embedding calls (table_entries)
+        self._rows: dict[str, torch.Tensor] = {}  # entries in rows looked up (table_entries)
 
     def wants(self, calls: Sequence[Call], B: int, model: nn.Module,
               params: Mapping[str, nn.Parameter], due: bool = False,
@@ -83,7 +83,7 @@ class DatumLayouts:
         batch (``check_every``): check a datum too, so a loss that starts coupling data is
         caught. ``possible``: whether one can run at all (:func:`datum_check_possible`, B
         above 1): where not, layouts go unchecked (README), and the log says so."""
-        self._pending, self._calls, self._tables = {}, {}, []
+        self._pending, self._calls, self._rows = {}, {}, {}
         if B < 2:
             return False
         uses: dict[int, int] = {}
@@ -108,33 +108,17 @@ class DatumLayouts:
         self._pending = {**unsure, ("", 0, ()): every}
         for c in (c for layout in self._calls.values() for c in layout):
             c.watched = True
-        self._tables = [c for c in calls if _table(c)]  # (their rows: table_entries)
-        return True
+        self._rows = _looked_up(calls, params)  # (read now: a check after the backward
+        return True  # finds the calls' ids let go)
 
-    def table_entries(self, params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        """Flat entries of embedding tables in the rows this backward's calls looked up, a
-        few per call, drawn at random (:data:`_PICK`), for the datum check to compare beside
-        its own: those half among a parameter's nonzero gradient entries fall where another
-        use fills it (a table tied to a head of 500 rows: the few rows looked up were
-        missed, and a split read wrong passed, 0.85-1.8 off). Read from the calls' token
-        ids before the backward (in a check after it, the calls have let them go)."""
-        out: dict[str, torch.Tensor] = {}
-        for c in self._tables:
-            name, ids = c.entry.names.get("weight", ""), c.args[0] if c.args else None
-            table: Any = c.args[1] if c.entry.op and c.args and len(c.args) > 1 else getattr(
-                c.entry.module, "weight", None)
-            if name not in params or table is not params[name]:
-                continue  # (a view of the parameter, a parametrized weight: its own layout)
-            w: torch.Tensor = params[name]
-            if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
-                continue
-            ids = ids.reshape(-1)
-            at = torch.randint(ids.numel(), (_HOT,), generator=_PICK).to(ids.device)
-            col = torch.randint(max(1, w[0].numel()), (_HOT,), generator=_PICK)
-            index = ids[at].to(w.device).long() * w[0].numel() + col.to(w.device)
-            out[name] = torch.cat([out[name], index]) if name in out else index
-        self._tables = []
-        return out
+    def table_entries(self) -> dict[str, torch.Tensor]:
+        """Flat entries of embedding tables in rows this backward's calls looked up, 8 per
+        call, drawn at random when the check was wanted (:func:`_looked_up`), for the
+        check to compare beside its own: those, half among a parameter's nonzero gradient
+        entries, fall where another use fills it (a table tied to a head of 500 rows: the
+        few rows looked up were missed, and a split read wrong passed, 0.85-1.8 off)."""
+        rows, self._rows = self._rows, {}
+        return rows
 
     def unverified(self, layouts: Iterable[Layout], why: str) -> None:
         """Log, once per layout, those that shapes alone cannot settle and no check has
@@ -160,7 +144,7 @@ class DatumLayouts:
         check runs checks them (a table as long as the batch, let be at a step with a
         backward hook, was 0.64 off at the next step, without one, unchecked)."""
         pending, calls, self._pending, self._calls = self._pending, self._calls, {}, {}
-        self._tables = []
+        self._rows = {}
         if datum is None:
             self.unverified(pending, "its extra backward could not run: a reentrant "
                             "checkpoint, or autograd Functions gradlog does not know")
@@ -201,13 +185,35 @@ _HOT = 8  # entries per embedding call the datum check adds to its own (table_en
 _PICK = torch.Generator().manual_seed(0)  # (its own: training's random streams stay)
 
 
-def _table(call: Call) -> bool:
-    """An embedding's call (the module, or ``F.embedding`` on a parameter) whose first
-    argument holds the rows it looks up (not a subclass with a forward of its own: BART's
-    and Whisper's positions take a shape and add an offset)."""
-    if call.entry.op:
-        return call.entry.op == "embedding" and "weight" in call.entry.names
-    return type(call.entry.module).forward is nn.Embedding.forward
+def _looked_up(calls: Iterable[Call], params: Mapping[str, nn.Parameter]
+               ) -> dict[str, torch.Tensor]:
+    """8 flat entries per embedding call (the module, or ``F.embedding`` on a parameter
+    itself) in rows its first argument looks up, drawn at random: parameter name -> flat
+    indices. Not a subclass with a forward of its own (BART's and Whisper's positions take
+    a shape and add an offset), nor a view or parametrization of the weight."""
+    out: dict[str, torch.Tensor] = {}
+    for c in calls:
+        entry, args = c.entry, c.args or ()
+        if entry.op != "embedding" and (
+                entry.op or type(entry.module).forward is not nn.Embedding.forward
+                or "forward" in vars(entry.module)):  # (one set on the instance)
+            continue
+        table: Any = args[1] if entry.op and len(args) > 1 else getattr(
+            entry.module, "weight", None)
+        name, ids = entry.names.get("weight", ""), args[0] if args else None
+        if name not in params or table is not params[name]:
+            continue
+        if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
+            continue
+        w: torch.Tensor = params[name]
+        if not w.numel():
+            continue
+        ids = ids.reshape(-1).clamp(0, w.shape[0] - 1)  # (ids changed since: in the table)
+        at = torch.randint(ids.numel(), (_HOT,), generator=_PICK).to(ids.device)
+        col = torch.randint(max(1, w[0].numel()), (_HOT,), generator=_PICK)
+        index = ids[at].to(w.device).long() * w[0].numel() + col.to(w.device)
+        out[name] = torch.cat([out[name], index]) if name in out else index
+    return out
 
 
 def _any(material: Any) -> torch.Tensor:
@@ -299,7 +305,7 @@ def probe(losses: torch.Tensor, params: Mapping[str, nn.Parameter],
         log.debug("gradlog: datum check skipped (%s: %s)", type(e).__name__, e)
         return None
     sampled = sample_entries(names, got, params, generator)
-    extra = layouts.table_entries(params) if layouts is not None else {}
+    extra = layouts.table_entries() if layouts is not None else {}
     for name, grad in zip(names, got, strict=True):
         if name in extra and grad is not None:
             at, theirs = sampled[name]
