@@ -365,6 +365,33 @@ def test_t5_whose_length_equals_the_batch_size_records_like_the_loop_oracle(attn
     assert not described["fallback"]
 
 
+@pytest.mark.skipif(not hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn,
+                            "_input_metadata"), reason="torch < 2.6: no autograd node shapes")
+def test_a_float32_t5_whose_length_equals_the_batch_size_is_not_refused() -> None:
+    """In float32 the datum check's view of T5's relative bias at T == B (gradients 1e-7 of
+    the model's largest) was its rounding: refused at every such step, the records right to
+    8e-8. Below the model's own rounding nothing can be told apart: compared to that."""
+    from gradlog.testing.oracle import backend_grads
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.T5EncoderModel(transformers.T5Config(
+            d_model=16, d_ff=32, d_kv=8, num_layers=2, num_heads=2, vocab_size=50,
+            relative_attention_num_buckets=8, dropout_rate=0.0)).train()
+    gen = torch.Generator().manual_seed(3)
+    for T in (4, 6, 4):
+        ids = torch.randint(0, 50, (4, T), generator=gen)
+
+        def forward(ids: torch.Tensor = ids) -> torch.Tensor:
+            return (model(input_ids=ids).last_hidden_state ** 2).flatten(1).sum(1)
+
+        got, _, _ = backend_grads(model, forward)
+        want, _, _ = backend_grads(model, forward, "loop")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4,
+                                       atol=1e-5 * float(want[name].abs().max()))
+
+
 def test_vit_embeddings_dropout_is_replayed_in_the_fallback() -> None:
     """ViTEmbeddings owns cls_token and position_embeddings (no rule: torch.func per module)
     and ends in a dropout; its re-run applies the masks the batch's forward drew (it was

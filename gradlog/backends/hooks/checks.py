@@ -298,22 +298,27 @@ def _not_adding_up(bad: list[str], how: str) -> str:
 def over_tolerance(names: list[str], ours: torch.Tensor, theirs: torch.Tensor,
                     scale: torch.Tensor, rtol: float, atol: float, how: str, *,
                     compare_non_finite: bool = True, floor_rtol: float | None = None,
-                    own: frozenset[str] = frozenset()) -> Verdict:
+                    own: frozenset[str] = frozenset(), eps: float = 0.0) -> Verdict:
     """Whether the names' entries (``ours``, ``theirs`` and ``scale`` hold k per name, in
     order) differ by more than the tolerance. Floor: a parameter whose true gradient is 0 (a
     key bias under softmax) holds only rounding noise, so the tolerance also allows
     ``floor_rtol`` (default ``rtol``; the spot check's: :func:`check_floor`, not autocast's
     inflated ``rtol``, which let records off by 1.5x pass) of the largest gradient seen;
     for the names in ``own``, of their own largest (a split of DeBERTa's relative positions,
-    whose gradients are 1e-8 of the model's, is compared all the same: the datum check)."""
+    whose gradients are 1e-8 of the model's, is compared all the same: the datum check),
+    but never below ``eps`` (the parameters' dtype's) of the largest gradient seen: what is
+    smaller than the model's own rounding cannot be told from it (a float32 T5's relative
+    bias at T == B, 1e-7 of the model's gradients, was refused at every such step, its
+    records right to 8e-8)."""
     finite = ours.isfinite() & theirs.isfinite()
     seen = torch.where(finite, scale, 0)
     floor = seen.amax() * (rtol if floor_rtol is None else floor_rtol)
     if own:
         per_name = seen.reshape(len(names), -1)
         mine = torch.tensor([n in own for n in names], device=seen.device)[:, None]
-        floor = torch.where(mine, per_name.amax(1, keepdim=True) * (
-            rtol if floor_rtol is None else floor_rtol), floor).expand_as(per_name).reshape(-1)
+        floor = torch.where(mine, (per_name.amax(1, keepdim=True) * (
+            rtol if floor_rtol is None else floor_rtol)).clamp_min(seen.amax() * eps),
+            floor).expand_as(per_name).reshape(-1)
     elsewhere = (_non_finite_verdict(theirs) if compare_non_finite
                  else torch.full_like(theirs, -torch.inf))
     over = torch.where(finite, (ours - theirs).abs() - rtol * scale - floor - atol,

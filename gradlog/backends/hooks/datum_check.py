@@ -393,8 +393,10 @@ def check_datum(datum: tuple[torch.Tensor, dict[str, tuple[Any, Any]]],
     device = ours[0].device
     a, c = (torch.stack([t.to(device) for t in ts]).reshape(-1) for ts in (ours, theirs))
     scale = torch.stack([t.to(device) for t in scales]).reshape(-1) + c.abs()
+    eps = max(torch.finfo(t).eps for t in (*narrow, *(params[n].dtype for n in names))
+              if t.is_floating_point)
     bad = over_tolerance(names, a, c, scale, rtol, atol, "datum check",
-                          compare_non_finite=not loss_scaled, own=own).bad()
+                          compare_non_finite=not loss_scaled, own=own, eps=eps).bad()
     if bad and not trusted and not required:
         warnings.warn(
             f"gradlog's datum check: the per-datum gradients of {bad[:6]}, weighted by random "
