@@ -313,40 +313,11 @@ def test_a_falcon_linear_computing_otherwise_is_re_run_per_datum(
     assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
 
 
-def test_t5_with_sdpa_and_padding_masks_records_like_the_loop_oracle() -> None:
-    """transformers puts T5's relative position bias, shared by the batch, into SDPA's mask
-    with torch.where(mask, bias, min): each datum's gradient of the bias is where its own
-    mask took it (it was refused: "reaches the loss through ['PermuteBackward0', 'then
-    WhereBackward0']")."""
+def _t5_with_a_decoder_mask_like_the_loop(ids: torch.Tensor, mask: torch.Tensor,
+                                          attn: str) -> None:
+    """A one-layer T5 (``attn``) on ``ids`` with ``mask`` as its encoder's and decoder's
+    padding mask, each sequence's mean token loss: as the loop oracle, no fallback."""
     t = transformers
-    ids, mask = _ids()
-    model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
-                              num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
-                              relative_attention_num_buckets=8, decoder_start_token_id=0,
-                              pad_token_id=0), t.T5ForConditionalGeneration, "sdpa")
-    labels = ids.masked_fill(mask == 0, -100)
-    keep = labels != -100
-
-    def forward() -> torch.Tensor:
-        logits = model(input_ids=ids, attention_mask=mask, labels=labels,
-                       decoder_attention_mask=mask).logits
-        per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
-        return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
-
-    described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
-    assert not described["fallback"]
-
-
-@pytest.mark.skipif(not hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn,
-                            "_input_metadata"), reason="torch < 2.6: no autograd node shapes")
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_t5_whose_length_equals_the_batch_size_records_like_the_loop_oracle(attn: str) -> None:
-    """Padded to a length equal to the batch size (T == B == 3), T5's relative position
-    bias ``(T, T, H)`` has the batch's size first: it was read as batched, and the datum
-    check refused the step (a run with dynamic padding stopped wherever the two met). It
-    reaches the batch only through a permute, an unsqueeze and a broadcast: shared."""
-    t = transformers
-    ids, mask = (x[:, :B] for x in _ids())
     model = _built(t.T5Config(vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                               num_decoder_layers=1, num_heads=2, dropout_rate=DROP,
                               relative_attention_num_buckets=8, decoder_start_token_id=0,
@@ -360,9 +331,29 @@ def test_t5_whose_length_equals_the_batch_size_records_like_the_loop_oracle(attn
         per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
         return (per_token * keep).sum(1) / keep.sum(1)  # (B,)
 
-    assert ids.shape == (B, B)
     described = assert_like_loop(model, forward, reductions=("mean",), rtol=1e-4, atol=1e-6)
     assert not described["fallback"]
+
+
+def test_t5_with_sdpa_and_padding_masks_records_like_the_loop_oracle() -> None:
+    """transformers puts T5's relative position bias, shared by the batch, into SDPA's mask
+    with torch.where(mask, bias, min): each datum's gradient of the bias is where its own
+    mask took it (it was refused: "reaches the loss through ['PermuteBackward0', 'then
+    WhereBackward0']")."""
+    _t5_with_a_decoder_mask_like_the_loop(*_ids(), "sdpa")
+
+
+@pytest.mark.skipif(not hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn,
+                            "_input_metadata"), reason="torch < 2.6: no autograd node shapes")
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_t5_whose_length_equals_the_batch_size_records_like_the_loop_oracle(attn: str) -> None:
+    """Padded to a length equal to the batch size (T == B == 3), T5's relative position
+    bias ``(T, T, H)`` has the batch's size first: it was read as batched, and the datum
+    check refused the step (a run with dynamic padding stopped wherever the two met). It
+    reaches the batch only through a permute, an unsqueeze and a broadcast: shared."""
+    ids, mask = (x[:, :B] for x in _ids())
+    assert ids.shape == (B, B)
+    _t5_with_a_decoder_mask_like_the_loop(ids, mask, attn)
 
 
 @pytest.mark.skipif(not hasattr((torch.ones(1, requires_grad=True) * 2).grad_fn,

@@ -2597,21 +2597,30 @@ def test_a_datum_check_comparing_only_zeros_verifies_no_layout() -> None:
     steps = [(torch.randn(4, 5, 3, dtype=D64, generator=gen), None),
              (torch.randn(3, 3, 3, dtype=D64, generator=gen), one_key),
              (torch.randn(3, 3, 3, dtype=D64, generator=gen), None)]
+    got = _refused_at_the_last_step(model, steps)
+    assert [bool(g["rel.weight"].abs().max() == 0) for g in got] == [False, True]  # (zeros)
+
+
+def _refused_at_the_last_step(model: nn.Module, steps: list[tuple[torch.Tensor, Any]]
+                              ) -> list[dict[str, torch.Tensor]]:
+    """``model(x, mask)``'s steps under one attached hooks backend: the last is refused by
+    the datum check; the others' per-datum gradients."""
     be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
                            randomness="different")
     be.attach()
+    got = []
     try:
         for step, (x, mask) in enumerate(steps):
             model.zero_grad(set_to_none=True)
             losses = squares(model(x, mask))
-            if step < 2:
-                got = be.backward(losses, be.reduce_batch(losses))["rel.weight"]
-                assert (got.abs().max() == 0) == (step == 1)  # (step 1: zeros alone)
+            if step < len(steps) - 1:
+                got.append(be.backward(losses, be.reduce_batch(losses)))
                 continue
             with pytest.raises(GradlogError, match="differ from the datums' own"):
                 be.backward(losses, be.reduce_batch(losses))
     finally:
         be.detach()
+    return got
 
 
 class _SharedRelBias(nn.Module):
@@ -2651,21 +2660,7 @@ def test_a_layout_is_verified_only_where_its_own_calls_got_a_gradient() -> None:
         keep = torch.arange(T)[None, :] < torch.randint(1, T + 1, (n,), generator=gen)[:, None]
         steps.append((x, keep if masked else None))  # (step 1 keeps one key per datum)
     assert steps[1][1] is not None and steps[1][1].sum(1).tolist() == [1, 1, 1]
-    model = _SharedRelBias().double()
-    be = BACKENDS["hooks"](model, select_params(model, ["*"]), batch_reduction="mean",
-                           randomness="different")
-    be.attach()
-    try:
-        for step, (x, mask) in enumerate(steps):
-            model.zero_grad(set_to_none=True)
-            losses = squares(model(x, mask))
-            if step < 2:
-                be.backward(losses, be.reduce_batch(losses))
-                continue
-            with pytest.raises(GradlogError, match="differ from the datums' own"):
-                be.backward(losses, be.reduce_batch(losses))
-    finally:
-        be.detach()
+    _refused_at_the_last_step(_SharedRelBias().double(), steps)
 
 
 def test_a_layout_whose_checks_compare_only_zeros_is_named_once(
