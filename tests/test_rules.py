@@ -200,6 +200,16 @@ def test_embedding(
         assert_like_loop(emb, lambda: datum_loss(other + emb(ids)), rule="embedding")
 
 
+@pytest.mark.parametrize("by_freq", [False, True])
+def test_embedding_of_int32_ids(by_freq: bool) -> None:
+    """torch looks up int32 ids as well as int64 ones (data pipelines often hold int32):
+    the rule refused them ("Rows.index ... must be int64"), the loop recorded them."""
+    emb = built(lambda: nn.Embedding(9, 3, padding_idx=2, scale_grad_by_freq=by_freq), 0)
+    idx = torch.randint(0, 9, (3, 5), generator=torch.Generator().manual_seed(1),
+                        dtype=torch.int32)
+    assert_like_loop(emb, lambda: datum_loss(emb(idx)), rule="embedding")
+
+
 def test_embedding_shared_ids_through_subtraction_and_expand() -> None:
     emb = built(lambda: nn.Embedding(7, 3), 0)
     other = randn(4, 5, 3, seed=1)

@@ -47,7 +47,7 @@ def embedding(module: nn.Embedding, cap: Capture, wanted: frozenset[str]) -> Rul
             f"Embedding indices of shape {tuple(idx.shape)} with output gradient "
             f"{tuple(g.shape)}: expected (B={B}, ...) and (B, ..., {D})."
         )
-    index = idx.reshape(B, -1)  # (B, N)
+    index = idx.reshape(B, -1).long()  # (B, N) (int32 ids too: torch takes both)
     values = g.reshape(B, -1, D).to(module.weight.dtype)  # (B, N, D)
     if module.padding_idx is not None:
         pad = index == module.padding_idx  # (B, N)

@@ -202,7 +202,7 @@ def _embedding_rows(cap: Capture, weight: torch.Tensor, leaves: list[Any]) -> Ro
         )
     padding_idx = leaves[2] if len(leaves) > 2 else None
     freq = bool(leaves[5]) if len(leaves) > 5 else False
-    index = idx.reshape(B, -1)  # (B, N)
+    index = idx.reshape(B, -1).long()  # (B, N) (int32 ids too: torch takes both)
     values = g.reshape(B, -1, D).to(weight.dtype)  # (B, N, D)
     if isinstance(padding_idx, int):
         pad = index == (padding_idx % V)  # (B, N)
