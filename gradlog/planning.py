@@ -23,11 +23,13 @@ from gradlog.forms import (
     Form,
     FullForm,
     ParamInfo,
+    ProjectionForm,
     form_from_spec,
     make_form,
     naming_errors,
     plan_forms,
 )
+from gradlog.forms.grouped import encode_factors, group_key, project_vectors
 from gradlog.grads import (
     SMALL_ELEMENTS,
     Factors,
@@ -36,6 +38,7 @@ from gradlog.grads import (
     factor_group,
     grouped_sqnorms,
     material_shape,
+    sqnorms,
     stacked_sqnorms,
 )
 from gradlog.store.fs import ObjectPath, store_path
@@ -187,6 +190,7 @@ def encode(
     squares: dict[str, torch.Tensor] = {}
     together: dict[tuple[Any, ...], list[str]] = {}  # small dense records: norms stacked
     grouped: dict[tuple[Any, ...], list[str]] = {}  # factors of one shape: norms in one pass
+    projected: dict[tuple[Any, ...], list[str]] = {}  # projections of one shape: one pass
     with torch.no_grad():
         for name, material in materials.items():
             form = forms[name]
@@ -196,10 +200,18 @@ def encode(
                     f"{material_shape(material)}, its form was planned for {form.shape}."
                 )
             try:
+                joint = group_key(form, material) if isinstance(form, ProjectionForm) else None
+                if joint is not None:  # projected with its group below (factors: norms too)
+                    projected.setdefault(joint, []).append(name)
+                    if joint[0] == "factors":
+                        continue
                 if isinstance(material, torch.Tensor) and _norms_together(form, material):
-                    enc = form.encode(material)
+                    if joint is None:
+                        enc = form.encode(material)
                     key = (material.device, material.dtype, tuple(material.shape))
                     together.setdefault(key, []).append(name)
+                elif joint is not None:  # (a vector whose norms are not stacked)
+                    squares[name] = sqnorms(cast(torch.Tensor, material))
                 elif (isinstance(material, Factors) and _norms_plain(form)
                       and (group := factor_group(material)) is not None):
                     enc = form.encode(material)
@@ -222,13 +234,25 @@ def encode(
                     f"parameter {name!r} ({form.name}): {e} The form was planned at the "
                     f"first recorded backward; {fix}"
                 ) from None
-            arrays[name] = {k: v.detach() if v.requires_grad else v for k, v in enc.items()}
+            if joint is None:
+                arrays[name] = enc
+        for (kind, *_), names in projected.items():
+            members = [cast(ProjectionForm, forms[n]) for n in names]
+            if kind == "factors":
+                for n, (enc, sq) in zip(names, encode_factors(
+                        members, [cast(Factors, materials[n]) for n in names]), strict=True):
+                    arrays[n], squares[n] = enc, sq
+            else:
+                arrays.update(zip(names, project_vectors(
+                    members, [cast(torch.Tensor, materials[n]) for n in names]), strict=True))
         for names in together.values():
             stacked = stacked_sqnorms([cast(torch.Tensor, materials[n]) for n in names])  # (k, B)
             squares.update(zip(names, stacked.unbind(0)))
         for names in grouped.values():
             squares.update(zip(names, grouped_sqnorms([cast(Factors, materials[n])
                                                        for n in names])))  # (B,) each
+    arrays = {name: {k: v.detach() if v.requires_grad else v for k, v in arrays[name].items()}
+              for name in materials}  # (in the parameters' order)
     return arrays, _norms({name: squares[name] for name in materials})
 
 

@@ -205,6 +205,7 @@ class ProjectionForm(Form):
         if structure == "dense" and self.block < 1:
             self.block = max(1, (1 << 22) // self.ranks[0])
         self._cache: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.stacks: dict[tuple[Any, ...], Any] = {}  # (gradlog.forms.grouped's, per group)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -356,6 +357,12 @@ class ProjectionForm(Form):
             self._cache[key] = tuple(m.to(device=key[0], dtype=dtype) for m in mats)
         return self._cache[key]
 
+    def share_matrices(self, device: torch.device, dtype: torch.dtype,
+                       mats: tuple[torch.Tensor, ...]) -> None:
+        """Use ``mats`` (the same values: views into a group's stacked matrices,
+        :mod:`gradlog.forms.grouped`) as this form's matrices on ``device`` in ``dtype``."""
+        self._cache[(torch.device(device), dtype)] = mats
+
     def _blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         for i, start in enumerate(range(0, self.numel, self.block)):
             rows = min(self.block, self.numel - start)
@@ -403,9 +410,9 @@ class ProjectionForm(Form):
         """Exact norms of factors need the gradients themselves unless the (blocked) ghost
         norm is cheaper; when they are formed anyway (a datum chunk at a time), the
         projection is taken from them too: ``p q r1`` per datum on top of ``N p q``,
-        instead of the ghost norm plus ``N (p r0 + q r1)`` (:meth:`_factored_is_cheaper`)."""
+        instead of the ghost norm plus ``N (p r0 + q r1)`` (:meth:`factored_is_cheaper`)."""
         if isinstance(material, Factors) and (
-            self.structure == "dense" or not self._factored_is_cheaper(material)
+            self.structure == "dense" or not self.factored_is_cheaper(material)
         ):
             projected, norms = [], []
             for _, d in chunks(material):
@@ -414,7 +421,7 @@ class ProjectionForm(Form):
             return {"proj": torch.cat(projected)}, torch.cat(norms)
         return super()._encode_with_norms(material, dtype)
 
-    def _factored_is_cheaper(self, f: Factors) -> bool:
+    def factored_is_cheaper(self, f: Factors) -> bool:
         """Multiply-adds per datum of the two ways to get a two-sided projection and the
         exact norm from factors: the blocked ghost norm plus ``(g P0)^T (a P1)``, or the
         gradient (``N p q``, a batched matmul) projected in the cheaper order. Both are
@@ -428,14 +435,15 @@ class ProjectionForm(Form):
         return factored <= dense
 
     @staticmethod
-    def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        """The dtype projections of gradients in ``dtype`` are computed in."""
         if dtype in (torch.float32, torch.float64):  # (promote_types is a dispatcher call)
             return dtype
         return torch.promote_types(dtype, torch.float32)
 
     def _two_sided_factors(self, f: Factors) -> torch.Tensor:
         g, a = f.held  # (16-bit factors widened by the cast below, not kept widened)
-        dt = self._compute_dtype(f.dtype)
+        dt = self.compute_dtype(f.dtype)
         p0, p1 = self.matrices(g.device, dt)
         gp = g.to(dt) @ p0  # (B, N, r0)
         ap = a.to(dt) @ p1  # (B, N, r1)
@@ -447,7 +455,7 @@ class ProjectionForm(Form):
         return out.mul_(f.scale) if f.scale != 1.0 else out
 
     def _two_sided_rows(self, r: Rows) -> torch.Tensor:
-        dt = self._compute_dtype(r.values.dtype)
+        dt = self.compute_dtype(r.values.dtype)
         p0, p1 = self.matrices(r.values.device, dt)
         valid = (r.index >= 0).unsqueeze(-1)  # (B, N, 1)
         left = p0[r.index.clamp(min=0)] * valid  # (B, N, r0): P0's rows of the used indices
@@ -457,7 +465,7 @@ class ProjectionForm(Form):
         return out.mul_(r.scale) if r.scale != 1.0 else out
 
     def _two_sided_dense(self, g: torch.Tensor) -> torch.Tensor:
-        dt = self._compute_dtype(g.dtype)
+        dt = self.compute_dtype(g.dtype)
         p0, p1 = self.matrices(g.device, dt)
         p, q = _matrix_view(self.shape)
         r0, r1 = self.ranks
@@ -475,7 +483,7 @@ class ProjectionForm(Form):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, numel) times ``P`` (numel, r)."""
-        dt = self._compute_dtype(x.dtype)
+        dt = self.compute_dtype(x.dtype)
         x = x.to(dt)
         mats = self.matrices(x.device, dt)
         if mats:

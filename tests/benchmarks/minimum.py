@@ -163,7 +163,7 @@ def minimum_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return _step(model, x, y, token_losses, bitwise)
 
 
-_MATRICES: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+_MATRICES: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
 
 
 def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Tensor]:
@@ -171,7 +171,8 @@ def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Te
     store keeps it for every form: squares summed in float64, gradlog's own kernel), and for
     ``projection`` the default two-sided projection to 1024 dims (``P0^T G P1`` with ranks
     as gradlog balances them, fixed Gaussian matrices; vectors: one ``(n, min(n, 1024))``
-    matrix), taken from the dense records in the cheaper order."""
+    matrix each, the vectors of one size in one batched matmul), taken from the dense
+    records in the cheaper order."""
     from gradlog.forms.projection import DEFAULT_DIM, balanced_ranks
     from gradlog.grads import float64_sqnorms
 
@@ -179,22 +180,28 @@ def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Te
            for name, g in records.items()}
     if form != "projection":
         return out
+    vectors: dict[int, list[str]] = {}
     for name, g in records.items():
         shape = tuple(g.shape[1:])
+        if len(shape) != 2:
+            vectors.setdefault(g[0].numel(), []).append(name)
+            continue
         mats = _MATRICES.get(shape)
         if mats is None:
-            if len(shape) == 2:
-                r0, r1 = balanced_ranks(DEFAULT_DIM, *shape)
-                mats = (torch.randn(shape[0], r0), torch.randn(shape[1], r1))
-            else:
-                mats = (torch.randn(g[0].numel(), min(g[0].numel(), DEFAULT_DIM)),)
-            _MATRICES[shape] = mats
-        if len(mats) == 2:
-            (p, q), (r0, r1) = shape, (mats[0].shape[1], mats[1].shape[1])
-            if p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1:
-                out[f"{name}/proj"] = mats[0].T @ (g @ mats[1])  # (B, r0, r1)
-            else:
-                out[f"{name}/proj"] = (mats[0].T @ g) @ mats[1]  # (B, r0, r1)
+            r0, r1 = balanced_ranks(DEFAULT_DIM, *shape)
+            mats = _MATRICES[shape] = (torch.randn(shape[0], r0), torch.randn(shape[1], r1))
+        (p, q), (r0, r1) = shape, (mats[0].shape[1], mats[1].shape[1])
+        if p * q * r1 + p * r1 * r0 <= r0 * p * q + r0 * q * r1:
+            out[f"{name}/proj"] = mats[0].T @ (g @ mats[1])  # (B, r0, r1)
         else:
-            out[f"{name}/proj"] = g.reshape(g.shape[0], -1) @ mats[0]  # (B, r)
+            out[f"{name}/proj"] = (mats[0].T @ g) @ mats[1]  # (B, r0, r1)
+    for n, names in vectors.items():
+        stacked = _MATRICES.get(("vectors", n, len(names)))  # (k, n, r): one matrix per vector
+        if stacked is None:
+            stacked = torch.randn(len(names), n, min(n, DEFAULT_DIM))
+            _MATRICES[("vectors", n, len(names))] = (stacked,)
+        else:
+            stacked = stacked[0]
+        flat = torch.stack([records[name].reshape(-1, n) for name in names])  # (k, B, n)
+        out.update(zip([f"{name}/proj" for name in names], torch.bmm(flat, stacked)))  # (B, r)
     return out
