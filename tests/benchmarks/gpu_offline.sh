@@ -12,7 +12,7 @@
 # own time limit so that one hang cannot take the lease, in the order that says most first:
 # the gpu tests; the compact forms' compute table with batch_grad="sum" and its floor; the
 # writer and the chunked head; where the time goes (with the device's idle time); the
-# autograd rows. $BUDGET seconds in all (default 540). Tables go to OUT (default gpu_out),
+# ~1B Llama at 8K tokens a step (compact forms); the autograd rows. $BUDGET seconds in all (default 540). Tables go to OUT (default gpu_out),
 # one file per part (leases may bring back only a few files), logs to /tmp.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,5 +73,8 @@ echo "=== tests rc=$? after $(( $(date +%s) - start )) s"; tail -3 "$out/pytest.
 part forms_sum 150 --sections floor,forms --forms norm,projection,full --batch-grads sum --reps 3
 part writer_head 90 --sections writer,head --reps 3
 part profile 100 --sections profile --profile-forms norm --profile-steps 2
+# the ~1B Llama at 8K tokens a step: its plain step no longer waits on the host
+part forms_long 100 --sections forms --shapes llama-8k --forms norm,projection --batch-grads sum \
+  --reps 2
 part forms_autograd 120 --sections forms --forms norm,projection --batch-grads autograd --reps 3
 echo "done after $(( $(date +%s) - start )) s; tables in $out"

@@ -30,19 +30,22 @@ forms to ``full``, so that a run stopped by a device-time limit has the tables t
   (``tests/test_gpu.py``: every backend and the zoo on CUDA, bf16 autocast, no
   synchronisation per layer, pinned staging; and the others). The summary line is printed.
 - ``forms`` (table "Compute"): a recorded step as a ratio to a plain step, for a GPT-2-small
-  shape (``gradlog.demo`` GPT: vocab 50257, d 768, 12 layers, 12 heads, tied head, T 1024,
-  B 8) and a ~1B Llama shape (``gradlog.testing.llama``: vocab 32000, dim 2048, 16 layers,
-  16 heads, SwiGLU 5632, T 256, B 4; its head through ``chunked_linear_loss``), random
-  init, float32 parameters, bf16 autocast, SGD. Every form (norm, projection dim 1024,
-  auto within 1% of full's bytes, topk 1%, auto, full) with ``batch_grad="autograd"`` and
-  ``"sum"``; hooks backend. Paired: every repetition runs ``--block`` plain steps on a
-  hook-free copy of the model and then ``--block`` recorded steps on a second copy (forward,
-  ``rec.backward``, optimizer step, ``rec.flush()`` after the block: the D2H copies and the
-  writer's work are included, overlapped as in training), timed with CUDA events after a
-  ``torch.cuda.synchronize``; the table gives the median over repetitions of the ratio and
-  the median per-step times. Stores go to a temporary folder under ``--workdir``
-  (``durable=False``: the page cache absorbs the writes, disk is the next table's job).
-  ``full`` of the Llama shape (15 GB per step) is left to the writer table's model.
+  shape (``gradlog.demo`` GPT: vocab 50257, d 768, 12 layers, 12 heads, tied head, T 1024, B
+  8) and a ~1B Llama shape (``gradlog.testing.llama``: vocab 32000, dim 2048, 16 layers, 16
+  heads, SwiGLU 5632, T 256, B 4; its head through ``chunked_linear_loss``), random init,
+  float32 parameters, bf16 autocast, SGD. ``--shapes llama-8k``: the same Llama at T 2048
+  (8K tokens a step), where its plain step keeps the device busy (at T 256 the device idles
+  most of a plain step, waiting on the host, so any host work shows whole). Every form
+  (norm, projection dim 1024, auto within 1% of full's bytes, topk 1%, auto, full) with
+  ``batch_grad="autograd"`` and ``"sum"``; hooks backend. Paired: every repetition runs
+  ``--block`` plain steps on a hook-free copy of the model and then ``--block`` recorded
+  steps on a second copy (forward, ``rec.backward``, optimizer step, ``rec.flush()`` after
+  the block: the D2H copies and the writer's work are included, overlapped as in training),
+  timed with CUDA events after a ``torch.cuda.synchronize``; the table gives the median over
+  repetitions of the ratio and the median per-step times. Stores go to a temporary folder
+  under ``--workdir`` (``durable=False``: the page cache absorbs the writes, disk is the
+  next table's job). ``full`` of the Llama shape (15 GB per step) is left to the writer
+  table's model.
 - ``profile`` (tables "Where the time goes"): ``torch.profiler`` over a plain and a recorded
   step (``batch_grad="sum"``; forms ``--profile-forms``, default ``norm`` and ``projection``)
   of each shape: the operations and kernels with the most self device time (self CPU time
@@ -126,15 +129,25 @@ class Shape:
     T: int
     B: int
     hidden: int = 0  # Llama's SwiGLU size
+    key: str = ""  # what --shapes names it (default: kind)
+
+    @property
+    def name(self) -> str:
+        return self.key or self.kind
 
 
 GPU_SHAPES = [
     Shape("GPT-2 small", "gpt", 50257, 768, 12, 12, 1024, 8),
     Shape("Llama ~1B", "llama", 32000, 2048, 16, 16, 256, 4, hidden=5632),
+    # (only with --shapes llama-8k) the same model at 8K tokens a step, where the plain step
+    # is no longer waiting on the host: what recording costs a training run's realistic step
+    Shape("Llama ~1B, 8K tokens", "llama", 32000, 2048, 16, 16, 2048, 4, hidden=5632,
+          key="llama-8k"),
 ]
 CPU_SHAPES = [
     Shape("GPT tiny", "gpt", 96, 32, 2, 2, 16, 4),
     Shape("Llama tiny", "llama", 128, 32, 2, 4, 16, 3, hidden=64),
+    Shape("Llama tiny, long", "llama", 128, 32, 2, 4, 64, 3, hidden=64, key="llama-8k"),
 ]
 HEAVY = 512 * 2**20  # bytes per step above which a row times single steps
 GPU_HEAD = {"B": 4, "T": 4096, "d": 4096, "V": 128256}
@@ -814,7 +827,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=None, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=None, help="untimed blocks per row")
     parser.add_argument("--writer-steps", type=int, default=None, help="steps of the Writer row")
-    parser.add_argument("--shapes", default=None, help="comma-separated: gpt,llama")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated: gpt,llama (default), llama-8k")
     parser.add_argument("--forms", default=",".join(FORMS),
                         help=f"comma-separated subset of {list(FORMS)}")
     parser.add_argument("--batch-grads", default="autograd,sum",
@@ -836,7 +850,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.writer_steps = args.writer_steps or (2 if small else 4)
     args.amp = True
     kinds = (args.shapes or "gpt,llama").split(",")
-    args.shapes = [s for s in (CPU_SHAPES if small else GPU_SHAPES) if s.kind in kinds]
+    args.shapes = [s for s in (CPU_SHAPES if small else GPU_SHAPES) if s.name in kinds]
     args.workdir = (args.workdir or Path.cwd()).resolve()
     wanted = [s for s in args.sections.split(",") if s]
     unknown = set(wanted) - set(SECTIONS)
