@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gradlog.forms.grouped as grouped
 from gradlog import planning
@@ -168,3 +170,50 @@ def test_a_steps_encoding_keeps_the_parameters_order_with_groups() -> None:
         alone, squares = forms[name].encode_with_norms(material)
         torch.testing.assert_close(arrays[name]["proj"], alone["proj"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(norms[name], squares.sqrt(), rtol=1e-12, atol=0)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    records=st.lists(st.tuples(
+        st.sampled_from(["factors", "factors16", "masked", "vector", "vector64", "matrix"]),
+        st.sampled_from([(6, 4), (4, 6), (9, 3)]),  # (p, q); a vector's size is p * q
+        st.sampled_from([1.0, 0.5]),  # factors' scale
+        st.sampled_from([8, 16, 54])), min_size=1, max_size=10),  # dim
+    B=st.integers(1, 3),
+    N=st.integers(1, 5),
+    bound=st.sampled_from([40, 400, 1 << 25]),  # MAX_ELEMENTS: groups cut into shares
+    seed=st.integers(0, 1000),
+)
+def test_a_steps_projections_are_each_records_own_whatever_groups_form(
+        records: list[tuple[str, tuple[int, int], float, int]], B: int, N: int, bound: int,
+        seed: int) -> None:
+    """Mixed steps (factors of several shapes, scales and dims, held in 16 bits or masked,
+    vectors in two dtypes, dense matrices), groups cut into shares of any size: every
+    record's projection and exact norm as its form gives them alone."""
+    gen = torch.Generator().manual_seed(seed)
+    materials: dict[str, Any] = {}
+    forms: dict[str, ProjectionForm] = {}
+    for i, (kind, (p, q), scale, dim) in enumerate(records):
+        name = f"p{i}.{kind}"
+        if kind.startswith("factors") or kind == "masked":
+            g, a = torch.randn(B, N, p, generator=gen), torch.randn(B, N, q, generator=gen)
+            narrow = torch.bfloat16 if kind == "factors16" else None
+            if narrow is not None:
+                g, a = g.to(narrow), a.to(narrow)
+            mask = torch.rand(B, N, generator=gen) > 0.3 if kind == "masked" else None
+            materials[name] = Factors(g, a, mask, scale=scale, narrow=narrow)
+        elif kind.startswith("vector"):
+            x = torch.randn(B, p * q, generator=gen)
+            materials[name] = x.double() if kind == "vector64" else x
+        else:
+            materials[name] = torch.randn(B, p, q, generator=gen)
+        forms[name] = _form(materials[name], name, dim)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grouped, "MAX_ELEMENTS", bound)
+        arrays, norms = planning.encode(forms, materials)
+    assert list(arrays) == list(materials) and list(norms) == list(materials)
+    for name, material in materials.items():
+        alone, squares = forms[name].encode_with_norms(material)
+        torch.testing.assert_close(arrays[name]["proj"], alone["proj"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(norms[name], squares.sqrt(), rtol=5e-7, atol=1e-300)
