@@ -288,7 +288,9 @@ class GraphSurvey:
                     if type(child).__name__ in reorder.MOVING:
                         self._moving.append(child)
                     metadata = child.metadata
-                    self._outputs += [(child, c) for _, c in metadata.get(OUTPUT, ())]
+                    outputs = metadata.get(OUTPUT)
+                    if outputs:  # (most nodes have none: no list made for them)
+                        self._outputs += [(child, c) for _, c in outputs]
                     if metadata.get(BASE):
                         bases[key] = metadata[BASE]
                     tagged = metadata.get(TAG)

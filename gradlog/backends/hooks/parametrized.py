@@ -84,10 +84,21 @@ def plists_in(module: nn.Module) -> tuple[nn.Module, ...]:
 _QUIET = [0]  # > 0 while gradlog evaluates parametrizations (States records none of it)
 
 
-@contextlib.contextmanager
+_NOTHING = contextlib.nullcontext()
+
+
 def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
                made: Mapping[int, torch.Tensor] | None = None,
-               autocast: torch.dtype | None = None) -> Iterator[None]:
+               autocast: torch.dtype | None = None) -> contextlib.AbstractContextManager[None]:
+    """:func:`_evaluating`, or nothing to do without parametrizations (every call of a
+    model without them: no generator a call)."""
+    return _evaluating(plists, cache, made, autocast) if plists else _NOTHING
+
+
+@contextlib.contextmanager
+def _evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
+                made: Mapping[int, torch.Tensor] | None = None,
+                autocast: torch.dtype | None = None) -> Iterator[None]:
     """While gradlog evaluates parametrizations again (a rule reading ``module.weight``, a
     re-run, the chain): in eval mode, and their buffers left as the forward left them: put
     back and refused if not (gradlog must not change training). ``cache``: each computed
@@ -97,9 +108,6 @@ def evaluating(plists: tuple[nn.Module, ...], cache: bool = True,
     the per-datum gradients would be of another function (one that computes otherwise in
     training mode, state that changed since); ``autocast``: the dtype the forward's autocast
     ran in (it is evaluated again so, to compare like with like)."""
-    if not plists:
-        yield
-        return
     modes = [(m, m.training) for plist in plists for m in plist.modules()]
     kept = [(_label(plist, n), b, tensor_version(b), b.detach().clone(), *_owner(plist, n))
             for plist in plists for n, b in plist.named_buffers()]
