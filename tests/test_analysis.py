@@ -1041,6 +1041,40 @@ def test_non_finite_user_gradients_are_refused_up_front(
     assert np.isfinite(proj.project("0.weight", np.ones((10, 12)))).all()
 
 
+def test_project_puts_a_gradient_in_the_space_of_each_forms_records(tmp_path: Path) -> None:
+    """``run.project`` serves a run of mixed forms in one loop: a projection parameter's
+    stored projection, the gradient itself where ``run.grads`` returns gradients in the
+    parameter's shape; ``norm`` keeps none (refused, naming ``run.norms()``)."""
+    from gradlog.forms import project as project_with
+
+    path = tmp_path / "mixed.gradlog"
+    forms = {"0.weight": {"form": "projection", "dim": 8}, "2.weight": {"form": "topk", "k": 3},
+             "0.bias": "norm", "*": "full"}
+    _record_sequence(path, forms, "float32")  # type: ignore[arg-type]
+    run = gradlog.open(path)
+    assert [run.form_name(n) for n in run.param_names] == ["projection", "norm", "topk", "full"]
+    gen = torch.Generator().manual_seed(5)
+    w0, w2, b2 = (torch.randn(*s, generator=gen) for s in ((10, 12), (3, 10), (2, 3)))
+    torch.testing.assert_close(run.project("0.weight", w0),
+                               project_with(w0, run.spec("0.weight")["form_spec"]))
+    assert run.project("2.weight", w2) is w2  # topk: its records are kept entries, in shape
+    assert run.project("2.bias", b2) is b2  # a batch of two
+    np.testing.assert_array_equal(run.project("2.bias", b2[0].numpy()), b2[0].numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the projection's notice)
+        records = {n: np.asarray(run.grads(n, step=3), dtype=np.float64)
+                   for n in ("0.weight", "2.bias")}
+    dots = {n: records[n].reshape(6, -1) @ np.asarray(run.project(n, g[0] if n == "2.bias"
+                                                                  else g)).reshape(-1)
+            for n, g in (("0.weight", w0), ("2.bias", b2))}
+    np.testing.assert_allclose(dots["2.bias"], records["2.bias"] @ b2[0].double().numpy())
+    assert dots["0.weight"].shape == (6,)
+    with pytest.raises(gradlog.InputError, match=r"shape \(4,\).*\(3,\)"):
+        run.project("2.bias", np.ones(4))
+    with pytest.raises(gradlog.SelectionError, match=r"'0\.bias'.*'norm'.*run\.norms\(\)"):
+        run.project("0.bias", np.ones(10))
+
+
 def test_self_influence_names_and_leaves_out_a_datum_of_non_finite_score(
         tmp_path: Path) -> None:
     """A datum whose recorded gradient is NaN (``sqrt`` at 0): ``influence`` warned and left

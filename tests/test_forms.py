@@ -847,8 +847,30 @@ def test_projection_scaling_and_ranks() -> None:
     assert balanced_ranks(1024, 256, 1024) == (32, 32)
     assert balanced_ranks(1024, 8, 1024) == (8, 128)
     assert balanced_ranks(5, 1, 1) == (1, 1)
-    form = make_form({"form": "projection", "dim": 10**6}, ParamInfo((6, 5), name="x"))
-    assert isinstance(form, ProjectionForm) and form.dim <= 30
+    form = ProjectionForm.plan(ParamInfo((6, 5), name="x"), dim=10**6)
+    assert form.dim <= 30
+
+
+def test_projection_of_a_parameter_that_fits_in_dim_keeps_it_exact() -> None:
+    """A ``dim`` at least a parameter's exact size gets the exact form: as many numbers, no
+    noise (a square sign matrix can be singular), no matmul. Explicit ranks are kept."""
+    x = ParamInfo((6, 5), name="x")
+    for dim in (10**6, 30):
+        assert isinstance(make_form({"form": "projection", "dim": dim}, x), FullForm), dim
+    below = make_form({"form": "projection", "dim": 29}, x)
+    assert isinstance(below, ProjectionForm) and below.dim <= 29
+    bias = ParamInfo((3,), name="classifier.bias")
+    assert isinstance(make_form("projection", bias), FullForm)
+    asked = make_form({"form": "projection", "ranks": [3]}, bias)
+    assert isinstance(asked, ProjectionForm) and asked.ranks == (3,)
+    # factors of few tokens are smaller than full: the smallest exact form that fits
+    few = ParamInfo((64, 96), "factors", 2, name="w")
+    assert isinstance(make_form({"form": "projection", "dim": 320}, few), FactorsForm)
+    assert isinstance(make_form({"form": "projection", "dim": 319}, few), ProjectionForm)
+    # planned so for a whole run, beside parameters that are projected
+    infos = {"w": ParamInfo((64, 96), name="w"), "b": ParamInfo((64,), name="b")}
+    planned = plan_forms(infos, {"w": "projection", "b": "projection"})
+    assert {n: f.name for n, f in planned.items()} == {"w": "projection", "b": "full"}
 
 
 GOLDEN = {  # sha256[:16] of random_matrix(64, 32, kind, 7).numpy().tobytes(), torch 2.13
@@ -926,7 +948,7 @@ def test_errors_name_the_fix() -> None:
     with pytest.raises(StoreFormatError, match="this gradlog reads"):
         form_from_spec({"form": "auto", "shape": [4, 3]})
     with pytest.raises(StoreFormatError, match="generator version"):
-        form_from_spec({**make_form("projection", info).spec(), "generator": 99})
+        form_from_spec({**ProjectionForm.plan(info).spec(), "generator": 99})
     with pytest.raises(StoreFormatError, match="'tokens'"):
         form_from_spec({"form": "factors", "shape": [4, 3], "tokens": "many"})
     with pytest.raises(InputError, match="Plan the form"):
@@ -1149,8 +1171,8 @@ def test_two_sided_projections_of_dense_records_are_matmuls_of_both_sides(
     against matmul of the two sides in either order (exact: the same products), and the
     float64 projection (to rounding)."""
     g = rand(B, p, q, dtype=torch.float32, seed=p * q + B)
-    form = make_form({"form": "projection", "dim": 64}, ParamInfo.of(g))
-    assert isinstance(form, ProjectionForm) and form.structure == "two_sided"
+    form = ProjectionForm.plan(ParamInfo.of(g), dim=64)  # (also where dim clamps to p q)
+    assert form.structure == "two_sided"
     p0, p1 = form.matrices(g.device, torch.float32)
     got = form.encode(g)["proj"]
     r0, r1 = form.ranks

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import gradlog.forms.grouped as grouped
 from gradlog import planning
-from gradlog.forms import ParamInfo, ProjectionForm, form_from_spec, make_form
+from gradlog.forms import ParamInfo, ProjectionForm, form_from_spec
 from gradlog.grads import Factors
 
 D64 = torch.float64
@@ -33,9 +33,8 @@ def _factors(k: int, B: int, N: int, p: int, q: int, *, seed: int, scale: float 
 
 
 def _form(material: Any, name: str, dim: int = 64) -> ProjectionForm:
-    form = make_form({"form": "projection", "dim": dim}, ParamInfo.of(material, name=name))
-    assert isinstance(form, ProjectionForm)
-    return form
+    # (planned as a projection even where dim holds the gradient itself, a square case)
+    return ProjectionForm.plan(ParamInfo.of(material, name=name), dim=dim)
 
 
 def _oracle(form: ProjectionForm, f: Factors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -537,8 +537,8 @@ class _WithEmptyLayer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("backend", ["hooks", "loop"])
-@pytest.mark.parametrize("form", ["full", "norm", "projection", {"form": "topk", "k": 2},
-                                  "factors", "auto"])
+@pytest.mark.parametrize("form", ["full", "norm", {"form": "projection", "dim": 8},
+                                  {"form": "topk", "k": 2}, "factors", "auto"])
 def test_a_zero_size_parameter_is_recorded_empty_in_every_form(tmp_path: Path, backend: str,
                                                                form: Any) -> None:
     torch.manual_seed(0)

@@ -1017,7 +1017,8 @@ def test_a_steady_step_waits_for_the_device_twice_and_late(
     marking(Verdict, "bad", "the checks read")
     model = tiny_gpt(vocab=32, block_size=8, n_layer=2, n_embd=16, dtype=torch.float32)
     x, y, mask = gpt_batch(4, 8, vocab=32)
-    form_options = {"topk": {"form": "topk", "fraction": 0.1}}.get(form, form)
+    form_options = {"topk": {"form": "topk", "fraction": 0.1},
+                    "projection": {"form": "projection", "dim": 64}}.get(form, form)
     with gradlog.GradRecorder(model, tmp_path / "r.gradlog", form=form_options,
                               batch_grad="sum", check_every=0) as rec:
         for _ in range(2):  # the forms planned, the first backward's datum check done

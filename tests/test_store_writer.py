@@ -328,8 +328,8 @@ def test_float16_storage_keeps_normal_values_to_its_precision(tmp_store: Path) -
     assert run.grads("0.weight").dtype == np.float32
 
 
-@pytest.mark.parametrize("form", ["full", "projection"])
-def test_float16_overflow_is_said_naming_the_datums(tmp_store: Path, form: str) -> None:
+@pytest.mark.parametrize("form", ["full", {"form": "projection", "dim": 4}])
+def test_float16_overflow_is_said_naming_the_datums(tmp_store: Path, form: Any) -> None:
     """Entries past float16's 65504 are stored as inf: the writer says which datums lost
     their records, and the others are kept to float16's precision."""
     model = nn.Linear(3, 2)
@@ -343,6 +343,7 @@ def test_float16_overflow_is_said_naming_the_datums(tmp_store: Path, form: str) 
     assert len(said) == 1 and "datum id(s) [12]" in said[0] and "['weight']" in said[0]
     assert not [w for w in caught if w.category is RuntimeWarning]  # numpy's cast warning
     run = gradlog.open(tmp_store)
+    assert run.form("weight").name == ("full" if form == "full" else "projection")
     norms = run.datums.column("norm/weight").to_numpy()
     assert np.isfinite(norms).all() and norms[2] > 65504  # exact, from before the cast
     if form == "full":

@@ -243,30 +243,41 @@ def record_shape(run: StoreReader, param: str) -> tuple[list[int], str]:
 
 def project(run: StoreReader, param: str, grad: Any) -> Any:
     """A gradient the user computed (a test example's, ``(*shape)`` or a batch ``(K,
-    *shape)``, torch or numpy), projected with ``param``'s stored projection: it lies in
-    the space of ``run.grads(param)``, so their inner products estimate the gradients'.
+    *shape)``, torch or numpy), put in the space of ``run.grads(param)``: projected with a
+    ``projection`` parameter's stored projection (inner products with the records then
+    estimate the gradients'), as given for the other forms, whose records ``run.grads``
+    returns in the parameter's shape (exact, or ``topk``'s kept entries), so one loop serves
+    every parameter.
 
     Raises:
-        SelectionError: ``param`` was not recorded with form ``projection``.
-        InputError: ``grad`` holds NaN or inf (its projection would too, silently).
+        SelectionError: ``param`` has form ``norm``, which keeps no gradients.
+        InputError: ``grad`` has another shape, or holds NaN or inf (its projection would
+            too, silently).
     """
     import torch
 
     from gradlog.forms import project as project_with
+    from gradlog.forms.base import as_batch
 
     spec = run.spec(param)
-    if spec["form"] != "projection":
+    if spec["form"] == "norm":
         raise SelectionError(
-            f"parameter {param!r} was recorded with form {spec['form']!r}, "
-            "not 'projection': compare your gradient with run.grads(param) directly."
+            f"parameter {param!r} was recorded with form 'norm', which keeps no gradients to "
+            "compare a gradient with: use run.norms() for its norms, or record it with form "
+            "'full', 'auto' or 'projection'."
         )
     g = grad if isinstance(grad, torch.Tensor) else torch.as_tensor(np.asarray(grad))
     if not g.is_floating_point():
         g = g.to(torch.float32)
     if not bool(torch.isfinite(g).all()):  # (the message counts them, on this rare path)
         check_finite(g.detach().cpu().double().numpy(), param, "gradient to project")
-    out = project_with(g, spec["form_spec"])  # float64 stays float64
+    if spec["form"] == "projection":
+        out = project_with(g, spec["form_spec"])  # float64 stays float64
+    else:
+        as_batch(g, tuple(int(d) for d in spec["shape"]))  # (checks its shape)
+        out = g
     return out if isinstance(grad, torch.Tensor) else out.numpy()
+
 
 
 def probe_grads(

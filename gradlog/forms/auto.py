@@ -35,7 +35,7 @@ from gradlog.forms.base import ArraySpec, Encoded, Form, ParamInfo, check_option
 from gradlog.forms.factors import FactorsForm, RowsForm, warn_if_larger_than_full
 from gradlog.forms.full import FullForm
 from gradlog.forms.norm import NormForm
-from gradlog.forms.projection import ProjectionForm
+from gradlog.forms.projection import DEFAULT_DIM, ProjectionForm
 from gradlog.forms.topk import TopKForm
 from gradlog.grads import Material
 
@@ -161,15 +161,24 @@ def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
     """The concrete form for a parameter from a request (``"factors"`` or
     ``{"form": "projection", "dim": 4096}``); ``options`` add to the request's. A zero-size
     parameter gets ``full`` (empty records; their norms, 0, are in the index) unless it
-    asked for ``norm``.
+    asked for ``norm``. A ``projection`` by ``dim`` (or its default) of a parameter whose
+    smallest exact form stores no more bytes (a bias or a norm's weight of at most ``dim``
+    elements) gets that exact form; explicit ``ranks`` are kept as asked.
 
     Raises:
         ConfigError: unknown form name (the message lists them) or option.
     """
     name, opts = _split(request)
-    form = _form_class(name).plan(info, **{**opts, **options})
+    opts = {**opts, **options}
+    form = _form_class(name).plan(info, **opts)
     if info.numel == 0 and not isinstance(form, (FullForm, NormForm)):
         return FullForm(info.shape)  # nothing to keep: its records are empty in every form
+    if isinstance(form, ProjectionForm) and "ranks" not in opts:
+        exact = smallest_exact(info)
+        if exact.nbytes_per_record(info.itemsize) <= opts.get("dim", DEFAULT_DIM) * info.itemsize:
+            # `dim` numbers hold the gradient itself: a projection would only add noise (a
+            # square sign matrix can be singular) and cost a matmul
+            return exact
     warn_if_larger_than_full(form, info)  # asked for by name: say when full is smaller
     return form
 

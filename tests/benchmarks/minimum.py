@@ -170,9 +170,10 @@ def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Te
     """What a form adds to the per-datum step, at its least: every record's exact norm (the
     store keeps it for every form: squares summed in float64, gradlog's own kernel), and for
     ``projection`` the default two-sided projection to 1024 dims (``P0^T G P1`` with ranks
-    as gradlog balances them, fixed Gaussian matrices; vectors: one ``(n, min(n, 1024))``
-    matrix each, the vectors of one size in one batched matmul), taken from the dense
-    records in the cheaper order."""
+    as gradlog balances them, fixed Gaussian matrices; vectors: one ``(n, 1024)`` matrix
+    each, the vectors of one size in one batched matmul), taken from the dense records in
+    the cheaper order. Records of at most 1024 numbers are kept as they are, as gradlog
+    plans them (``full``)."""
     from gradlog.forms.projection import DEFAULT_DIM, balanced_ranks
     from gradlog.grads import float64_sqnorms
 
@@ -183,6 +184,8 @@ def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Te
     vectors: dict[int, list[str]] = {}
     for name, g in records.items():
         shape = tuple(g.shape[1:])
+        if g[0].numel() <= DEFAULT_DIM:
+            continue  # kept whole: no arithmetic
         if len(shape) != 2:
             vectors.setdefault(g[0].numel(), []).append(name)
             continue
@@ -198,7 +201,7 @@ def with_form(records: dict[str, torch.Tensor], form: str) -> dict[str, torch.Te
     for n, names in vectors.items():
         stacked = _MATRICES.get(("vectors", n, len(names)))  # (k, n, r): one matrix per vector
         if stacked is None:
-            stacked = torch.randn(len(names), n, min(n, DEFAULT_DIM))
+            stacked = torch.randn(len(names), n, DEFAULT_DIM)
             _MATRICES[("vectors", n, len(names))] = (stacked,)
         else:
             stacked = stacked[0]
