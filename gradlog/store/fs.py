@@ -383,17 +383,20 @@ def write_bytes_atomic(path: StorePath, data: bytes) -> None:
 
 
 def write_parquet_atomic(table: Any, path: StorePath, *, durable: bool = False) -> None:
-    """Write ``table`` as the parquet file ``path`` (zstd), atomically as
+    """Write ``table`` as the parquet file ``path`` (snappy), atomically as
     :func:`write_bytes_atomic`; ``durable`` fsyncs a local temporary before the rename.
 
     Encoded in memory, without column statistics or dictionaries: the parts are small, read
     whole (never filtered by statistics), and these took most of the writer thread's time
-    per step for forms that store little (2-3 ms of a step's 9 measured, small GPT)."""
+    per step for forms that store little (2-3 ms of a step's 9 measured, small GPT). Snappy,
+    not zstd: an index part of 16 records and 44 columns took 1.07 ms with zstd against
+    0.51 ms, 4,096 records 3.9 against 2.2 ms, for 3-8% fewer bytes (per-datum norms and
+    losses are random floats)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd", write_statistics=False,
+    pq.write_table(table, sink, compression="snappy", write_statistics=False,
                    use_dictionary=False)
     data = sink.getvalue()
     if isinstance(path, ObjectPath):
