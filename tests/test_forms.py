@@ -852,8 +852,8 @@ def test_projection_scaling_and_ranks() -> None:
 
 
 def test_projection_of_a_parameter_that_fits_in_dim_keeps_it_exact() -> None:
-    """A ``dim`` at least a parameter's exact size gets the exact form: as many numbers, no
-    noise (a square sign matrix can be singular), no matmul. Explicit ranks are kept."""
+    """A ``dim`` at least a parameter's size gets ``full``: as many numbers, no noise (a
+    square sign matrix can be singular), no matmul. Explicit ranks are kept."""
     x = ParamInfo((6, 5), name="x")
     for dim in (10**6, 30):
         assert isinstance(make_form({"form": "projection", "dim": dim}, x), FullForm), dim
@@ -863,10 +863,10 @@ def test_projection_of_a_parameter_that_fits_in_dim_keeps_it_exact() -> None:
     assert isinstance(make_form("projection", bias), FullForm)
     asked = make_form({"form": "projection", "ranks": [3]}, bias)
     assert isinstance(asked, ProjectionForm) and asked.ranks == (3,)
-    # factors of few tokens are smaller than full: the smallest exact form that fits
+    # never factors, though smaller here: they hold the first batch's tokens, no more
     few = ParamInfo((64, 96), "factors", 2, name="w")
-    assert isinstance(make_form({"form": "projection", "dim": 320}, few), FactorsForm)
-    assert isinstance(make_form({"form": "projection", "dim": 319}, few), ProjectionForm)
+    assert isinstance(make_form({"form": "projection", "dim": 320}, few), ProjectionForm)
+    assert isinstance(make_form({"form": "projection", "dim": 64 * 96}, few), FullForm)
     # planned so for a whole run, beside parameters that are projected
     infos = {"w": ParamInfo((64, 96), name="w"), "b": ParamInfo((64,), name="b")}
     planned = plan_forms(infos, {"w": "projection", "b": "projection"})

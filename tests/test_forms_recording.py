@@ -523,6 +523,40 @@ def test_norms_stay_exact_when_a_datums_tokens_cancel(tmp_path: Path, form: Any)
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_a_projection_keeps_small_parameters_whole_and_takes_any_length(tmp_path: Path) -> None:
+    """A projection by ``dim`` keeps a parameter of at most ``dim`` elements as ``full``
+    (exact), and never plans token-provisioned factors, which a longer batch than the
+    first would overflow: every length records, each record against the loop backend."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    loop = torch.nn.Sequential(*(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)))
+    loop.load_state_dict(model.state_dict())
+    batches = [torch.randn(4, T_, 16, generator=torch.Generator().manual_seed(T_))
+               for T_ in (2, 9)]  # 2 tokens: factors (2 x 32) would fit in dim 128; 9 not
+    runs = {}
+    for name, m, kwargs in (("proj", model, {"form": {"form": "projection", "dim": 128}}),
+                            ("loop", loop, {"backend": "loop"})):
+        path = tmp_path / f"{name}.gradlog"
+        with gradlog.GradRecorder(m, path, **kwargs) as rec:
+            for x in batches:
+                rec.backward(m(x).square().sum((1, 2)))
+                m.zero_grad()
+        runs[name] = gradlog.open(path)
+    proj, oracle = runs["proj"], runs["loop"]
+    assert _forms(proj) == {"0.weight": "projection", "0.bias": "full", "2.weight": "full",
+                            "2.bias": "full"}
+    for name in proj.param_names:
+        want = np.asarray(oracle.grads(name, dtype=np.float64))
+        if name == "0.weight":
+            with pytest.warns(UserWarning, match="projected vectors"):
+                got = np.asarray(proj.grads(name, dtype=np.float64))
+            want = np.asarray(proj.project(name, torch.from_numpy(want)))
+        else:
+            got = np.asarray(proj.grads(name, dtype=np.float64))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+
+
 class _WithEmptyLayer(torch.nn.Module):
     """A Linear layer with no outputs beside an ordinary one (a pruned head, a zero-width
     adapter): its records are empty in every form, and their norms 0."""

@@ -161,9 +161,9 @@ def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
     """The concrete form for a parameter from a request (``"factors"`` or
     ``{"form": "projection", "dim": 4096}``); ``options`` add to the request's. A zero-size
     parameter gets ``full`` (empty records; their norms, 0, are in the index) unless it
-    asked for ``norm``. A ``projection`` by ``dim`` (or its default) of a parameter whose
-    smallest exact form stores no more bytes (a bias or a norm's weight of at most ``dim``
-    elements) gets that exact form; explicit ``ranks`` are kept as asked.
+    asked for ``norm``. A ``projection`` by ``dim`` (or its default) of a parameter of at
+    most ``dim`` elements (a bias, a norm's weight) gets ``full``: as many numbers, exact;
+    explicit ``ranks`` are kept as asked.
 
     Raises:
         ConfigError: unknown form name (the message lists them) or option.
@@ -173,12 +173,12 @@ def make_form(request: FormRequest, info: ParamInfo, **options: Any) -> Form:
     form = _form_class(name).plan(info, **opts)
     if info.numel == 0 and not isinstance(form, (FullForm, NormForm)):
         return FullForm(info.shape)  # nothing to keep: its records are empty in every form
-    if isinstance(form, ProjectionForm) and "ranks" not in opts:
-        exact = smallest_exact(info)
-        if exact.nbytes_per_record(info.itemsize) <= opts.get("dim", DEFAULT_DIM) * info.itemsize:
-            # `dim` numbers hold the gradient itself: a projection would only add noise (a
-            # square sign matrix can be singular) and cost a matmul
-            return exact
+    if isinstance(form, ProjectionForm) and "ranks" not in opts and (
+            info.numel <= opts.get("dim", DEFAULT_DIM)):
+        # `dim` numbers hold the gradient itself: a projection would only add noise (a square
+        # sign matrix can be singular) and cost a matmul. Not factors or rows, though smaller
+        # at times: they are provisioned for the first batch's tokens, a projection for any.
+        return FullForm(info.shape)
     warn_if_larger_than_full(form, info)  # asked for by name: say when full is smaller
     return form
 

@@ -221,7 +221,7 @@ class ProjectionForm(Form):
     @classmethod
     def plan(cls, info: ParamInfo, **options: Any) -> ProjectionForm:
         """Options: ``dim`` (projected size; default :data:`DEFAULT_DIM`, at most the
-        parameter's size, where :func:`~gradlog.forms.make_form` plans its exact form
+        parameter's size, where :func:`~gradlog.forms.make_form` plans ``full``
         instead; two-sided ranks from :func:`balanced_ranks`) or ``ranks``
         (``[r0, r1]`` or ``[r]``, taken as given), ``kind`` (default ``"rademacher"``),
         ``seed`` (the run's base seed, default 0; mixed with the parameter's name),
