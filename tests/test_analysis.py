@@ -1069,7 +1069,7 @@ def test_project_puts_a_gradient_in_the_space_of_each_forms_records(tmp_path: Pa
             for n, g in (("0.weight", w0), ("2.bias", b2))}
     np.testing.assert_allclose(dots["2.bias"], records["2.bias"] @ b2[0].double().numpy())
     assert dots["0.weight"].shape == (6,)
-    with pytest.raises(gradlog.InputError, match=r"shape \(4,\).*\(3,\)"):
+    with pytest.raises(gradlog.InputError, match=r"'2\.bias'.*shape \(4,\).*\(3,\)"):
         run.project("2.bias", np.ones(4))
     with pytest.raises(gradlog.SelectionError, match=r"'0\.bias'.*'norm'.*run\.norms\(\)"):
         run.project("0.bias", np.ones(10))

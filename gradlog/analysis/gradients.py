@@ -17,6 +17,7 @@ import numpy as np
 from gradlog.analysis.scan import memory_bytes
 from gradlog.analysis.selection import check_finite
 from gradlog.errors import (
+    InputError,
     NonFiniteGradientWarning,
     ReadTooLargeError,
     SelectionError,
@@ -274,7 +275,10 @@ def project(run: StoreReader, param: str, grad: Any) -> Any:
     if spec["form"] == "projection":
         out = project_with(g, spec["form_spec"])  # float64 stays float64
     else:
-        as_batch(g, tuple(int(d) for d in spec["shape"]))  # (checks its shape)
+        try:
+            as_batch(g, tuple(int(d) for d in spec["shape"]))  # (checks its shape)
+        except InputError as e:
+            raise InputError(f"run.project({param!r}, ...): {e}") from None
         out = g
     return out if isinstance(grad, torch.Tensor) else out.numpy()
 
