@@ -283,7 +283,6 @@ def project(run: StoreReader, param: str, grad: Any) -> Any:
     return out if isinstance(grad, torch.Tensor) else out.numpy()
 
 
-
 def probe_grads(
     run: StoreReader,
     param: str,
