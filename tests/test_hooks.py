@@ -515,31 +515,61 @@ def test_batchnorm_in_training_mode_is_refused(tmp_path: Path) -> None:
         rec.backward(model(x)[:, 0])
 
 
-def test_sequence_first_layers_with_batch_equal_to_length_are_refused() -> None:
-    class SeqFirst(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(5, 3)
-            self.rnn = nn.GRU(3, 3)  # batch_first=False: (T, B, d) throughout
-            self.head = nn.Linear(3, 5)
+class SeqFirst(nn.Module):
+    """Token ids (T, B) through sequence-first layers: (T, B, d) throughout."""
 
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (T, B)
-            return self.head(self.rnn(self.emb(idx))[0])  # (T, B, V)
+    def __init__(self, trunk: str) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.emb = nn.Embedding(5, 4)
+        self.pos = nn.Parameter(torch.randn(8, 1, 4))  # the model's own: its rule re-runs it
+        if trunk == "gru":
+            self.rnn: nn.Module = nn.GRU(4, 4)  # batch_first=False
+        else:
+            self.rnn = nn.TransformerEncoder(
+                nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), 1, enable_nested_tensor=False)
+        self.head = nn.Linear(4, 5)
 
-    model = SeqFirst().to(D64)
-    x = torch.randint(0, 5, (4, 4))  # T == B: either dimension could be the batch
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (T, B)
+        h = self.emb(idx) + self.pos[: idx.shape[0]]
+        out = self.rnn(h)
+        return self.head(out[0] if isinstance(out, tuple) else out)  # (T, B, V)
+
+
+@pytest.mark.parametrize("trunk", ["gru", "transformer"])
+def test_sequence_first_steps_whose_length_equals_the_batch_keep_the_batch_of_earlier_steps(
+        trunk: str) -> None:
+    """At T == B either leading dimension of a (T, B, d) output may be the batch: refused at
+    the first step, and read where earlier steps had it (dimension 1) once one settled it."""
+    torch.manual_seed(0)
+    model = SeqFirst(trunk).to(D64).eval()
     be = backend(model)
     try:
+        x = torch.randint(0, 5, (4, 4))
         losses = model(x).pow(2).sum((0, 2))
-        with pytest.raises(BackendError, match="cannot tell which"):
+        with pytest.raises(BackendError, match="no earlier step settled it"):
             be.backward(losses, losses.mean())
+        for T in (6, 4, 3, 4):  # T != B settles it; T == B keeps it
+            x = torch.randint(0, 5, (T, 4))
+            model.zero_grad(set_to_none=True)
+            losses = model(x).pow(2).sum((0, 2))
+            got = be.backward(losses, losses.mean())
+            assert_same(got, loop_grads(model, lambda x=x: model(x).pow(2).sum((0, 2))))
     finally:
         be.detach()
-    x = torch.randint(0, 5, (6, 4))  # T != B: unambiguous
-    assert_same(
-        hooks_grads(model, lambda: model(x).pow(2).sum((0, 2))),
-        loop_grads(model, lambda: model(x).pow(2).sum((0, 2))),
-    )
+
+
+def test_a_models_own_parameter_left_out_of_its_forward_gets_zero_records() -> None:
+    """The model's own parameter, unused: re-run per datum (torch.func cannot batch the GRU
+    there), no gradient reaches it, and its records are zeros (was: autograd's error)."""
+    torch.manual_seed(0)
+    model = SeqFirst("gru").to(D64)
+    model.spare = nn.Parameter(torch.randn(3, dtype=D64))
+    model.pos.requires_grad_(False)  # so that the model's own recorded parameters are unused
+    x = torch.randint(0, 5, (6, 4))
+    got = hooks_grads(model, lambda: model(x).pow(2).sum((0, 2)))
+    assert_same(got, loop_grads(model, lambda: model(x).pow(2).sum((0, 2))))
+    assert not got["spare"].any()
 
 
 # -- activation checkpointing ----------------------------------------------------------------

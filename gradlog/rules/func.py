@@ -465,7 +465,9 @@ def _loop(
                 (outputs[j] * g.select(d, b).unsqueeze(d)).sum() for (j, d, _), g in zip(outs, gs)
             ]
             total = torch.stack(terms).sum()  # <out_j, G_j,b> summed over outputs
-            found = torch.autograd.grad(total, list(ps.values()), allow_unused=True)
+            # (no parameter reached: an unused one, a model's own left out of its forward)
+            found = (torch.autograd.grad(total, list(ps.values()), allow_unused=True)
+                     if total.requires_grad else (None,) * len(ps))
         for (k, p), gk in zip(ps.items(), found):
             rows[k].append(torch.zeros_like(p) if gk is None else gk)
     return {k: torch.stack(v) for k, v in rows.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -55,6 +55,10 @@ class Entry:
     chains: tuple[Chain, ...] = ()  # parametrized tensors whose parameters are recorded
     plists: tuple[nn.Module, ...] = ()  # the parametrizations its rule may evaluate again
     deferrable: bool = False  # its own parameters may be taken op by op (.containers)
+    # output rank -> the batch dimensions its calls had where size settled it alone
+    # (layout.locate_batch: a sequence-first step whose length equals the batch size reads
+    # the batch where it was)
+    batch_dims: dict[int, set[int]] = field(default_factory=dict)
 
     @functools.cached_property
     def wanted(self) -> frozenset[str]:

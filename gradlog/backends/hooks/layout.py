@@ -24,7 +24,7 @@ from gradlog._torch_private.nodes import (
     autograd_node_shapes_known,
 )
 from gradlog._tree import flatten
-from gradlog.backends.hooks.calls import TAG, Call, sizes_of_b
+from gradlog.backends.hooks.calls import TAG, Call, Entry, sizes_of_b
 from gradlog.backends.hooks.feeds import Path, feeds_of
 from gradlog.backends.hooks.graph import (
     PASS_THROUGH,
@@ -55,7 +55,9 @@ output (``Chain`` is empty when the node consumes the output itself)."""
 def locate_batch(call: Call, B: int, sequence_first: list[str], unchecked: bool = False
                  ) -> None:
     """Settle the call's batch dimension: fixed by its rule, or, for layers that treat
-    leading dimensions alike, the leading dimension of size B (dim 0 if it is one).
+    leading dimensions alike, the leading dimension of size B (dim 0 if it is one; where two
+    are in a model with sequence-first layers, the one the module's earlier outputs had:
+    :func:`_settled_before`).
 
     Args:
         call: The call; its ``bd`` and ``lead`` are set.
@@ -98,22 +100,42 @@ def locate_batch(call: Call, B: int, sequence_first: list[str], unchecked: bool 
         found = [k for k, n in enumerate(leading) if n == B]
         call.bd = 0 if not found or found[0] == 0 else found[0]
         if len(found) > 1 and found[0] == 0 and sequence_first and B > 1:
-            raise BackendError(
-                f"{entry.label} has output shape {tuple(shape)}: with sequence-first "
-                f"layers in the model ({sequence_first[:3]}), either of its first "
-                f"dimensions may be the batch (B={B}), and gradlog cannot tell which. Use "
-                "a batch size different from the sequence length, batch_first=True "
-                "layers, or backend='loop'."
-            )
-    elif entry.fallback and not entry.op and (len(shape) <= call.bd or shape[call.bd] != B):
+            call.bd = _settled_before(entry, len(shape), found, sequence_first, B)
+        elif found:
+            entry.batch_dims.setdefault(len(shape), set()).add(call.bd)
+    elif entry.fallback and not entry.op:
         # a module without a rule on a sequence-first (T, B, D) layout; never the last
         # (feature) axis: a flattened (B*T, d) output with d == B has no batch axis
         sized = [k for k, n in enumerate(shape[:-1]) if n == B]
         if len(sized) == 1:
             call.bd = sized[0]
+            entry.batch_dims.setdefault(len(shape), set()).add(call.bd)
+        elif len(sized) > 1 and sequence_first and B > 1:
+            call.bd = _settled_before(entry, len(shape), sized, sequence_first, B)
     call.lead = shape[call.bd] if len(shape) > call.bd else None
     if entry.op and entry.op not in COPYING_OPS and _on_parameters_alone(call):
         call.lead = None  # a size of B there is the parameters': no datum's data came in
+
+
+def _settled_before(entry: Entry, rank: int, sized: list[int], sequence_first: list[str],
+                    B: int) -> int:
+    """The batch dimension of an output with several of the batch's size (a sequence-first
+    step whose length equals the batch size): the one the entry's outputs of this rank had
+    wherever size alone settled it, if always the same (the datum check then verifies this
+    layout, :class:`.datum_check.DatumLayouts`); refused without one."""
+    seen = entry.batch_dims.get(rank, set())
+    if len(seen) == 1 and next(iter(seen)) in sized:
+        return next(iter(seen))
+    why = (f"its earlier outputs had the batch in dimensions {sorted(seen)}" if seen else
+           "no earlier step settled it")
+    raise BackendError(
+        f"{entry.label} has an output of {rank} dimensions, {len(sized)} of them of the "
+        f"batch's size (B={B}): with sequence-first layers in the model "
+        f"({sequence_first[:3]}), either may be the batch, and gradlog cannot tell which "
+        f"({why}). Record a first step whose sequence length differs from the batch size "
+        "(gradlog then keeps the batch where that step had it), use a batch size different "
+        "from the sequence length, batch_first=True layers, or backend='loop'."
+    )
 
 
 _UNVERIFIED: set[str] = set()  # calls read batch-first in a reentrant checkpoint, logged
