@@ -516,13 +516,16 @@ def test_batchnorm_in_training_mode_is_refused(tmp_path: Path) -> None:
 
 
 class SeqFirst(nn.Module):
-    """Token ids (T, B) through sequence-first layers: (T, B, d) throughout."""
+    """Token ids (T, B) through sequence-first layers: (T, B, d) throughout. Positions: the
+    model's own parameter (T_max, 1, d) sliced (its rule re-runs the model per datum), or an
+    Embedding's (T, d) table broadcast over the batch's dimension 1 (shared by the datums)."""
 
-    def __init__(self, trunk: str) -> None:
+    def __init__(self, trunk: str, positions: str = "param") -> None:
         super().__init__()
-        self.trunk = trunk
+        self.trunk, self.positions = trunk, positions
         self.emb = nn.Embedding(5, 4)
-        self.pos = nn.Parameter(torch.randn(8, 1, 4))  # the model's own: its rule re-runs it
+        self.pos = nn.Parameter(torch.randn(8, 1, 4))
+        self.table = nn.Embedding(8, 4)
         if trunk == "gru":
             self.rnn: nn.Module = nn.GRU(4, 4)  # batch_first=False
         else:
@@ -531,18 +534,24 @@ class SeqFirst(nn.Module):
         self.head = nn.Linear(4, 5)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # idx (T, B)
-        h = self.emb(idx) + self.pos[: idx.shape[0]]
+        T = idx.shape[0]
+        if self.positions == "param":
+            h = self.emb(idx) + self.pos[:T]
+        else:
+            h = self.emb(idx) + self.table(torch.arange(T))[:, None, :]  # (T, 1, d) broadcast
         out = self.rnn(h)
         return self.head(out[0] if isinstance(out, tuple) else out)  # (T, B, V)
 
 
+@pytest.mark.parametrize("positions", ["param", "table"])
 @pytest.mark.parametrize("trunk", ["gru", "transformer"])
 def test_sequence_first_steps_whose_length_equals_the_batch_keep_the_batch_of_earlier_steps(
-        trunk: str) -> None:
+        trunk: str, positions: str) -> None:
     """At T == B either leading dimension of a (T, B, d) output may be the batch: refused at
-    the first step, and read where earlier steps had it (dimension 1) once one settled it."""
+    the first step, and read where earlier steps had it (dimension 1) once one settled it.
+    A position table broadcast over dimension 1 is shared by the datums at every T."""
     torch.manual_seed(0)
-    model = SeqFirst(trunk).to(D64).eval()
+    model = SeqFirst(trunk, positions).to(D64).eval()
     be = backend(model)
     try:
         x = torch.randint(0, 5, (4, 4))
@@ -557,6 +566,21 @@ def test_sequence_first_steps_whose_length_equals_the_batch_keep_the_batch_of_ea
             assert_same(got, loop_grads(model, lambda x=x: model(x).pow(2).sum((0, 2))))
     finally:
         be.detach()
+
+
+def test_a_sequence_first_position_table_is_refused_without_autograd_node_shapes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before torch 2.6 nodes carry no shapes to prove a broadcast over dimension 1 alone:
+    refused there, not split by a guess."""
+    from gradlog.backends.hooks import graph, layout
+
+    monkeypatch.setattr(layout, "autograd_node_shapes_known", lambda node: False)
+    monkeypatch.setattr(graph, "autograd_node_shapes_known", lambda node: False)
+    torch.manual_seed(0)
+    model = SeqFirst("gru", "table").to(D64)
+    x = torch.randint(0, 5, (6, 4))
+    with pytest.raises(BackendError, match="no batch dimension of size B=4 of its own"):
+        hooks_grads(model, lambda: model(x).pow(2).sum((0, 2)))
 
 
 def test_a_models_own_parameter_left_out_of_its_forward_gets_zero_records() -> None:

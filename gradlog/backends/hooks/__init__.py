@@ -570,7 +570,8 @@ class HooksBackend(Backend):
             self._feeds.note(call, len(found) if not feeds else 1, feeds)
             for node, slot, chain, at in found:
                 hook = functools.partial(self._on_consumer_grad, call,
-                                         consumer_gradient(node, slot, at, B), chain, at)
+                                         consumer_gradient(node, slot, at, B, bool(
+                                             self._sequence_first)), chain, at)
                 self._consumer_handles.append(node.register_prehook(hook))
 
     def _on_consumer_grad(self, call: Call, taken: Callable[[torch.Tensor], torch.Tensor],

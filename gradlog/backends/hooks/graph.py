@@ -337,12 +337,34 @@ def _inside_a_call(node: Any, outputs: Sequence[tuple[Any, Call]]) -> bool:
 
 
 
-def consumer_gradient(node: Any, slot: int, at: tuple[int, ...], B: int
-                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+def consumer_gradient(node: Any, slot: int, at: tuple[int, ...], B: int,
+                      sequence_first: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """How the gradient at a pass-through node's output gives its input ``slot``'s (of shape
     ``at``), the batch kept: times 1, alpha or -alpha; ``torch.where(condition, x, y)``'s
     kept where the output is that input (T5's relative position bias put into SDPA's mask);
-    a repeat over the batch's, each datum's copy, ``(B, *at)`` (:func:`batch_repeat`)."""
+    a repeat over the batch's, each datum's copy, ``(B, *at)`` (:func:`batch_repeat`). In a
+    model with sequence-first layers, a broadcast over dimension 1
+    (:func:`sequence_first_broadcast`) gives ``(B, *at)`` too, the batch moved first."""
+    taken = _consumer_gradient(node, slot, at, B)
+    if sequence_first and sequence_first_broadcast(node, at, B):
+        return lambda g: taken(g).movedim(1, 0).unsqueeze(2)  # (T, B, ..) -> (B, T, 1, ..)
+    return taken
+
+
+def sequence_first_broadcast(node: Any, at: tuple[int, ...], B: int) -> bool:
+    """Whether pass-through ``node`` broadcasts a tensor of shape ``at``, ``(T, 1, ...)``,
+    over dimension 1 alone to size B, its other dimensions kept: over the batch of a
+    sequence-first ``(T, B, d)`` (a position table added to the tokens' embeddings)."""
+    if type(node).__name__ not in ("AddBackward0", "SubBackward0", "ExpandBackward0") or (
+            not autograd_node_shapes_known(node)):  # (torch before 2.6: refused as before)
+        return False
+    wide = tuple(autograd_node_output_shape(node))
+    return (B > 1 and len(at) == len(wide) >= 2 and at[1] == 1 and wide[1] == B
+            and at[0] == wide[0] and tuple(at[2:]) == wide[2:])
+
+
+def _consumer_gradient(node: Any, slot: int, at: tuple[int, ...], B: int
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
     kind = type(node).__name__
     if kind == "WhereBackward0":
         cond = autograd_node_saved_condition(node)

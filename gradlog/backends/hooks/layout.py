@@ -35,6 +35,7 @@ from gradlog.backends.hooks.graph import (
     GraphSurvey,
     batch_repeat,
     consumers_through_views,
+    sequence_first_broadcast,
     through_views,
 )
 from gradlog.backends.hooks.rows import consumer_rows, flatten_rows
@@ -226,7 +227,8 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
         shape = tuple(call.out_shape)
         passing = all(_passes(node, shape, B) for node, _ in found)
         if exact:
-            shared = any(_passes(node, shape, B) and _broadcast(node, shape, B)
+            shared = any(_passes(node, shape, B)
+                         and _broadcast(node, shape, B, bool(sequence_first))
                          for node, _ in found)  # ((B, 1) + (B, d) is not: its own batch)
             if not shared and shape and shape[0] == 1 != B and not sequence_first:
                 shared = _replicated(found, graph, shape, B)
@@ -253,7 +255,7 @@ def shared_outputs(live: list[Call], graph: GraphSurvey, B: int, sequence_first:
                 type(n).__name__ in SHARED_ALONG for n, _ in found)
         coincides = exact and call.lead == B and B in shape[1:]  # (T, T, H) with T == B
         if (shared or call.lead != B or table or coincides) and first and call.hooked == 1:
-            chained = _through_views(found, graph, shape, B)
+            chained = _through_views(found, graph, shape, B, bool(sequence_first))
             if chained is not None:  # shared whole, broadcast after views (T5's bias)
                 call.bd, call.lead = 0, B
                 call.via_consumers = True
@@ -428,14 +430,16 @@ def _passes(node: Any, at: tuple[int, ...], B: int) -> bool:
                                      or batch_repeat(node, at, B) is not None)
 
 
-def _broadcast(node: Any, at: tuple[int, ...], B: int) -> bool:
+def _broadcast(node: Any, at: tuple[int, ...], B: int, sequence_first: bool) -> bool:
     """Whether pass-through ``node`` broadcasts a tensor of shape ``at`` over leading
     dimensions (a new one, or one of size 1), where a batch would be; or repeats it over
-    the batch."""
+    the batch; or, in a model with sequence-first layers, broadcasts it over dimension 1
+    (:func:`.graph.sequence_first_broadcast`)."""
     if batch_repeat(node, at, B) is not None:
         return True
     wide = autograd_node_output_shape(node)
-    return len(at) < len(wide) or (len(at) == len(wide) and at[:1] == (1,) != wide[:1])
+    return len(at) < len(wide) or (len(at) == len(wide) and at[:1] == (1,) != wide[:1]) or (
+        sequence_first and sequence_first_broadcast(node, at, B))
 
 
 def _copies(node: Any, at: tuple[int, ...], B: int) -> int:
@@ -456,7 +460,7 @@ def _copies(node: Any, at: tuple[int, ...], B: int) -> int:
 
 
 def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
-                   shape: tuple[int, ...], B: int) -> Consumers | None:
+                   shape: tuple[int, ...], B: int, sequence_first: bool) -> Consumers | None:
     """The consumers of a shared output past views, permutes and ops of it alone
     (:data:`.graph.SHARED_ALONG`), when every one of them is a pass-through op
     (:data:`PASS_THROUGH`) that broadcasts what it receives over the batch (a new leading
@@ -474,7 +478,7 @@ def _through_views(found: list[tuple[Any, int]], graph: GraphSurvey,
     out: Consumers = []
     for node, slot, chain in chained:
         at = autograd_node_output_shape(chain[-1]) if chain else shape  # what node received
-        if not _passes(node, at, B) or not _broadcast(node, at, B):
+        if not _passes(node, at, B) or not _broadcast(node, at, B, sequence_first):
             return None
         out.append((node, slot, chain, at))
     return out
