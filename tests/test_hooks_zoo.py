@@ -153,6 +153,32 @@ def test_multihead_attention_model(tmp_path: Path, batch_first: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_encoder_in_training_with_its_default_dropout(
+        tmp_path: Path, batch_first: bool) -> None:
+    """nn.TransformerEncoder in training with its default dropout (0.1; attention dropout
+    drawn inside SDPA, which a per-datum re-run cannot draw again; refused before): its
+    attention layers' records come from the batch's own backward, equal to the loop
+    oracle's on the same masks (the forward seeded alike), with a causal mask and padding."""
+    model = seeded(lambda: nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=batch_first), 2,
+        enable_nested_tensor=False)).train()
+    x = torch.randn(3, 5, 8, dtype=D64, generator=torch.Generator().manual_seed(0))
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1, -2:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=D64).isinf()
+
+    def forward(m: nn.Module) -> tuple[torch.Tensor, None]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)  # the same dropout masks in every run
+            h = m(x if batch_first else x.transpose(0, 1), mask=causal,
+                  src_key_padding_mask=pad)
+        h = h if batch_first else h.transpose(0, 1)
+        return torch.tanh(h).sum((1, 2)), None
+
+    assert_zoo_model(model, forward, tmp_path, fallback=[])
+
+
 def test_transformer_encoder_layer(tmp_path: Path) -> None:
     model = seeded(lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True))
     x = torch.randn(3, 5, 8, dtype=D64, generator=torch.Generator().manual_seed(0))

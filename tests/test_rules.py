@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradlog.backends import BACKENDS
-from gradlog.errors import BackendError
+from gradlog.errors import BackendError, UnsupportedLayerError
 from gradlog.params import select_params
 from gradlog.rules import RULES, Capture, find_rule, register_rule
 
@@ -374,14 +374,15 @@ def mha_options(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-@SLOW_RULE_SETTINGS
-@given(o=mha_options(), seed=st.integers(0, 2**16))
-def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
+def _mha_case(o: dict[str, Any], seed: int, dropout: float = 0.0, weights_in_loss: bool = True
+              ) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """A MultiheadAttention of options ``o`` and the per-datum losses of one call of it."""
     B, L, S, E, heads = o["B"], o["L"], o["S"], o["E"], o["heads"]
     attn = built(
         lambda: nn.MultiheadAttention(
             E,
             heads,
+            dropout=dropout,
             bias=o["bias"],
             add_bias_kv=o["add_bias_kv"],
             kdim=o["kdim"],
@@ -413,11 +414,38 @@ def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
         )
         out = out if o["batch_first"] else out.transpose(0, 1)  # (B, L, E)
         loss = datum_loss(out)
-        if weights is not None:
+        if weights is not None and weights_in_loss:
             loss = loss + datum_loss(weights, seed=2)  # weights are (B, L, S) either way
         return loss
 
+    return attn, forward
+
+
+@SLOW_RULE_SETTINGS
+@given(o=mha_options(), seed=st.integers(0, 2**16))
+def test_multihead_attention(o: dict[str, Any], seed: int) -> None:
+    attn, forward = _mha_case(o, seed)
     assert_like_loop(attn, forward, rule="multihead_attention")
+
+
+@SLOW_RULE_SETTINGS
+@given(o=mha_options(), seed=st.integers(0, 2**16), weights_in_loss=st.booleans())
+def test_multihead_attention_in_training_with_dropout_records_the_batchs_own_masks(
+        o: dict[str, Any], seed: int, weights_in_loss: bool) -> None:
+    """Attention dropout's masks, drawn inside the attention, cannot be drawn again by a
+    re-run: in training the records come from the batch's own backward through the
+    projections, equal to the loop oracle's on the same masks (both forwards seeded alike).
+    add_bias_kv's biases, and attention weights in the loss, are refused."""
+    from gradlog.testing.oracle import assert_like_loop as assert_like_loop_seeded
+
+    attn, forward = _mha_case(o, seed, dropout=0.5, weights_in_loss=weights_in_loss)
+    attn.train()
+    if o["add_bias_kv"] or (o["need_weights"] and weights_in_loss):
+        with pytest.raises((UnsupportedLayerError, BackendError), match="attention dropout"):
+            assert_like_loop_seeded(attn, forward)
+        return
+    described = assert_like_loop_seeded(attn, forward, rtol=1e-6, atol=1e-9)
+    assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}, described
 
 
 @st.composite

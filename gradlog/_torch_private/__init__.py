@@ -19,6 +19,7 @@ This module imports only torch and the standard library (layer 1).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ __all__ = [
     "forward_hooks_kept",
     "forward_pre_hooks",
     "fsdp_reduces_grads",
+    "functional_linear_noted",
     "global_module_backward_hooks_on",
     "in_autograd_backward",
     "in_checkpoint_recompute",
@@ -474,3 +476,47 @@ def linear_ops() -> frozenset[Any]:
     its C binding (private ``torch._C._nn.linear``; absent: ``F.linear`` only)."""
     binding = getattr(getattr(torch._C, "_nn", None), "linear", None)
     return frozenset({torch.nn.functional.linear} | ({binding} if binding is not None else set()))
+
+
+_LINEAR = torch.nn.functional.linear
+_noting = threading.local()  # .notes: this thread's callbacks, innermost last
+_noting_lock = threading.Lock()
+_noting_users = 0  # bodies of functional_linear_noted running, on every thread
+
+
+def _noted_linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+    out = _LINEAR(*args, **kwargs)
+    notes = getattr(_noting, "notes", None)
+    if notes:
+        names = ("input", "weight", "bias")
+        given = {**dict(zip(names, args)), **kwargs}
+        notes[-1](given["input"], given["weight"], given.get("bias"), out)
+    return out
+
+
+@contextlib.contextmanager
+def functional_linear_noted(
+    note: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], None],
+) -> Iterator[None]:
+    """Within the body, on this thread, each call of ``torch.nn.functional.linear`` made
+    through that module's global name is passed to ``note(input, weight, bias, output)``:
+    ``F.multi_head_attention_forward``'s projections, which a torch-function mode does not
+    see (that function takes the dispatch whole). Private: the global is replaced while any
+    thread runs such a body (other threads' calls pass straight through, unnoted), then
+    restored. Fallback: none needed; where torch's functions stop calling that global,
+    ``note`` is not called, and callers refuse what they could not note."""
+    global _noting_users
+    notes = _noting.__dict__.setdefault("notes", [])
+    with _noting_lock:
+        if _noting_users == 0:
+            torch.nn.functional.linear = _noted_linear
+        _noting_users += 1
+    notes.append(note)
+    try:
+        yield
+    finally:
+        notes.pop()
+        with _noting_lock:
+            _noting_users -= 1
+            if _noting_users == 0:
+                torch.nn.functional.linear = _LINEAR

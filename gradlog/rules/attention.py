@@ -1,25 +1,44 @@
-"""``nn.MultiheadAttention``, by :mod:`gradlog.rules.func` (re-run per datum).
+"""``nn.MultiheadAttention``: re-run per datum by :mod:`gradlog.rules.func`, or, in training
+with attention dropout, taken from the batch's own backward through its projections.
 
 The forward reads ``out_proj.weight`` / ``out_proj.bias`` directly instead of calling
 ``out_proj``, so this rule covers them too (``out_proj``'s own hooks would never fire).
 Query, key and value split along the batch dimension (0 with ``batch_first``, else 1), the
 key padding mask along 0, a 3-D attention mask ``(B * heads, L, S)`` by groups of ``heads``
 rows; a 2-D mask is shared.
+
+Attention dropout (``dropout > 0`` in training: ``nn.TransformerEncoderLayer``'s default)
+draws its masks inside ``F.scaled_dot_product_attention`` (or ``F.dropout`` with
+``need_weights``), which a re-run cannot reproduce. There nothing is re-run: every parameter
+of the layer is used only by its ``F.linear`` projections (the in-projections of query, key
+and value, the out-projection of the attention's output rows), whose inputs and outputs a
+:class:`~torch.overrides.TorchFunctionMode` notes during the training forward
+(:func:`track_projections`). Datum b's gradient of a projection's weight is
+``sum_t G[t, b]^T X[t, b]`` (of its bias ``sum_t G[t, b]``), with ``X`` its input and ``G``
+its output's gradient, both ``(tokens, B, d)`` inside the attention (its output rows are
+time-major ``(T*B, E)``). The out-projection's ``G`` is the layer's output gradient; the
+in-projections' come from one ``autograd.grad`` from the out-projection's output back to
+theirs, through the attention and the dropout masks the batch drew (its graph, retained
+for the ordinary backward). Attention mixes no datums, so column b of those is datum b's.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from gradlog._torch_private import functional_linear_noted, in_autograd_backward
 from gradlog.errors import UnsupportedLayerError
-from gradlog.rules.base import Capture, RuleResult, register_rule
+from gradlog.rules.base import Capture, RuleResult, register_rule, widen
 from gradlog.rules.func import LeafSpec, func_grads
+from gradlog.rules.randomness import draw_free, undraw_free
 
-__all__ = ["multihead_attention"]
+__all__ = ["multihead_attention", "track_projections"]
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 
@@ -40,7 +59,268 @@ def _refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     if isinstance(query, torch.Tensor) and query.dim() != 3:
         return ("a call on unbatched (2-D) inputs is not supported yet; add a batch dimension "
                 "or use backend='loop'.")
+    if module.training and float(getattr(module, "dropout", 0.0)) > 0 and (
+            getattr(module, "bias_k", None) is not None):
+        return ("in training with attention dropout gradlog takes its per-datum gradients "
+                "from its projections, and add_bias_kv's biases are used otherwise. Set its "
+                "dropout to 0 or put it in eval mode, or use backend='loop'.")
     return None
+
+
+@dataclass
+class _Projection:
+    """One ``F.linear`` call of the layer's forward on its parameters."""
+
+    x: torch.Tensor  # its input, (tokens, B, d_in) or time-major rows (tokens*B, d_in)
+    out: torch.Tensor  # its output
+    weight: str  # the parameter its weight is (a block of rows of it), and the first row
+    row: int
+    bias: str | None
+    bias_at: int
+
+
+@dataclass
+class _Frame:
+    """What one training call of the layer noted (:class:`_Projections`)."""
+
+    inputs: list[weakref.ref[torch.Tensor]]
+    projections: list[_Projection] = field(default_factory=list)
+    failed: str = ""  # why its per-datum gradients cannot be taken from it
+    consumed: bool = False  # a backward computed it (a later call on its inputs replaces it)
+    # (out-projection output gradient, in-projections' output gradients) of the last
+    # backward through it, where the layer is computed after the backward (:func:`_stash`)
+    stash: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]] | None = None
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.inputs)
+
+
+_FRAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], _Frame]] = (
+    weakref.WeakKeyDictionary())
+_MAX_FRAMES = 64  # calls kept per layer whose backward has not come (yet)
+
+
+def _qkv(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> list[torch.Tensor]:
+    """The call's query, key and value (the backend may have expanded its shared masks)."""
+    bound = _SIGNATURE.bind(module, *args, **kwargs).arguments
+    return [t for t in (bound.get("query"), bound.get("key"), bound.get("value"))
+            if isinstance(t, torch.Tensor)]
+
+
+def _key(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(id(t) for t in tensors)
+
+
+def _place(t: torch.Tensor | None, params: dict[str, nn.Parameter]) -> tuple[str, int] | None:
+    """The parameter ``t`` is a block of whole rows of (its attribute path, first row)."""
+    if t is None:
+        return None
+    for name, p in params.items():
+        if (p.dim() != t.dim() or tuple(p.shape[1:]) != tuple(t.shape[1:])
+                or t.stride() != p.stride() or t.device != p.device
+                or t.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()):
+            continue
+        offset = t.storage_offset() - p.storage_offset()
+        step = p.stride(0) if p.dim() else 1
+        if offset >= 0 and offset % step == 0 and offset // step + t.shape[0] <= p.shape[0]:
+            return name, offset // step
+    return None
+
+
+def _noter(params: dict[str, nn.Parameter], frame: _Frame) -> Any:
+    """Notes each ``F.linear`` on the layer's parameters (:class:`_Projection`) in one
+    training forward."""
+
+    def note(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor) -> None:
+        w, b = _place(weight, params), _place(bias, params)
+        if w is None and b is None:
+            return  # (another layer's)
+        if w is None or (bias is not None and b is None):
+            frame.failed = "an F.linear on other weights than whole rows of its own"
+            return
+        frame.projections.append(_Projection(
+            x, out, w[0], w[1], None if b is None else b[0], 0 if b is None else b[1]))
+
+    return note
+
+
+def track_projections(module: nn.Module) -> list[Any]:
+    """Note the projections of ``module``'s training forwards with attention dropout (see
+    the module doc); a subclass with a forward of its own is re-run as before.
+
+    Returns:
+        Handles to remove to stop.
+    """
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        return []
+    params = _covers(module)
+    bodies: list[Any] = []
+    noting: list[_Frame] = []
+
+    def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not (mod.training and float(getattr(mod, "dropout", 0.0)) > 0
+                and torch.is_grad_enabled()) or torch.compiler.is_compiling() or (
+                in_autograd_backward()):  # (a checkpoint's recompute: the call's own frame
+            return  # stays, its saved tensors recomputed with the same masks)
+        frames = _FRAMES.setdefault(mod, {})
+        for k in [k for k, f in frames.items() if not f.alive()]:
+            del frames[k]  # calls whose inputs are gone: their backward will not come
+        while len(frames) >= _MAX_FRAMES:
+            del frames[next(iter(frames))]
+        tensors = _qkv(mod, args, kwargs)
+        frame = _Frame([weakref.ref(t) for t in tensors])
+        key = _key(tensors)
+        if key in frames and not frames[key].consumed:  # twice on the same inputs before a
+            # backward (weights shared by two uses): which backward is whose?
+            frames[key].failed = frame.failed = (
+                "it was called twice on the same inputs before their backward")
+        frames[key] = frame
+        bodies.append(functional_linear_noted(_noter(params, frame)))
+        noting.append(frame)
+        bodies[-1].__enter__()
+
+    def leave(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if bodies:
+            bodies.pop().__exit__(None, None, None)
+            frame = noting.pop()
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if isinstance(weights, torch.Tensor) and weights.requires_grad:
+                _stash(mod, frame)
+
+    draw_free(module)
+    return [module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, with_kwargs=True, always_call=True),
+            _Undo(module)]
+
+
+class _Undo:
+    """A handle that takes the layer off :func:`.randomness.draw_free`'s list."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def remove(self) -> None:
+        module = self.module()
+        if module is not None:
+            undraw_free(module)
+            _FRAMES.pop(module, None)
+
+
+def _frame_of(module: nn.Module, cap: Capture) -> _Frame | None:
+    """The frame of the captured call (kept: a check may compute the call again), or None
+    when none was noted."""
+    frames = _FRAMES.get(module)
+    if not frames:
+        return None
+    tensors = _qkv(module, tuple(cap.args), dict(cap.kwargs))
+    frame = frames.get(_key(tensors))
+    if frame is not None and (len(frame.inputs) != len(tensors) or any(
+            r() is not t for r, t in zip(frame.inputs, tensors))):
+        return None  # (another call's, whose inputs' ids were reused)
+    if frame is not None:
+        frame.consumed = True
+    return frame
+
+
+def _inner_grads(module: nn.Module, out: _Projection, ins: list[_Projection],
+                 rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The in-projections' output gradients for the out-projection's output gradient
+    ``rows``: from the out-projection's input (its output's hooks are the backend's, not to
+    run again) through the attention and its dropout as the batch drew them."""
+    weight = cast(torch.Tensor, cast(nn.Module, module.out_proj).weight)
+    into = rows.mm(weight.to(rows.dtype))  # (T*B, E): the out-projection's input gradient
+    return torch.autograd.grad(out.x, [p.out for p in ins], into.view(out.x.shape),
+                               retain_graph=True, allow_unused=True)
+
+
+def _stash(module: nn.Module, frame: _Frame) -> None:
+    """With ``need_weights`` the layer has a second output, and the backend computes it only
+    once the backward ended, its graph freed: the in-projections' gradients are then taken
+    while the backward passes its out-projection, and kept with the gradient they came from
+    (the rule takes them only for the same one)."""
+    outs = [p for p in frame.projections if p.weight == "out_proj.weight"]
+    ins = [p for p in frame.projections if p.weight != "out_proj.weight"]
+    if len(outs) != 1 or not ins or not outs[0].out.requires_grad:
+        return
+    out = outs[0]
+    ref = weakref.ref(frame)
+
+    def keep(grad: torch.Tensor) -> None:
+        held = ref()
+        if held is not None and not held.failed:
+            held.stash = (grad.detach(), _inner_grads(module, out, ins, grad.detach()))
+
+    out.out.register_hook(keep)
+
+
+def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
+                    wanted: frozenset[str]) -> RuleResult:
+    """Per-datum gradients from the frame's projections (see the module doc)."""
+    B = cap.batch_size
+    params = {k: p for k, p in _covers(module).items() if k in wanted}
+    g = cap.grads[0] if cap.grads else None
+    outs = [p for p in frame.projections if p.weight == "out_proj.weight"]
+    ins = [p for p in frame.projections if p.weight != "out_proj.weight"]
+    if not frame.failed and len(cap.grads) > 1 and cap.grads[1] is not None:
+        frame.failed = ("its attention weights (need_weights=True) are part of the loss, "
+                        "and the projections are taken from its output alone")
+    if not frame.failed and (len(outs) != 1 or not ins or g is None):
+        frame.failed = (f"its forward made {len(outs)} out-projections and {len(ins)} "
+                        "in-projections, or its output got no gradient")
+    if frame.failed:
+        raise UnsupportedLayerError(
+            f"in training with attention dropout gradlog takes its per-datum gradients from "
+            f"its projections, and could not here: {frame.failed}. Set its dropout to 0 or "
+            "put it in eval mode, or use backend='loop'.")
+    assert g is not None
+    out = outs[0]
+    rows = (g.transpose(0, 1) if module.batch_first else g).reshape(out.out.shape)  # (T*B, E)
+    rows = rows.to(out.out.dtype)
+    if frame.stash is not None and torch.equal(frame.stash[0], rows):  # this backward's
+        found = frame.stash[1]
+    else:
+        try:
+            found = _inner_grads(module, out, ins, rows)
+        except RuntimeError as e:  # (its graph freed: the rule ran after the backward)
+            raise UnsupportedLayerError(
+                "in training with attention dropout gradlog takes its per-datum gradients "
+                "from the batch's graph while the backward passes the layer, and could not "
+                f"here (torch: {str(e).splitlines()[0][:120]}). Set its dropout to 0 or put "
+                "it in eval mode, or use backend='loop'.") from e
+    grads = [(out, rows), *((p, torch.zeros_like(p.out) if f is None else f)
+                            for p, f in zip(ins, found, strict=True))]
+    result: RuleResult = {}
+    covered: dict[str, int] = {}
+    for proj, grad in grads:
+        weight = params.get(proj.weight)
+        dtype = weight.dtype if weight is not None else None
+        x, gr = widen(proj.x, dtype), widen(grad, dtype)
+        if x.dim() == 2:  # time-major rows (T*B, d): row t*B + b is datum b's
+            x, gr = x.reshape(-1, B, x.shape[-1]), gr.reshape(-1, B, gr.shape[-1])
+        if x.dim() != 3 or x.shape[1] != B or gr.shape[:2] != x.shape[:2]:
+            raise UnsupportedLayerError(
+                f"a projection of {type(module).__name__} ran on shape {tuple(proj.x.shape)}, "
+                f"not (tokens, B={B}, d); use backend='loop'.")
+        d_out = gr.shape[-1]
+        if weight is not None:
+            per = result.setdefault(proj.weight, weight.new_zeros((B, *weight.shape)))
+            per[:, proj.row : proj.row + d_out].add_(torch.einsum("tbo,tbi->boi", gr, x))
+            covered[proj.weight] = covered.get(proj.weight, 0) + d_out
+        if proj.bias is not None and proj.bias in params:
+            bias = params[proj.bias]
+            per = result.setdefault(proj.bias, bias.new_zeros((B, *bias.shape)))
+            per[:, proj.bias_at : proj.bias_at + d_out].add_(gr.sum(0).to(bias.dtype))
+            covered[proj.bias] = covered.get(proj.bias, 0) + d_out
+    missing = sorted(k for k, p in params.items() if covered.get(k) != p.shape[0])
+    if missing:
+        raise UnsupportedLayerError(
+            f"{type(module).__name__}'s forward used {missing} otherwise than by whole "
+            "projections (add_bias_kv's biases, a block used twice): in training with "
+            "attention dropout gradlog takes its per-datum gradients from its projections "
+            "only. Set its dropout to 0, put it in eval mode, or use backend='loop'.")
+    return {k: v.mul_(cap.scale) if cap.scale != 1 else v for k, v in result.items()}
 
 
 @register_rule(
@@ -51,14 +331,25 @@ def _refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     uses_torch_func=True,
     refuse=_refuse,
     views_own_result=True,  # batch_first: a transpose of out_proj's result
+    track=track_projections,
 )
 def multihead_attention(
     module: nn.MultiheadAttention, cap: Capture, wanted: frozenset[str]
 ) -> RuleResult:
-    """Per-datum gradients of the projections by ``torch.func`` over the captured call."""
+    """Per-datum gradients of the projections by ``torch.func`` over the captured call, or,
+    in training with attention dropout, from the batch's own backward (module doc)."""
     reason = _refuse(module, cap.args, cap.kwargs)
     if reason is not None:
         raise UnsupportedLayerError(reason)
+    frame = _frame_of(module, cap)
+    if frame is not None:
+        return _by_projections(module, frame, cap, wanted)
+    if module.training and module.dropout > 0:
+        raise UnsupportedLayerError(
+            "it draws attention dropout in training and gradlog noted no projections of "
+            "this call (a compiled forward, a subclass's own forward), which a per-datum "
+            "re-run cannot reproduce. Set its dropout to 0 or put it in eval mode, or use "
+            "backend='loop'.")
     bound = _SIGNATURE.bind(module, *cap.args, **cap.kwargs)
     arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
     B, bd = cap.batch_size, _batch_dim(module)

@@ -339,6 +339,10 @@ class Rule:
         accepts: For a rule found by class name: whether this module is the library's
             class (a user's class of the same name then gets no rule: the ``torch.func``
             fallback). None: every module of that name.
+        track: ``track(module)`` -> hook handles, installed on each recorded module of the
+            rule while recording (removed with the backend's): what the rule notes in the
+            module's forwards for its compute (``MultiheadAttention``'s projections in
+            training). None: nothing.
     """
 
     name: str
@@ -350,6 +354,7 @@ class Rule:
     feature_dims: Callable[[nn.Module], int] | None = None
     views_own_result: bool = False
     accepts: Callable[[nn.Module], bool] | None = None
+    track: Callable[[nn.Module], list[Any]] | None = None
 
 
 RULES: dict[type[nn.Module] | str, Rule] = {}
@@ -370,6 +375,7 @@ def register_rule(
     feature_dims: Callable[[nn.Module], int] | None = None,
     views_own_result: bool = False,
     accepts: Callable[[nn.Module], bool] | None = None,
+    track: Callable[[nn.Module], list[Any]] | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator registering ``compute`` as the rule for module types ``keys``.
 
@@ -392,6 +398,7 @@ def register_rule(
         feature_dims: See :class:`Rule`.
         views_own_result: See :class:`Rule`.
         accepts: See :class:`Rule`.
+        track: See :class:`Rule`.
     """
     if not keys and accepts is None:
         raise TypeError("register_rule needs a module type, a class name or accepts=")
@@ -407,6 +414,7 @@ def register_rule(
             feature_dims=feature_dims,
             views_own_result=views_own_result,
             accepts=accepts,
+            track=track,
         )
         for key in keys:
             if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):

@@ -22,7 +22,8 @@ call's output is checked to be its input times the rebuilt mask, and a call that
 refused (:func:`masks_of`). Other random draws (``AlphaDropout``, ``torch.rand`` in the
 module's own forward, the dropout of ``F.scaled_dot_product_attention`` or inside
 ``nn.LSTM``/``MultiheadAttention``) are not replayed: those modules stay refused, never
-computed with other masks.
+computed with other masks (``MultiheadAttention``'s rule takes a training call's per-datum
+gradients from the batch's own backward instead: :func:`draw_free`).
 """
 
 from __future__ import annotations
@@ -42,13 +43,18 @@ from gradlog._torch_private import cuda_devices, dropout_rate, forked_rng, rng_s
 from gradlog._tree import leaves
 from gradlog.errors import BackendError
 
-__all__ = ["REPLAYABLE", "masks_of", "replay", "track_dropout", "tracked"]
+__all__ = [
+    "REPLAYABLE", "draw_free", "masks_of", "replay", "track_dropout", "tracked", "undraw_free",
+]
 
 REPLAYABLE: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d,
                                            nn.Dropout3d)
 """Dropout layers whose output is their input times a mask drawn by their own forward."""
 
 _TRACKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # dropouts whose masks are noted
+# modules whose rule takes their per-datum gradients from the batch's own backward, not a
+# re-run: their own draws need no replay (MultiheadAttention in training: .attention)
+_DRAW_FREE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _MAX_FRAMES = 64  # calls kept per module whose backward has not come (yet)
 
 
@@ -254,6 +260,18 @@ def masks_of(module: nn.Module, args: Any) -> list[torch.Tensor] | None:
     return None if frame is None else frame.masks
 
 
+def draw_free(module: nn.Module) -> None:
+    """Mark ``module`` as computed from the batch's own backward (no re-run), so that its
+    own draws are not listed by :func:`unreplayed`; its rule then refuses a call whose
+    forward it could not follow."""
+    _DRAW_FREE.add(module)
+
+
+def undraw_free(module: nn.Module) -> None:
+    """Undo :func:`draw_free` (recording ended)."""
+    _DRAW_FREE.discard(module)
+
+
 def unreplayed(module: nn.Module) -> list[str]:
     """Names of ``module``'s submodules that draw random numbers in this mode and whose
     draws are not noted (see the module doc)."""
@@ -268,7 +286,7 @@ def unreplayed(module: nn.Module) -> list[str]:
         elif isinstance(m, nn.RNNBase):
             p = m.dropout if m.num_layers > 1 else 0.0  # dropout acts between layers only
         elif isinstance(m, nn.MultiheadAttention):
-            p = m.dropout
+            p = 0.0 if name == "" and m in _DRAW_FREE else m.dropout
         else:
             continue
         if p > 0:

@@ -167,8 +167,9 @@ class HooksBackend(Backend):
                 self._order.first(functools.partial(self._on_forward, entry)),
                 with_kwargs=True, always_call=True, prepend=True),
                 entry.module.register_forward_pre_hook(self._order.enter)]  # (after the user's)
-            if entry.rule.uses_torch_func:  # its re-run replays the batch's dropout masks
-                self._handles.extend(track_dropout(entry.module))
+            # its re-run replays the batch's dropout masks; what its compute takes from the forward
+            self._handles += track_dropout(entry.module) if entry.rule.uses_torch_func else []
+            self._handles += entry.rule.track(entry.module) if entry.rule.track else []
         # uses of recorded parameters that no hooked module call covers (see .operations)
         self._ops = OpCapture(self.model, self.params, self._capture, self._inside,
                               self._entries, self._capturing, self.watch_ops)
@@ -569,9 +570,8 @@ class HooksBackend(Backend):
             self._touched.append(call)
             self._feeds.note(call, len(found) if not feeds else 1, feeds)
             for node, slot, chain, at in found:
-                hook = functools.partial(self._on_consumer_grad, call,
-                                         consumer_gradient(node, slot, at, B, bool(
-                                             self._sequence_first)), chain, at)
+                hook = functools.partial(self._on_consumer_grad, call, consumer_gradient(
+                    node, slot, at, B, bool(self._sequence_first)), chain, at)
                 self._consumer_handles.append(node.register_prehook(hook))
 
     def _on_consumer_grad(self, call: Call, taken: Callable[[torch.Tensor], torch.Tensor],
