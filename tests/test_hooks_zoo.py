@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gradlog
 from gradlog.testing.zoo import gpt_batch, per_token_ce, tiny_gpt
@@ -177,6 +178,47 @@ def test_transformer_encoder_in_training_with_its_default_dropout(
         return torch.tanh(h).sum((1, 2)), None
 
     assert_zoo_model(model, forward, tmp_path, fallback=[])
+
+
+class Checkpointed(nn.Module):
+    """Two encoder layers in training, each in a non-reentrant activation checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(8, 2, 16, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_attention_dropout_under_checkpoints_over_steps_on_one_input(tmp_path: Path) -> None:
+    """A checkpoint's recompute draws the same masks and is not a second call of the layer;
+    the same input tensor at every step is not either: three SGD steps, records equal the
+    loop oracle's run on the same masks."""
+    x = torch.randn(3, 5, 8, dtype=D64, generator=torch.Generator().manual_seed(0))
+    stores = {}
+    for backend in ("hooks", "loop"):
+        model = seeded(Checkpointed).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        path = tmp_path / f"{backend}.gradlog"
+        with gradlog.GradRecorder(model, path, backend=backend, dtype="float64",
+                                  check_every=1) as rec:
+            for step in range(3):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(step)
+                    out = model(x)
+                opt.zero_grad()
+                rec.backward(torch.tanh(out).sum((1, 2)))
+                opt.step()
+        stores[backend] = gradlog.open(path)
+    for name in stores["loop"].param_names:
+        want = stores["loop"].grads(name, dtype=np.float64)
+        np.testing.assert_allclose(stores["hooks"].grads(name, dtype=np.float64), want,
+                                   rtol=1e-6, atol=1e-12, err_msg=name)
 
 
 def test_transformer_encoder_layer(tmp_path: Path) -> None:

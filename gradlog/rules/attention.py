@@ -86,7 +86,6 @@ class _Frame:
     inputs: list[weakref.ref[torch.Tensor]]
     projections: list[_Projection] = field(default_factory=list)
     failed: str = ""  # why its per-datum gradients cannot be taken from it
-    consumed: bool = False  # a backward computed it (a later call on its inputs replaces it)
     # (out-projection output gradient, in-projections' output gradients) of the last
     # backward through it, where the layer is computed after the backward (:func:`_stash`)
     stash: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]] | None = None
@@ -172,8 +171,7 @@ def track_projections(module: nn.Module) -> list[Any]:
         tensors = _qkv(mod, args, kwargs)
         frame = _Frame([weakref.ref(t) for t in tensors])
         key = _key(tensors)
-        if key in frames and not frames[key].consumed:  # twice on the same inputs before a
-            # backward (weights shared by two uses): which backward is whose?
+        if key in frames:  # twice on the same inputs before a backward: whose is which?
             frames[key].failed = frame.failed = (
                 "it was called twice on the same inputs before their backward")
         frames[key] = frame
@@ -209,18 +207,15 @@ class _Undo:
 
 
 def _frame_of(module: nn.Module, cap: Capture) -> _Frame | None:
-    """The frame of the captured call (kept: a check may compute the call again), or None
-    when none was noted."""
+    """The frame of the captured call, removed from the store; None when none was noted."""
     frames = _FRAMES.get(module)
     if not frames:
         return None
     tensors = _qkv(module, tuple(cap.args), dict(cap.kwargs))
-    frame = frames.get(_key(tensors))
+    frame = frames.pop(_key(tensors), None)
     if frame is not None and (len(frame.inputs) != len(tensors) or any(
             r() is not t for r, t in zip(frame.inputs, tensors))):
         return None  # (another call's, whose inputs' ids were reused)
-    if frame is not None:
-        frame.consumed = True
     return frame
 
 
