@@ -194,3 +194,18 @@ def test_an_embedding_scaling_by_the_batchs_counts_is_refused(tmp_path: Path) ->
             gradlog.GradlogError, match="scale_grad_by_freq"):
         rec.step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"), (x, y))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_sequence_first_rnn_vmap_cannot_batch_names_the_backends_that_can(
+        tmp_path: Path) -> None:
+    """A GRU on (T, B, d) writes each datum's state into a zero state the batch shares:
+    vmap refuses it; the message named only BatchNorm and the loop backend."""
+    model = nn.GRU(4, 4)  # batch_first=False
+
+    def losses(m: nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        return m(batch[0].transpose(0, 1))[0].pow(2).sum((0, 2))  # (B,)
+
+    x = torch.randn(3, 5, 4)  # (B, T, d): vmap splits dimension 0
+    with gradlog.GradRecorder(model, tmp_path / "run", backend="vmap") as rec, pytest.raises(
+            gradlog.GradlogError, match="backend='hooks'"):
+        rec.step(losses, (x,))

@@ -140,9 +140,12 @@ class VmapBackend(Backend):
                     "(transformers: model.gradient_checkpointing_disable())."
                 ) from e
             raise BackendError(
-                f"torch.func.vmap could not differentiate this model per datum: {e}. In-place "
-                "updates of buffers (BatchNorm in training mode) and data-dependent control "
-                "flow are not supported by vmap; use backend='loop'."
+                f"torch.func.vmap could not differentiate this model per datum: {e}. vmap "
+                "supports neither in-place writes of a datum's values into a tensor the batch "
+                "shares (a BatchNorm's running statistics in training mode; an RNN's zero "
+                "initial state: 'output with shape [1, ...] doesn't match the broadcast "
+                "shape'), nor data-dependent control flow (.item(), boolean masks); use "
+                "backend='hooks' (the default) or 'loop'."
             ) from e
         check(losses)
         if self.datum_check_due:  # (steps the recorder checks: its self-check cannot here)
