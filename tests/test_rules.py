@@ -448,6 +448,29 @@ def test_multihead_attention_in_training_with_dropout_records_the_batchs_own_mas
     assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}, described
 
 
+def test_multihead_attentions_noted_projections_do_not_outlive_their_graph() -> None:
+    """A forward whose backward never comes (a refused step, a discarded forward) takes
+    what was noted of it with its graph: it never keeps the graph, nor the calls hooked in
+    it, alive (they were then taken for the next backward's)."""
+    import gc
+
+    from gradlog.rules import attention
+
+    attn = built(lambda: nn.MultiheadAttention(4, 2, dropout=0.5), 0).train()
+    be = BACKENDS["hooks"](attn, select_params(attn, ["*"]), batch_reduction="mean",
+                           randomness="different")
+    be.attach()
+    try:
+        x = randn(3, 2, 4, seed=0)
+        out = attn(x, x, x, need_weights=False)[0]
+        assert len(attention._FRAMES[attn]) == 1
+        del out
+        gc.collect()
+        assert len(attention._FRAMES[attn]) == 0
+    finally:
+        be.detach()
+
+
 @st.composite
 def rnn_options(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(["RNN", "LSTM", "GRU"]))

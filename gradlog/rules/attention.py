@@ -1,25 +1,29 @@
-"""``nn.MultiheadAttention``: re-run per datum by :mod:`gradlog.rules.func`, or, in training
-with attention dropout, taken from the batch's own backward through its projections.
+"""``nn.MultiheadAttention``: from the batch's own backward through its projections, or
+re-run per datum by :mod:`gradlog.rules.func` where that cannot be.
 
-The forward reads ``out_proj.weight`` / ``out_proj.bias`` directly instead of calling
-``out_proj``, so this rule covers them too (``out_proj``'s own hooks would never fire).
-Query, key and value split along the batch dimension (0 with ``batch_first``, else 1), the
-key padding mask along 0, a 3-D attention mask ``(B * heads, L, S)`` by groups of ``heads``
-rows; a 2-D mask is shared.
+Every parameter of the layer is used only by its ``F.linear`` projections (the
+in-projections of query, key and value, the out-projection of the attention's output rows;
+``out_proj``'s own hooks never fire: the forward reads its weight directly). Their inputs
+and outputs are noted during each forward with grad (:func:`track_projections`, through
+:func:`gradlog._torch_private.functional_linear_noted`: ``F.multi_head_attention_forward``
+takes a torch-function mode's dispatch whole). Datum b's gradient of a projection's weight
+is ``sum_t G[t, b]^T X[t, b]`` (of its bias ``sum_t G[t, b]``), with ``X`` its input and
+``G`` its output's gradient, both ``(tokens, B, d)`` inside the attention (the output rows
+are time-major ``(T*B, E)``). The out-projection's ``G`` is the layer's output gradient; the
+in-projections' come from one ``autograd.grad`` from the out-projection's input back to
+their outputs, through the attention and, in training, the dropout masks the batch drew
+(its graph, retained for the ordinary backward). Attention mixes no datums, so column b of
+those is datum b's. This is the only way in training with attention dropout
+(``nn.TransformerEncoderLayer``'s default 0.1), drawn inside
+``F.scaled_dot_product_attention`` where no re-run can draw it again; elsewhere it also
+costs less than the re-run (an encoder of two layers: 1.55x a plain step against 2.25x).
 
-Attention dropout (``dropout > 0`` in training: ``nn.TransformerEncoderLayer``'s default)
-draws its masks inside ``F.scaled_dot_product_attention`` (or ``F.dropout`` with
-``need_weights``), which a re-run cannot reproduce. There nothing is re-run: every parameter
-of the layer is used only by its ``F.linear`` projections (the in-projections of query, key
-and value, the out-projection of the attention's output rows), whose inputs and outputs a
-:class:`~torch.overrides.TorchFunctionMode` notes during the training forward
-(:func:`track_projections`). Datum b's gradient of a projection's weight is
-``sum_t G[t, b]^T X[t, b]`` (of its bias ``sum_t G[t, b]``), with ``X`` its input and ``G``
-its output's gradient, both ``(tokens, B, d)`` inside the attention (its output rows are
-time-major ``(T*B, E)``). The out-projection's ``G`` is the layer's output gradient; the
-in-projections' come from one ``autograd.grad`` from the out-projection's output back to
-theirs, through the attention and the dropout masks the batch drew (its graph, retained
-for the ordinary backward). Attention mixes no datums, so column b of those is datum b's.
+Re-run per datum instead (``torch.func``; refused in training with attention dropout):
+``add_bias_kv`` (its biases are concatenated, not projected), attention weights
+(``need_weights=True``) in the loss, a subclass with a forward of its own, a compiled
+forward. Query, key and value then split along the batch dimension (0 with
+``batch_first``, else 1), the key padding mask along 0, a 3-D attention mask
+``(B * heads, L, S)`` by groups of ``heads`` rows; a 2-D mask is shared.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ def _refuse(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return None
 
 
+class _Unusable(Exception):
+    """Why a call's per-datum gradients cannot be taken from its projections."""
+
+
 @dataclass
 class _Projection:
     """One ``F.linear`` call of the layer's forward on its parameters."""
@@ -94,9 +102,13 @@ class _Frame:
         return all(r() is not None for r in self.inputs)
 
 
-_FRAMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], _Frame]] = (
-    weakref.WeakKeyDictionary())
-_MAX_FRAMES = 64  # calls kept per layer whose backward has not come (yet)
+# The frames of calls whose backward has not come, by layer and query/key/value ids, held
+# by their own graph alone (the output's autograd node's metadata, :data:`_HELD`): a forward
+# whose graph is dropped without a backward takes its frame with it, and never keeps the
+# graph alive (the frame's tensors lead only down the graph, never back to that node).
+_FRAMES: weakref.WeakKeyDictionary[
+    nn.Module, weakref.WeakValueDictionary[tuple[int, ...], _Frame]] = weakref.WeakKeyDictionary()
+_HELD = "gradlog_projections"
 
 
 def _qkv(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -146,8 +158,8 @@ def _noter(params: dict[str, nn.Parameter], frame: _Frame) -> Any:
 
 
 def track_projections(module: nn.Module) -> list[Any]:
-    """Note the projections of ``module``'s training forwards with attention dropout (see
-    the module doc); a subclass with a forward of its own is re-run as before.
+    """Note the projections of ``module``'s forwards with grad (see the module doc); a
+    subclass with a forward of its own, or one with ``add_bias_kv``, is re-run as before.
 
     Returns:
         Handles to remove to stop.
@@ -159,20 +171,17 @@ def track_projections(module: nn.Module) -> list[Any]:
     noting: list[_Frame] = []
 
     def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not (mod.training and float(getattr(mod, "dropout", 0.0)) > 0
-                and torch.is_grad_enabled()) or torch.compiler.is_compiling() or (
-                in_autograd_backward()):  # (a checkpoint's recompute: the call's own frame
+        if (not torch.is_grad_enabled() or getattr(mod, "bias_k", None) is not None
+                or torch.compiler.is_compiling()  # (add_bias_kv: re-run, or refused)
+                or in_autograd_backward()):  # (a checkpoint's recompute: the call's own frame
             return  # stays, its saved tensors recomputed with the same masks)
-        frames = _FRAMES.setdefault(mod, {})
-        for k in [k for k, f in frames.items() if not f.alive()]:
-            del frames[k]  # calls whose inputs are gone: their backward will not come
-        while len(frames) >= _MAX_FRAMES:
-            del frames[next(iter(frames))]
+        frames = _FRAMES.setdefault(mod, weakref.WeakValueDictionary())
         tensors = _qkv(mod, args, kwargs)
         frame = _Frame([weakref.ref(t) for t in tensors])
         key = _key(tensors)
-        if key in frames:  # twice on the same inputs before a backward: whose is which?
-            frames[key].failed = frame.failed = (
+        other = frames.get(key)
+        if other is not None and other.alive():  # twice on the same inputs before a
+            other.failed = frame.failed = (  # backward: which backward is whose?
                 "it was called twice on the same inputs before their backward")
         frames[key] = frame
         bodies.append(functional_linear_noted(_noter(params, frame)))
@@ -183,6 +192,11 @@ def track_projections(module: nn.Module) -> list[Any]:
         if bodies:
             bodies.pop().__exit__(None, None, None)
             frame = noting.pop()
+            first = out[0] if isinstance(out, tuple) else out
+            node = getattr(first, "grad_fn", None)
+            if node is None:
+                return  # (no graph: the frame goes)
+            node.metadata[_HELD] = frame  # (held by the graph: module doc, _FRAMES)
             weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(weights, torch.Tensor) and weights.requires_grad:
                 _stash(mod, frame)
@@ -242,10 +256,13 @@ def _stash(module: nn.Module, frame: _Frame) -> None:
     out = outs[0]
     ref = weakref.ref(frame)
 
-    def keep(grad: torch.Tensor) -> None:
+    def keep(grad: torch.Tensor) -> None:  # (never raises into the user's backward)
         held = ref()
         if held is not None and not held.failed:
-            held.stash = (grad.detach(), _inner_grads(module, out, ins, grad.detach()))
+            try:
+                held.stash = (grad.detach(), _inner_grads(module, out, ins, grad.detach()))
+            except RuntimeError:
+                held.stash = None
 
     out.out.register_hook(keep)
 
@@ -265,10 +282,7 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
         frame.failed = (f"its forward made {len(outs)} out-projections and {len(ins)} "
                         "in-projections, or its output got no gradient")
     if frame.failed:
-        raise UnsupportedLayerError(
-            f"in training with attention dropout gradlog takes its per-datum gradients from "
-            f"its projections, and could not here: {frame.failed}. Set its dropout to 0 or "
-            "put it in eval mode, or use backend='loop'.")
+        raise _Unusable(frame.failed)
     assert g is not None
     out = outs[0]
     rows = (g.transpose(0, 1) if module.batch_first else g).reshape(out.out.shape)  # (T*B, E)
@@ -279,11 +293,8 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
         try:
             found = _inner_grads(module, out, ins, rows)
         except RuntimeError as e:  # (its graph freed: the rule ran after the backward)
-            raise UnsupportedLayerError(
-                "in training with attention dropout gradlog takes its per-datum gradients "
-                "from the batch's graph while the backward passes the layer, and could not "
-                f"here (torch: {str(e).splitlines()[0][:120]}). Set its dropout to 0 or put "
-                "it in eval mode, or use backend='loop'.") from e
+            raise _Unusable("the batch's graph through it was freed before the layer was "
+                            f"computed (torch: {str(e).splitlines()[0][:120]})") from e
     grads = [(out, rows), *((p, torch.zeros_like(p.out) if f is None else f)
                             for p, f in zip(ins, found, strict=True))]
     result: RuleResult = {}
@@ -295,9 +306,8 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
         if x.dim() == 2:  # time-major rows (T*B, d): row t*B + b is datum b's
             x, gr = x.reshape(-1, B, x.shape[-1]), gr.reshape(-1, B, gr.shape[-1])
         if x.dim() != 3 or x.shape[1] != B or gr.shape[:2] != x.shape[:2]:
-            raise UnsupportedLayerError(
-                f"a projection of {type(module).__name__} ran on shape {tuple(proj.x.shape)}, "
-                f"not (tokens, B={B}, d); use backend='loop'.")
+            raise _Unusable(f"a projection ran on shape {tuple(proj.x.shape)}, not (tokens, "
+                            f"B={B}, d)")
         d_out = gr.shape[-1]
         if weight is not None:
             per = result.setdefault(proj.weight, weight.new_zeros((B, *weight.shape)))
@@ -310,11 +320,7 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
             covered[proj.bias] = covered.get(proj.bias, 0) + d_out
     missing = sorted(k for k, p in params.items() if covered.get(k) != p.shape[0])
     if missing:
-        raise UnsupportedLayerError(
-            f"{type(module).__name__}'s forward used {missing} otherwise than by whole "
-            "projections (add_bias_kv's biases, a block used twice): in training with "
-            "attention dropout gradlog takes its per-datum gradients from its projections "
-            "only. Set its dropout to 0, put it in eval mode, or use backend='loop'.")
+        raise _Unusable(f"its forward used {missing} otherwise than by whole projections")
     return {k: v.mul_(cap.scale) if cap.scale != 1 else v for k, v in result.items()}
 
 
@@ -331,20 +337,23 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
 def multihead_attention(
     module: nn.MultiheadAttention, cap: Capture, wanted: frozenset[str]
 ) -> RuleResult:
-    """Per-datum gradients of the projections by ``torch.func`` over the captured call, or,
-    in training with attention dropout, from the batch's own backward (module doc)."""
+    """Per-datum gradients from the batch's own backward through the projections, or by
+    ``torch.func`` over the captured call where they cannot be (module doc)."""
     reason = _refuse(module, cap.args, cap.kwargs)
     if reason is not None:
         raise UnsupportedLayerError(reason)
     frame = _frame_of(module, cap)
+    why = "no projections of this call were noted (a compiled forward, a subclass's own)"
     if frame is not None:
-        return _by_projections(module, frame, cap, wanted)
-    if module.training and module.dropout > 0:
+        try:
+            return _by_projections(module, frame, cap, wanted)
+        except _Unusable as e:
+            why = str(e)
+    if module.training and module.dropout > 0:  # (a re-run cannot draw its masks again)
         raise UnsupportedLayerError(
-            "it draws attention dropout in training and gradlog noted no projections of "
-            "this call (a compiled forward, a subclass's own forward), which a per-datum "
-            "re-run cannot reproduce. Set its dropout to 0 or put it in eval mode, or use "
-            "backend='loop'.")
+            "in training with attention dropout gradlog takes its per-datum gradients from "
+            f"its projections, and could not here: {why}. Set its dropout to 0 or put it in "
+            "eval mode, or use backend='loop'.")
     bound = _SIGNATURE.bind(module, *cap.args, **cap.kwargs)
     arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
     B, bd = cap.batch_size, _batch_dim(module)
