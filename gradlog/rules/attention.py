@@ -16,7 +16,8 @@ their outputs, through the attention and, in training, the dropout masks the bat
 those is datum b's. This is the only way in training with attention dropout
 (``nn.TransformerEncoderLayer``'s default 0.1), drawn inside
 ``F.scaled_dot_product_attention`` where no re-run can draw it again; elsewhere it also
-costs less than the re-run (an encoder of two layers: 1.55x a plain step against 2.25x).
+costs less than the re-run (an encoder of two layers in eval: 1.8x a plain step against
+2.3x, ``tests/benchmarks/bench_attention.py``).
 
 Re-run per datum instead (``torch.func``; refused in training with attention dropout):
 ``add_bias_kv`` (its biases are concatenated, not projected), attention weights
