@@ -90,7 +90,7 @@ class _Projection:
 
 @dataclass
 class _Frame:
-    """What one training call of the layer noted (:class:`_Projections`)."""
+    """What one call of the layer noted (:func:`_noter`)."""
 
     inputs: list[weakref.ref[torch.Tensor]]
     projections: list[_Projection] = field(default_factory=list)
@@ -142,7 +142,7 @@ def _place(t: torch.Tensor | None, params: dict[str, nn.Parameter]) -> tuple[str
 
 def _noter(params: dict[str, nn.Parameter], frame: _Frame) -> Any:
     """Notes each ``F.linear`` on the layer's parameters (:class:`_Projection`) in one
-    training forward."""
+    forward; one on other than whole rows of them fails the frame."""
 
     def note(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor) -> None:
