@@ -3,9 +3,11 @@
 gradlog reads a few things torch does not expose publicly: the autograd engine's graph
 task, the saved-tensor hooks in force, storage reference counts, functorch's wrapped tensors,
 members of autograd nodes (:mod:`.nodes`), hooks and views, the torch-function mode stack
-and ``parametrize``'s cache. They live here alone, so a torch upgrade that moves one breaks
-this package only. Each function says what it returns when the private API is missing; no fallback
-is wrong, only less precise (a check that runs later, a buffer that is not reused).
+and ``parametrize``'s cache; and it replaces one global for a while (``F.linear``, which
+``F.multi_head_attention_forward`` calls by name: :func:`functional_linear_noted`). They
+live here alone, so a torch upgrade that moves one breaks this package only. Each function
+says what it returns when the private API is missing; no fallback is wrong, only less
+precise (a check that runs later, a buffer that is not reused).
 
 The global RNG state (CPU and CUDA) is read and restored here too: public API, but every
 replay of a computation (the datum check, chunked heads, a dropout's mask) needs the same.
