@@ -448,6 +448,25 @@ def test_multihead_attention_in_training_with_dropout_records_the_batchs_own_mas
     assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}, described
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_with_its_in_projection_frozen_records_its_out_projection(
+        need_weights: bool) -> None:
+    """Nothing to take back through the attention when no in-projection is recorded (on
+    data that needs no gradient, there is no graph to take it through: it was refused)."""
+    from gradlog.testing.oracle import assert_like_loop as assert_like_loop_seeded
+
+    attn = built(lambda: nn.MultiheadAttention(4, 2, dropout=0.5), 0).train()
+    attn.in_proj_weight.requires_grad_(False)
+    attn.in_proj_bias.requires_grad_(False)
+    x = randn(3, 2, 4, seed=0)  # (T, B, E), no gradient
+
+    def forward() -> torch.Tensor:
+        return datum_loss(attn(x, x, x, need_weights=need_weights)[0].transpose(0, 1))
+
+    described = assert_like_loop_seeded(attn, forward, rtol=1e-6, atol=1e-9)
+    assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}
+
+
 def test_multihead_attentions_noted_projections_do_not_outlive_their_graph() -> None:
     """A forward whose backward never comes (a refused step, a discarded forward) takes
     what was noted of it with its graph: it never keeps the graph, nor the calls hooked in

@@ -76,7 +76,7 @@ class _Unusable(Exception):
     """Why a call's per-datum gradients cannot be taken from its projections."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Projection:
     """One ``F.linear`` call of the layer's forward on its parameters."""
 
@@ -95,8 +95,8 @@ class _Frame:
     inputs: list[weakref.ref[torch.Tensor]]
     projections: list[_Projection] = field(default_factory=list)
     failed: str = ""  # why its per-datum gradients cannot be taken from it
-    # (out-projection output gradient, in-projections' output gradients) of the last
-    # backward through it, where the layer is computed after the backward (:func:`_stash`)
+    # (out-projection output gradient, each projection's output gradient or None) of the
+    # last backward through it, where the layer is computed after the backward (_stash)
     stash: tuple[torch.Tensor, tuple[torch.Tensor | None, ...]] | None = None
 
     def alive(self) -> bool:
@@ -251,7 +251,8 @@ def _stash(module: nn.Module, frame: _Frame) -> None:
     while the backward passes its out-projection, and kept with the gradient they came from
     (the rule takes them only for the same one)."""
     outs = [p for p in frame.projections if p.weight == "out_proj.weight"]
-    ins = [p for p in frame.projections if p.weight != "out_proj.weight"]
+    ins = [p for p in frame.projections
+           if p.weight != "out_proj.weight" and p.out.requires_grad]
     if len(outs) != 1 or not ins or not outs[0].out.requires_grad:
         return
     out = outs[0]
@@ -259,11 +260,14 @@ def _stash(module: nn.Module, frame: _Frame) -> None:
 
     def keep(grad: torch.Tensor) -> None:  # (never raises into the user's backward)
         held = ref()
-        if held is not None and not held.failed:
-            try:
-                held.stash = (grad.detach(), _inner_grads(module, out, ins, grad.detach()))
-            except RuntimeError:
-                held.stash = None
+        if held is None or held.failed:
+            return
+        try:
+            found = dict(zip(map(id, ins), _inner_grads(module, out, ins, grad.detach())))
+        except RuntimeError:
+            held.stash = None
+            return
+        held.stash = (grad.detach(), tuple(found.get(id(p)) for p in held.projections))
 
     out.out.register_hook(keep)
 
@@ -286,10 +290,14 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
         raise _Unusable(frame.failed)
     assert g is not None
     out = outs[0]
+    ins = [p for p in ins if p.weight in params or p.bias in params]  # (the recorded ones)
     rows = (g.transpose(0, 1) if module.batch_first else g).reshape(out.out.shape)  # (T*B, E)
     rows = rows.to(out.out.dtype)
-    if frame.stash is not None and torch.equal(frame.stash[0], rows):  # this backward's
-        found = frame.stash[1]
+    if not ins:  # (no in-projection recorded: nothing to take back through the attention)
+        found: tuple[torch.Tensor | None, ...] = ()
+    elif frame.stash is not None and torch.equal(frame.stash[0], rows):  # this backward's
+        at = {id(q): i for i, q in enumerate(frame.projections)}
+        found = tuple(frame.stash[1][at[id(p)]] for p in ins)
     else:
         try:
             found = _inner_grads(module, out, ins, rows)
