@@ -467,6 +467,55 @@ def test_multihead_attention_with_its_in_projection_frozen_records_its_out_proje
     assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_multihead_attention_with_its_output_changed_in_place(training: bool) -> None:
+    """An in-place op on the layer's output (a view of the out-projection's) replaces the
+    output's autograd node: what was noted is held by the out-projection's, which stays
+    (it was refused in training)."""
+    from gradlog.testing.oracle import assert_like_loop as assert_like_loop_seeded
+
+    attn = built(lambda: nn.MultiheadAttention(4, 2, dropout=0.5), 0).train(training)
+    x = randn(3, 2, 4, seed=0).requires_grad_()  # (T, B, E)
+
+    def forward() -> torch.Tensor:
+        out = attn(x, x, x, need_weights=False)[0]
+        out.mul_(2.0).relu_()
+        return datum_loss(out.transpose(0, 1))
+
+    assert_like_loop_seeded(attn, forward, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_multihead_attention_with_a_datum_whose_keys_are_all_masked(training: bool) -> None:
+    """That datum's gradients are NaN, the others' their own (the loop oracle's are all NaN:
+    the NaN spreads through its batched backward). With need_weights the gradients kept
+    while the backward passed are matched NaN for NaN (in training it was refused). In
+    training one datum alone draws other dropout masks: the NaNs are compared there."""
+    from gradlog.testing.oracle import backend_grads, naive_per_datum_grads
+
+    attn = built(lambda: nn.MultiheadAttention(4, 2, dropout=0.5), 0).train(training)
+    x = randn(3, 2, 4, seed=0)  # (T, B, E)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    pad[1] = True
+
+    w = randn(2, 3, 4, seed=1)  # each datum's own loss weights
+
+    def losses(b: slice) -> torch.Tensor:
+        xb = x[:, b]
+        y = attn(xb, xb, xb, key_padding_mask=pad[b])[0].transpose(0, 1)  # (B, T, E)
+        return (torch.tanh(y) * w[b]).sum((1, 2))
+
+    got, _, described = backend_grads(attn, lambda: losses(slice(None)))
+    assert {m["rule"] for m in described["modules"]} == {"multihead_attention"}
+    want = naive_per_datum_grads(lambda b: losses(slice(b, b + 1))[0],
+                                 dict(attn.named_parameters()), 2)
+    for name, g in want.items():
+        if not training:
+            torch.testing.assert_close(got[name][0], g[0], rtol=1e-6, atol=1e-9)
+        assert got[name][0].isfinite().all()
+        assert got[name][1].isnan().all() and g[1].isnan().all()
+
+
 def test_multihead_attentions_noted_projections_do_not_outlive_their_graph() -> None:
     """A forward whose backward never comes (a refused step, a discarded forward) takes
     what was noted of it with its graph: it never keeps the graph, nor the calls hooked in

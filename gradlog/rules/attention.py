@@ -21,8 +21,9 @@ costs less than the re-run (an encoder of two layers in eval: 1.8x a plain step 
 
 Re-run per datum instead (``torch.func``; refused in training with attention dropout):
 ``add_bias_kv`` (its biases are concatenated, not projected), attention weights
-(``need_weights=True``) in the loss, a subclass with a forward of its own, a compiled
-forward. Query, key and value then split along the batch dimension (0 with
+(``need_weights=True``) in the loss, a forward without grad to note (a reentrant
+checkpoint's), a compiled forward. (A subclass with a forward of its own gets no rule: the
+``torch.func`` fallback.) Query, key and value then split along the batch dimension (0 with
 ``batch_first``, else 1), the key padding mask along 0, a 3-D attention mask
 ``(B * heads, L, S)`` by groups of ``heads`` rows; a 2-D mask is shared.
 """
@@ -81,11 +82,13 @@ class _Projection:
     """One ``F.linear`` call of the layer's forward on its parameters."""
 
     x: torch.Tensor  # its input, (tokens, B, d_in) or time-major rows (tokens*B, d_in)
-    out: torch.Tensor  # its output
+    out: torch.Tensor | None  # its output (the out-projection's let go: it holds the frame)
     weight: str  # the parameter its weight is (a block of rows of it), and the first row
     row: int
     bias: str | None
     bias_at: int
+    shape: tuple[int, ...] = ()  # the output's
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -153,14 +156,15 @@ def _noter(params: dict[str, nn.Parameter], frame: _Frame) -> Any:
             frame.failed = "an F.linear on other weights than whole rows of its own"
             return
         frame.projections.append(_Projection(
-            x, out, w[0], w[1], None if b is None else b[0], 0 if b is None else b[1]))
+            x, out, w[0], w[1], None if b is None else b[0], 0 if b is None else b[1],
+            tuple(out.shape), out.dtype))
 
     return note
 
 
 def track_projections(module: nn.Module) -> list[Any]:
-    """Note the projections of ``module``'s forwards with grad (see the module doc); a
-    subclass with a forward of its own, or one with ``add_bias_kv``, is re-run as before.
+    """Note the projections of ``module``'s forwards with grad (see the module doc); one
+    with ``add_bias_kv`` is re-run as before.
 
     Returns:
         Handles to remove to stop.
@@ -193,14 +197,18 @@ def track_projections(module: nn.Module) -> list[Any]:
         if bodies:
             bodies.pop().__exit__(None, None, None)
             frame = noting.pop()
-            first = out[0] if isinstance(out, tuple) else out
-            node = getattr(first, "grad_fn", None)
-            if node is None:
-                return  # (no graph: the frame goes)
-            node.metadata[_HELD] = frame  # (held by the graph: module doc, _FRAMES)
             weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if isinstance(weights, torch.Tensor) and weights.requires_grad:
                 _stash(mod, frame)
+            # held by the out-projection's autograd node (module doc, _FRAMES), which an
+            # in-place op on the layer's output (a view of it) keeps in the graph
+            outs = [p for p in frame.projections if p.weight == "out_proj.weight"]
+            first = out[0] if isinstance(out, tuple) else out
+            node = getattr(outs[0].out if len(outs) == 1 else first, "grad_fn", None)
+            if node is not None:  # (else no graph: the frame goes)
+                node.metadata[_HELD] = frame
+            for p in outs:
+                p.out = None  # (it holds that node: no cycle through the frame)
 
     draw_free(module)
     return [module.register_forward_pre_hook(enter, with_kwargs=True),
@@ -241,8 +249,9 @@ def _inner_grads(module: nn.Module, out: _Projection, ins: list[_Projection],
     run again) through the attention and its dropout as the batch drew them."""
     weight = cast(torch.Tensor, cast(nn.Module, module.out_proj).weight)
     into = rows.mm(weight.to(rows.dtype))  # (T*B, E): the out-projection's input gradient
-    return torch.autograd.grad(out.x, [p.out for p in ins], into.view(out.x.shape),
-                               retain_graph=True, allow_unused=True)
+    outputs = [p.out for p in ins if p.out is not None]  # (an in-projection's are kept)
+    return torch.autograd.grad(out.x, outputs, into.view(out.x.shape), retain_graph=True,
+                               allow_unused=True)
 
 
 def _stash(module: nn.Module, frame: _Frame) -> None:
@@ -252,8 +261,8 @@ def _stash(module: nn.Module, frame: _Frame) -> None:
     (the rule takes them only for the same one)."""
     outs = [p for p in frame.projections if p.weight == "out_proj.weight"]
     ins = [p for p in frame.projections
-           if p.weight != "out_proj.weight" and p.out.requires_grad]
-    if len(outs) != 1 or not ins or not outs[0].out.requires_grad:
+           if p.weight != "out_proj.weight" and p.out is not None and p.out.requires_grad]
+    if len(outs) != 1 or not ins or outs[0].out is None or not outs[0].out.requires_grad:
         return
     out = outs[0]
     ref = weakref.ref(frame)
@@ -269,7 +278,11 @@ def _stash(module: nn.Module, frame: _Frame) -> None:
             return
         held.stash = (grad.detach(), tuple(found.get(id(p)) for p in held.projections))
 
-    out.out.register_hook(keep)
+    outs[0].out.register_hook(keep)
+
+
+def _zeros(p: _Projection) -> torch.Tensor:
+    return p.x.new_zeros(p.shape, dtype=p.dtype)
 
 
 def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
@@ -291,11 +304,12 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
     assert g is not None
     out = outs[0]
     ins = [p for p in ins if p.weight in params or p.bias in params]  # (the recorded ones)
-    rows = (g.transpose(0, 1) if module.batch_first else g).reshape(out.out.shape)  # (T*B, E)
-    rows = rows.to(out.out.dtype)
+    rows = (g.transpose(0, 1) if module.batch_first else g).reshape(out.shape)  # (T*B, E)
+    rows = rows.to(out.dtype)
     if not ins:  # (no in-projection recorded: nothing to take back through the attention)
         found: tuple[torch.Tensor | None, ...] = ()
-    elif frame.stash is not None and torch.equal(frame.stash[0], rows):  # this backward's
+    elif frame.stash is not None and torch.allclose(  # this backward's (NaN: a datum whose
+            frame.stash[0], rows, rtol=0.0, atol=0.0, equal_nan=True):  # keys are all masked)
         at = {id(q): i for i, q in enumerate(frame.projections)}
         found = tuple(frame.stash[1][at[id(p)]] for p in ins)
     else:
@@ -304,7 +318,7 @@ def _by_projections(module: nn.MultiheadAttention, frame: _Frame, cap: Capture,
         except RuntimeError as e:  # (its graph freed: the rule ran after the backward)
             raise _Unusable("the batch's graph through it was freed before the layer was "
                             f"computed (torch: {str(e).splitlines()[0][:120]})") from e
-    grads = [(out, rows), *((p, torch.zeros_like(p.out) if f is None else f)
+    grads = [(out, rows), *((p, _zeros(p) if f is None else f)
                             for p, f in zip(ins, found, strict=True))]
     result: RuleResult = {}
     covered: dict[str, int] = {}
@@ -352,7 +366,8 @@ def multihead_attention(
     if reason is not None:
         raise UnsupportedLayerError(reason)
     frame = _frame_of(module, cap)
-    why = "no projections of this call were noted (a compiled forward, a subclass's own)"
+    why = ("no projections of this call were noted (its forward ran without grad, as in a "
+           "reentrant checkpoint, or compiled)")
     if frame is not None:
         try:
             return _by_projections(module, frame, cap, wanted)
