@@ -8,6 +8,7 @@ import threading
 import torch
 
 __all__ = [
+    "DEVICE_SCRATCH_ELEMENTS",
     "ONE_PASS_DEVICES",
     "SCRATCH_ELEMENTS",
     "SMALL_ELEMENTS",
@@ -21,10 +22,17 @@ __all__ = [
 SCRATCH_ELEMENTS = {"cpu": 1 << 20}
 """float64 elements of :func:`float64_sqnorms`'s block buffer, by device type: 8 MiB on the
 CPU, one buffer per thread kept between calls (:func:`_cpu_scratch`); elsewhere (CUDA)
-``1 << 22`` (32 MiB: a few launches per parameter). On the CPU every op wakes the OpenMP
+:data:`DEVICE_SCRATCH_ELEMENTS`. On the CPU every op wakes the OpenMP
 pool, a cost of its own when it sleeps between ops (``OMP_WAIT_POLICY=PASSIVE``): blocks of
 ``1 << 18`` took the small GPT's ``norm`` step from 1.65x a plain step to 1.75x, and the
 norms alone (the hand-written floor) from 1.33x to 1.46x (tests/benchmarks/RESULTS.md)."""
+
+
+DEVICE_SCRATCH_ELEMENTS = 1 << 25
+"""The block buffer's float64 elements on a GPU (256 MiB at most, and no larger than the
+input needs; gradlog's bound on intermediate tensors, ``MAX_ELEMENTS``): most records are one
+block. Blocks of ``1 << 22`` made GPT-2 small's ``norm`` step launch ~280 blocks of 4 ops on
+an H100, 44 ms of host time that the device waited out (tests/benchmarks/RESULTS.md)."""
 
 
 SMALL_ELEMENTS = 1 << 14
@@ -42,8 +50,8 @@ memory: 20 of the 230 ms of a ~1B Llama's ``norm`` step on an H200, with the wid
 
 def norm_scratch(device: torch.device) -> torch.Tensor:
     """A block buffer for :func:`float64_sqnorms` on ``device``, to share between calls."""
-    return torch.empty(SCRATCH_ELEMENTS.get(device.type, 1 << 22), dtype=torch.float64,
-                       device=device)
+    return torch.empty(SCRATCH_ELEMENTS.get(device.type, DEVICE_SCRATCH_ELEMENTS),
+                       dtype=torch.float64, device=device)
 
 
 def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,7 +66,7 @@ def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> 
     if flat.numel() <= SMALL_ELEMENTS:  # a bias or a norm's weight: one widened copy, no loop
         return flat.to(torch.float64).square_().sum(1)  # (B,)
     B, n = flat.shape
-    per = SCRATCH_ELEMENTS.get(flat.device.type, 1 << 22)
+    per = SCRATCH_ELEMENTS.get(flat.device.type, DEVICE_SCRATCH_ELEMENTS)
     cols = max(1, per // max(1, B))
     width = B * min(cols, n)
     if scratch is None and flat.device.type == "cpu":
@@ -66,16 +74,23 @@ def float64_sqnorms(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> 
     if (scratch is None or scratch.numel() < width or scratch.dtype != torch.float64
             or scratch.device != flat.device):
         scratch = torch.empty(width, dtype=torch.float64, device=flat.device)
+    starts = range(0, n, cols)
+    if flat.device.type in ONE_PASS_DEVICES:
+        # each block's float64 norms into a row of their own, squared and summed once: two
+        # ops a block (the root squared back: 1 ulp of float64)
+        roots = torch.empty((len(starts), B), dtype=torch.float64, device=flat.device)
+        for i, start in enumerate(starts):
+            block = flat[:, start : start + cols]  # (B, c)
+            wide = scratch[: block.numel()].view(block.shape)  # (B, c)
+            wide.copy_(block)
+            torch.linalg.vector_norm(wide, dim=1, out=roots[i])
+        return roots.square_().sum(0) if len(starts) > 1 else roots[0].square_()  # (B,)
     out = torch.zeros(B, dtype=torch.float64, device=flat.device)  # (B,)
-    one_pass = flat.device.type in ONE_PASS_DEVICES
-    for start in range(0, n, cols):
+    for start in starts:
         block = flat[:, start : start + cols]  # (B, c)
         wide = scratch[: block.numel()].view(block.shape)  # (B, c)
         wide.copy_(block)
-        if one_pass:  # the float64 sum of squares, then its root squared: 1 ulp of float64
-            out.add_(torch.linalg.vector_norm(wide, dim=1).square_())
-        else:
-            out.add_(wide.square_().sum(1))
+        out.add_(wide.square_().sum(1))
     return out
 
 
