@@ -56,7 +56,7 @@ class NonFiniteGradientWarning(UserWarning):
 
 
 class NonFiniteLossError(InputError):
-    """A datum's loss is NaN or infinite; the step was refused before any backward."""
+    """A datum's loss is NaN or infinite; the step was refused, ``p.grad`` as before it."""
 
 
 class ParamSelectionError(GradlogError, ValueError):

@@ -42,7 +42,7 @@ __all__ = ["DeviceChecks", "per_datum_losses"]
 class DeviceChecks:
     """Checks of a batch whose outcome is still on the device, read together by
     :meth:`settle` (one wait for the device): each a flag (a 0-dim bool tensor, True when the
-    check fails) and what raises its error then."""
+    check fails) and what then raises its error (or warns)."""
 
     __slots__ = ("_pending",)
 
@@ -51,6 +51,11 @@ class DeviceChecks:
 
     def add(self, failed: torch.Tensor, fail: Callable[[], None]) -> None:
         self._pending.append((failed, fail))
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the first pending check's flag is (None: nothing pending)."""
+        return self._pending[0][0].device if self._pending else None
 
     def settle(self) -> None:
         """Raise the first failed check's error (each check is read once)."""
@@ -201,7 +206,10 @@ def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None,
         elif int(count):
             refuse()
         return
-    if mask is None and bool((losses.detach() == 0).any()):
+    if mask is not None:
+        return
+
+    def warn() -> None:
         warnings.warn(
             f"per-token losses of shape {tuple(losses.shape)} hold exact zeros and no mask= "
             "was passed: token_reduction='mean' counts those positions in each datum's mean. "
@@ -210,3 +218,9 @@ def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None,
             UserWarning,
             stacklevel=4,
         )
+
+    zeros = (losses.detach() == 0).any()
+    if checks is not None:  # read with the other checks (a wait for the device)
+        checks.add(zeros, warn)
+    elif bool(zeros):
+        warn()

@@ -346,11 +346,16 @@ def test_kept_views_and_replayed_pre_hooks_on_cuda_equal_the_loop() -> None:
 
 
 @pytest.mark.gpu
-def test_one_pass_float64_norms_on_cuda_equal_the_naive_sums() -> None:
+@pytest.mark.parametrize("block", [None, 1 << 22])  # one block; several (a smaller scratch)
+def test_one_pass_float64_norms_on_cuda_equal_the_naive_sums(
+        block: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gradlog.grads.norms as norms
     from gradlog.grads import float64_sqnorms
 
+    if block is not None:
+        monkeypatch.setattr(norms, "DEVICE_SCRATCH_ELEMENTS", block)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 3 * (1 << 20) + 5, generator=gen)  # several blocks of the CUDA scratch
+    x = torch.randn(4, 3 * (1 << 20) + 5, generator=gen)
     want = x.double().square().sum(1)
     got = float64_sqnorms(x.to(CUDA)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
@@ -442,24 +447,33 @@ def test_no_device_synchronisation_per_layer(tmp_path: Path, form: str) -> None:
 @pytest.mark.parametrize("form", list(SYNC_FORMS))
 def test_a_steady_step_waits_only_for_its_losses_then_once_encoded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str) -> None:
-    """Before the backward's checks are read (``Verdict.bad``, after the step is encoded)
-    the only synchronising call is the one read of the losses' checks
-    (``DeviceChecks.settle``, inside the backward after its graph walks): the backward, the
-    exact norms and the encoding queue their work and the host goes on, so no host work
-    sits between two waits (on an H200 ~40 ms of GPT-2 small's ``norm`` step did). The CPU
-    proxy is test_recorder.py's test_a_steady_step_waits_for_the_device_twice_and_late."""
+    """No synchronising call before the step is encoded: the backward, the exact norms and
+    the encoding queue their work and the host goes on (on an H200 ~40 ms of GPT-2 small's
+    ``norm`` step was host work between two waits). Then the losses' checks are read
+    (``DeviceChecks.settle``: ``p.grad`` None before the backward, so they are read after it;
+    read before it, the host waited out the forward, 60 ms of GPT-2 small's step on an
+    H100), then the backward's (``Verdict.bad``). The CPU proxies are test_recorder.py's
+    test_a_steady_step_waits_for_the_device_twice_and_late and test_late_loss_checks.py."""
     from gradlog.backends.hooks.checks import Verdict
+    from gradlog.recording.encoding import FormEncoder
 
     model, x, y, mask = _gpt_on_cuda(3)
     marks: list[list[str]] = []
-    original = Verdict.bad
+    bad, encode = Verdict.bad, FormEncoder.encode
 
-    def bad(self: Verdict) -> list[str]:
+    def marked_bad(self: Verdict) -> list[str]:
         if marks:
             marks[0].append("the checks read")
-        return original(self)
+        return bad(self)
 
-    monkeypatch.setattr(Verdict, "bad", bad)
+    def marked_encode(self: FormEncoder, *args: Any, **kwargs: Any) -> Any:
+        out = encode(self, *args, **kwargs)
+        if marks:
+            marks[0].append("encoded")
+        return out
+
+    monkeypatch.setattr(Verdict, "bad", marked_bad)
+    monkeypatch.setattr(FormEncoder, "encode", marked_encode)
     with gradlog.GradRecorder(model, tmp_path / "a.gradlog", check_every=0,
                               **SYNC_FORMS[form]) as rec:
         for _ in range(2):  # forms planned, first backward's datum check done
@@ -471,9 +485,29 @@ def test_a_steady_step_waits_only_for_its_losses_then_once_encoded(
             marks.append(sites)
             rec.backward(zoo.per_token_ce(model(x), y), mask=mask)
         rec.flush()
-    assert sites.count("the checks read") == 1, sites
-    early = sites[: sites.index("the checks read")]
-    assert len(early) == 1 and early[0].startswith("losses.py:"), sites
+    assert sites.count("the checks read") == 1 and sites.count("encoded") == 1, sites
+    assert sites.index("encoded") == 0, f"waits before the step was encoded: {sites}"
+    between = sites[1: sites.index("the checks read")]
+    assert len(between) == 1 and between[0].startswith("losses.py:"), sites
+
+
+@pytest.mark.gpu
+def test_a_nan_loss_on_cuda_is_refused_after_the_backward_with_p_grad_as_before(
+        tmp_path: Path) -> None:
+    """On CUDA the losses' checks are read after the backward: a NaN loss is refused there,
+    ``p.grad`` set back to None, nothing of the step stored, and the next batch records."""
+    model, x, y, mask = _gpt_on_cuda(3)
+    with gradlog.GradRecorder(model, tmp_path / "a.gradlog", check_every=0) as rec:
+        rec.backward(zoo.per_token_ce(model(x), y), mask=mask, step=0)
+        model.zero_grad(set_to_none=True)
+        poison = torch.ones(x.shape[0], 1, device=CUDA)
+        poison[1] = float("nan")
+        with pytest.raises(gradlog.NonFiniteLossError, match="after the backward"):
+            rec.backward(zoo.per_token_ce(model(x), y) * poison, mask=mask, step=1)
+        assert all(p.grad is None for p in model.parameters())
+        rec.backward(zoo.per_token_ce(model(x), y), mask=mask, step=1)
+    steps = gradlog.open(tmp_path / "a.gradlog").steps.column("step").to_pylist()
+    assert sorted(set(steps)) == [0, 1]
 
 
 @pytest.mark.gpu
@@ -481,8 +515,8 @@ def test_a_steady_step_waits_only_for_its_losses_then_once_encoded(
 def test_the_hooked_backward_never_synchronises(tmp_path: Path, form: str) -> None:
     """``set_sync_debug_mode("error")`` from the losses' gradient to the token embedding's
     output gradient: the whole backward through the blocks, with gradlog's hooks and rules,
-    never waits for the device. (Before it gradlog checks the losses are finite, after it the
-    losses reach the host: one sync each per step.)"""
+    never waits for the device. (After it the losses' checks are read and the losses reach
+    the host.)"""
     model, x, y, mask = _gpt_on_cuda(3)
     seen: list[str] = []
 

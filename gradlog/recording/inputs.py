@@ -155,8 +155,8 @@ class LossChecks:
             named = ids[bad].tolist() if ids is not None else bad
             raise NonFiniteLossError(
                 f"the loss of datum(s) {named} (batch positions {bad}) is NaN or infinite, so "
-                "their gradients are meaningless. The step was refused before any backward: "
-                "p.grad is unchanged and earlier steps are committed. Skip this batch or fix the "
+                "their gradients are meaningless. The step was refused: p.grad is as it was "
+                "before this call and earlier steps are committed. Skip this batch or fix the "
                 "loss (e.g. clamp log arguments, check for empty masks)."
             )
 

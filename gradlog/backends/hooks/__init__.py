@@ -147,12 +147,7 @@ class HooksBackend(Backend):
         """Hook every module that owns (or whose rule covers) a recorded parameter."""
         if self._handles:
             return
-        if getattr(self.model, "_compiled_call_impl", None) is not None:
-            raise UnsupportedLayerError(
-                "the model was compiled in place (model.compile()), which compiles gradlog's "
-                "hooks with it: dynamo would trace them and recompile at every step. Use "
-                "torch.compile(model), a wrapper whose recorded forwards gradlog runs "
-                "eagerly and which records exactly what the eager model records.")
+        checks.refuse_compiled_in_place(self.model)
         if any(p.device.type == "cpu" for p in self.params.values()):
             keep_heap_resident()  # autograd's temporaries around our buffers: no page faults
         self._entries = plan_entries(self.model, self.params, self.batch_grad)
@@ -189,8 +184,7 @@ class HooksBackend(Backend):
             call = ref()
             if call is not None:
                 call.release()
-        self._live = []
-        self._entries = []
+        self._live, self._entries = [], []
         self._inside.clear()
         self._ops = None
         self._containers = Containers(None, self._capturing)
@@ -337,7 +331,7 @@ class HooksBackend(Backend):
                                    self._saved_tensor_hooks)
         self._reset(B, survey)
         # after _reset's walk, before the forward's state is dropped (finally): a retry
-        self.settle_loss_checks(self._ops.undo if self._ops else None)
+        self.settle_loss_checks(self._loss_refused, self.model)
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)
@@ -396,8 +390,14 @@ class HooksBackend(Backend):
             self._pool.release()
 
     def settle(self) -> None:
+        self.settle_late_loss_checks()  # (first: a refused batch's other verdicts are moot)
         if self._spot.settle() and self._ops is not None:  # passed: the uses it saw learnt
             self._ops.checked()
+
+    def _loss_refused(self) -> None:  # the forward counts as unverified again; no verdict
+        self._spot.pending = None
+        if self._ops is not None:
+            self._ops.undo()
 
     def _wants_datum_check(self, B: int, survey: graph.GraphSurvey) -> bool:
         """:meth:`datum_check.DatumLayouts.wants`, or a self-checked batch, or a new flattened

@@ -260,6 +260,16 @@ class Verdict:
                                + rerun_hint(bad, rerun or {}))
 
 
+def refuse_compiled_in_place(model: nn.Module) -> None:
+    """Refuse a model compiled in place: dynamo would compile gradlog's hooks with it."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise UnsupportedLayerError(
+            "the model was compiled in place (model.compile()), which compiles gradlog's "
+            "hooks with it: dynamo would trace them and recompile at every step. Use "
+            "torch.compile(model), a wrapper whose recorded forwards gradlog runs "
+            "eagerly and which records exactly what the eager model records.")
+
+
 def rerun_hint(bad: Iterable[str], rerun: Mapping[str, str]) -> str:
     """For failed checks: which of the ``bad`` parameters come from re-running their module
     per datum (the ``torch.func`` fallback, ``rerun``: name -> module), and when such a
