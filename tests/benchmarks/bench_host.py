@@ -8,17 +8,18 @@ work runs beside the device's and is what remains of a recorded step when the de
 cheap: the H200 run of ``gpu_suite.py`` left ~40 ms of GPT-2 small's recorded step to the
 host (RESULTS.md).
 
-Table: per form (``batch_grad="sum"``, ``durable=False``, ``check_every=0``), the plain step
-(forward, backward, SGD step on a hook-free copy) and the recorded step (forward,
-``rec.backward``, SGD step), paired: each repetition times one of each; medians over
-repetitions, and the host work gradlog adds (their difference); then the aten operations one
-step of each dispatches (a noise-free count; on a GPU, about its launches). ``--stages``
-then times the first form's steps by stage, unprofiled: perf_counter wrappers around a few of
-gradlog's internal functions (the forward capture, the hooks' reset, graph walk, routing and
-per-call compute, the rules, the accumulation, the spot check, the encoding), each called a
-few hundred times a step at most, so the wrappers add little. ``--profile FORM`` prints the
-main thread's cProfile of that form's recorded steps (cumulative; the writer's threads are
-not in it; it doubles the step and inflates loops of small calls most).
+Table: per form (``batch_grad="sum"``, or ``--batch-grad``'s; ``durable=False``,
+``check_every=0``), the plain step (forward, backward, SGD step on a hook-free copy) and the
+recorded step (forward, ``rec.backward``, SGD step), paired: each repetition times one of
+each; medians over repetitions, and the host work gradlog adds (their difference); then the
+aten operations one step of each dispatches (a noise-free count; on a GPU, about its
+launches). ``--stages`` then times the first form's steps by stage, unprofiled: perf_counter
+wrappers around a few of gradlog's internal functions (the forward capture, the hooks'
+reset, graph walk, routing and per-call compute, the rules, the accumulation, the spot
+check, the encoding), each called a few hundred times a step at most, so the wrappers add
+little. ``--profile FORM`` prints the main thread's cProfile of that form's recorded steps
+(cumulative; the writer's threads are not in it; it doubles the step and inflates loops of
+small calls most).
 
 Usage::
 
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a form to profile after timing")
     parser.add_argument("--amp", action="store_true",
                         help="forwards under bfloat16 autocast (the GPU suite's steps)")
+    parser.add_argument("--batch-grad", choices=("sum", "autograd"), default="sum",
+                        help="the recorder's batch_grad mode")
     parser.add_argument("--stages", action="store_true",
                         help="time the first form's steps by stage (internal functions)")
     args = parser.parse_args()
@@ -76,7 +79,8 @@ def main() -> None:
     y = torch.randint(0, V, (B, T))
     width = "dim 32, hidden 64" if args.model == "llama" else "d 16"
     print(f"torch {torch.__version__}, {args.threads} thread(s); {args.model} of {args.layers} "
-          f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad='sum'; {args.reps} paired reps"
+          f"layers, vocab {V}, {width}, T {T}, B {B}; batch_grad={args.batch_grad!r}; "
+          f"{args.reps} paired reps"
           f"{'; bf16 autocast' if args.amp else ''}")
     print()
     print("| form | plain ms | recorded ms | added host ms | recorded / plain "
@@ -158,7 +162,7 @@ def _stages(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tenso
         model = _model(args, x.shape[1])
         plain = copy.deepcopy(model)
         with gradlog.GradRecorder(model, root / f"stages-{form}.gradlog", form=form,
-                                  batch_grad="sum", durable=False, check_every=0) as rec:
+                                  batch_grad=args.batch_grad, durable=False, check_every=0) as rec:
             for _ in range(args.warmup):
                 rec.backward(_token_losses(model, x, y))
                 model.zero_grad()
@@ -241,8 +245,8 @@ def _row(form: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
         plain_opt.step()
         plain_opt.zero_grad()
 
-    with gradlog.GradRecorder(model, root / f"{form}.gradlog", form=form, batch_grad="sum",
-                              durable=False, check_every=0) as rec:
+    with gradlog.GradRecorder(model, root / f"{form}.gradlog", form=form,
+                              batch_grad=args.batch_grad, durable=False, check_every=0) as rec:
 
         def recorded_step() -> None:
             held[1] = _token_losses(model, x, y)
