@@ -676,3 +676,62 @@ def test_gpu_suite_cpu_mode_runs(tmp_path: Path) -> None:
         assert title in text, text
     assert "| `aten::" in text, text  # the profile tables hold operations
     assert "error" not in text.lower(), text
+
+
+def _load_benchmark(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, SUITE.parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_idle_charges_each_idle_gap_to_the_stage_that_ended_it() -> None:
+    """``gpu_idle.Analysis`` on a hand-made trace: two kernels launched inside an ``encode``
+    mark on the main thread, one from the autograd thread outside any mark; the gaps before
+    them, the busy time (overlapping kernels counted once) and a blocking copy by stage."""
+    idle = _load_benchmark("gpu_idle")
+
+    def span(cat: str, name: str, ts: float, dur: float, tid: int = 1,
+             corr: int | None = None) -> dict[str, Any]:
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        span("user_annotation", "outer", 0, 100),
+        span("user_annotation", "encode", 10, 30),
+        span("cuda_runtime", "cudaLaunchKernel", 5, 1, corr=1),  # outer
+        span("cuda_runtime", "cudaLaunchKernel", 20, 1, corr=2),  # encode
+        span("cuda_runtime", "cudaLaunchKernel", 50, 1, tid=2, corr=3),  # no mark there
+        span("cuda_runtime", "cudaMemcpy", 30, 8, corr=9),  # a blocking copy in encode
+        span("kernel", "k1", 6, 10, tid=7, corr=1),  # busy 6-16
+        span("kernel", "k2", 22, 4, tid=7, corr=2),  # gap 16-22 (6) -> encode; busy 22-26
+        span("kernel", "k2b", 24, 4, tid=8, corr=2),  # overlaps: busy to 28
+        span("kernel", "k3", 60, 10, tid=7, corr=3),  # gap 28-60 (32) -> no stage
+    ]
+    found = idle.Analysis(events, 2, ["outer", "encode"])  # 2 steps: halves
+    assert found.idle == {"encode": 3.0e-3, idle.OTHER: 16.0e-3}
+    assert found.busy == pytest.approx((10 + 6 + 10) / 2e3)
+    assert found.gaps == 2 and found.span == pytest.approx(64 / 2e3)
+    assert found.host["encode"] == pytest.approx(30 / 2e3)
+    assert dict(found.waits) == {("encode", "cudaMemcpy"): [pytest.approx(8 / 2e3), 0.5]}
+
+
+def test_gpu_idle_cpu_mode_runs(tmp_path: Path) -> None:
+    """``gpu_idle.py --cpu`` (tiny shapes, no kernels: the host columns) prints its tables."""
+    sys.modules.pop("gpu_suite", None)
+    idle = _load_benchmark("gpu_idle")
+    out = tmp_path / "idle.md"
+    try:
+        idle.main(["--cpu", "--reps", "1", "--block", "1", "--shapes", "gpt", "--modes", "sum",
+                   "--out", str(out), "--workdir", str(tmp_path)])
+    finally:
+        sys.modules.pop("gpu_idle", None)
+        sys.modules.pop("gpu_suite", None)
+    text = out.read_text()
+    for title in ("### GPT tiny: `norm` in both modes", "| sum |", "| autograd |",
+                  "### GPT tiny: `norm`, batch_grad='sum'", "| encoding: forms and exact norms |"):
+        assert title in text, text
