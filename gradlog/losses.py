@@ -21,8 +21,10 @@ host's own work before the backward runs while the device finishes the forward.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -216,7 +218,7 @@ def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None,
             "If they are ignored labels (padding, a prompt), pass mask= with the tokens that "
             "count (e.g. labels != -100).",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_callers_level(),
         )
 
     zeros = (losses.detach() == 0).any()
@@ -224,3 +226,15 @@ def _refuse_ignored_in_mean(losses: torch.Tensor, mask: torch.Tensor | None,
         checks.add(zeros, warn)
     elif bool(zeros):
         warn()
+
+
+_INSIDE = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent))
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside gradlog and torch, for a warning raised
+    here: the checks that warn may be read late, from anywhere in gradlog."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level

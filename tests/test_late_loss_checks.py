@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gradlog
 import gradlog.backends.base as base
@@ -169,3 +170,111 @@ def test_exact_zeros_of_unknown_origin_still_warn_when_read_late(
         raw = -logits.log_softmax(-1).gather(-1, y.unsqueeze(-1))[..., 0]
         with pytest.warns(UserWarning, match="exact zeros and no mask"):
             rec.backward(raw * keep)  # (B, T): zeros where keep is False
+
+
+def test_a_refused_first_batch_plans_no_forms(tmp_path: Path, late: None) -> None:
+    """A first batch of one datum has no datum check to read its losses early: refused, it
+    planned the run's forms (`auto`: rows for its 4 tokens), and every later batch of 6
+    tokens was refused. The losses are now read before the forms are planned (found in
+    review)."""
+    forms = {}
+    for refused in (True, False):
+        torch.manual_seed(0)
+        model = tiny_gpt(dtype=D64, block_size=8)
+        path = tmp_path / f"{refused}.gradlog"
+        with gradlog.GradRecorder(model, path, dtype="float64", form="auto") as rec:
+            if refused:
+                xb, yb, kb = gpt_batch(1, 4, seed=1)
+                with pytest.raises(NonFiniteLossError, match="after the backward"):
+                    rec.backward(per_token_ce(model(xb), yb) * float("nan"), mask=kb, step=0)
+                model.zero_grad(set_to_none=True)
+            x, y, keep = gpt_batch(4, 6)
+            rec.backward(per_token_ce(model(x), y), mask=keep, step=0)
+        forms[refused] = gradlog.open(path).params.column("form").to_pylist()
+    assert forms[True] == forms[False]
+
+
+def _head_outside(temperature_grad: float | None) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh()).to(D64)
+    head = torch.nn.Linear(7, 3).to(D64)  # trained, not in the recorded model
+    temp = torch.tensor(1.0, dtype=D64, requires_grad=True)  # a learned temperature
+    if temperature_grad is not None:
+        temp.grad = torch.tensor(temperature_grad, dtype=D64)
+    x, y = torch.randn(4, 5, dtype=D64), torch.tensor([0, 1, 2, 1])
+    poison = torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=D64)
+    return body, head, temp, x, y, poison
+
+
+def test_leaves_outside_the_model_are_set_back_too(tmp_path: Path, late: None) -> None:
+    """A head outside the recorded model and a learned temperature get the refused batch's
+    gradient in its backward: their ``.grad`` is set back to None with the model's (found in
+    review: they kept NaN, and the next ``opt.step()`` trained on it)."""
+    body, head, temp, x, y, poison = _head_outside(None)
+    with gradlog.GradRecorder(body, tmp_path / "r.gradlog", dtype="float64") as rec:
+        losses = F.cross_entropy(head(body(x)) / temp, y, reduction="none") * poison
+        with pytest.raises(NonFiniteLossError, match="after the backward"):
+            rec.backward(losses)
+    assert temp.grad is None and all(
+        p.grad is None for p in [*body.parameters(), *head.parameters()])
+
+
+def test_a_leaf_outside_the_model_holding_a_gradient_keeps_the_checks_first(
+        tmp_path: Path, late: None) -> None:
+    body, head, temp, x, y, poison = _head_outside(0.5)
+    with gradlog.GradRecorder(body, tmp_path / "r.gradlog", dtype="float64") as rec:
+        losses = F.cross_entropy(head(body(x)) / temp, y, reduction="none") * poison
+        with pytest.raises(NonFiniteLossError) as refused:
+            rec.backward(losses)
+    assert "after the backward" not in str(refused.value)
+    assert temp.grad is not None and temp.grad.item() == 0.5
+    assert all(p.grad is None for p in [*body.parameters(), *head.parameters()])
+
+
+def test_a_users_hook_on_a_parameters_gradient_keeps_the_checks_first(
+        tmp_path: Path, late: None) -> None:
+    """An optimizer fused into the backward by ``p.register_hook`` (LOMO) would step on a
+    refused batch: with a hook of the user's on a gradient the checks are read before the
+    backward (gradlog's own hooks do not count; found in review)."""
+    body, head, _, x, y, poison = _head_outside(None)
+    ran: list[str] = []
+    handle = body[0].weight.register_hook(lambda g: ran.append("hook"))
+    with gradlog.GradRecorder(body, tmp_path / "r.gradlog", dtype="float64") as rec:
+        losses = F.cross_entropy(head(body(x)), y, reduction="none") * poison
+        with pytest.raises(NonFiniteLossError) as refused:
+            rec.backward(losses)
+    handle.remove()
+    assert ran == [] and "after the backward" not in str(refused.value)
+
+
+def test_an_interrupt_in_the_backward_of_a_refused_batch_is_not_replaced(
+        tmp_path: Path, late: None) -> None:
+    """Ctrl-C during the backward of a batch whose losses then fail their checks: the
+    interrupt reaches the caller, not ``NonFiniteLossError`` (a loop that skips refused
+    batches would have swallowed it; found in review); ``p.grad`` is set back all the same."""
+    body, head, _, x, y, poison = _head_outside(None)
+
+    def interrupt(grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    with gradlog.GradRecorder(body, tmp_path / "r.gradlog", dtype="float64") as rec:
+        h = body(x)
+        h.register_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            rec.backward(F.cross_entropy(head(h), y, reduction="none") * poison)
+    assert all(p.grad is None for p in [*body.parameters(), *head.parameters()])
+
+
+@pytest.mark.parametrize("read_late", [False, True])
+def test_the_exact_zeros_warning_points_at_the_callers_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_late: bool) -> None:
+    if read_late:
+        monkeypatch.setattr(base, "LATE_CHECK_DEVICES", frozenset({"cpu", "cuda"}))
+    torch.manual_seed(0)
+    model = tiny_gpt(dtype=D64)
+    x, y, keep = gpt_batch(4, 6)
+    with gradlog.GradRecorder(model, tmp_path / "r.gradlog") as rec:
+        raw = -model(x).log_softmax(-1).gather(-1, y.unsqueeze(-1))[..., 0]
+        with pytest.warns(UserWarning, match="exact zeros") as seen:
+            rec.backward(raw * keep)
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]

@@ -42,22 +42,27 @@ LATE_CHECK_DEVICES = frozenset({"cuda"})
 backward: those whose kernels run behind the host (on the CPU a read costs no wait)."""
 
 
-def restorable_leaves(model: nn.Module, device: torch.device | None) -> list[torch.Tensor] | None:
-    """The trainable parameters of ``model`` when a backward on ``device`` can be undone by
-    setting their ``p.grad`` back to None, so that the batch's loss checks may be read after
-    it: on CUDA (:data:`LATE_CHECK_DEVICES`), every ``p.grad`` None (no gradient
-    accumulation), no hook run on accumulation (an optimizer in the backward), one process
-    (DDP's reduction would have run on the others). Else None."""
+def restorable_leaves(leaves: Iterable[torch.Tensor], device: torch.device | None,
+                      own: Callable[[Any], bool] = lambda hook: False,
+                      ) -> list[torch.Tensor] | None:
+    """The ``leaves`` a backward accumulates into, when setting their ``.grad`` back to None
+    undoes it on ``device``, so that the batch's loss checks may be read after it: on CUDA
+    (:data:`LATE_CHECK_DEVICES`), every ``.grad`` None (no gradient accumulation), no hook on
+    a leaf's gradient but gradlog's own (``own``) and none on its accumulation (an optimizer
+    stepping in the backward would act on a refused batch), one process (DDP's reduction
+    would have run on the others). Else None."""
     if device is None or device.type not in LATE_CHECK_DEVICES:
         return None
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return None
-    leaves: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
-    if any(p.grad is not None or getattr(p, "_post_accumulate_grad_hooks", None)
-           for p in leaves):
-        return None
-    return leaves
+    out = list(leaves)
+    for leaf in out:
+        hooks = getattr(leaf, "_backward_hooks", None)
+        if (leaf.grad is not None or getattr(leaf, "_post_accumulate_grad_hooks", None)
+                or (hooks and not all(own(h) for h in hooks.values()))):
+            return None
+    return out
 
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -228,19 +233,22 @@ class Backend(abc.ABC):
 
     _late: tuple[DeviceChecks, Callable[[], None] | None, list[torch.Tensor]] | None = None
 
-    def settle_loss_checks(self, on_fail: Callable[[], None] | None = None,
-                           model: nn.Module | None = None) -> None:
+    def settle_loss_checks(
+        self, on_fail: Callable[[], None] | None = None,
+        late: Callable[[torch.device], list[torch.Tensor] | None] | None = None,
+    ) -> None:
         """Read :attr:`loss_checks` (once); raises the first failed check's error, after
         ``on_fail`` (which undoes what the backward did before: the batch may be retried).
 
-        With ``model``, checks on a CUDA device are left to :meth:`settle_late_loss_checks`
-        where :func:`restorable_leaves` can undo the backward (``p.grad`` None before it):
-        reading them now would make the host wait for the whole forward before it launches
-        the backward's first kernel (60 ms of GPT-2 small's step on an H100)."""
+        ``late(device)``: the leaves whose ``.grad`` set back to None undoes the backward
+        (:func:`restorable_leaves`), or None. Given them, the checks are left to
+        :meth:`settle_late_loss_checks`: read now, on a GPU, the host would wait for the
+        whole forward before launching the backward's first kernel (60 ms of GPT-2 small's
+        step on an H100)."""
         checks, self.loss_checks = self.loss_checks, None
         if checks is None:
             return
-        leaves = restorable_leaves(model, checks.device) if model is not None else None
+        leaves = late(checks.device) if late is not None and checks.device is not None else None
         if leaves is not None:
             self._late = (checks, on_fail, leaves)
             return
@@ -253,8 +261,8 @@ class Backend(abc.ABC):
 
     def settle_late_loss_checks(self) -> None:
         """Read the loss checks :meth:`settle_loss_checks` left for after the backward; when
-        one failed, set ``p.grad`` back to None, as it was before the backward, run its
-        ``on_fail`` and raise its error (nothing of the step is recorded)."""
+        one failed, set the leaves' ``.grad`` back to None, as it was before the backward,
+        run its ``on_fail`` and raise its error (nothing of the step is recorded)."""
         late, self._late = self._late, None
         if late is None:
             return
@@ -262,8 +270,8 @@ class Backend(abc.ABC):
         try:
             checks.settle()
         except Exception as e:
-            for p in leaves:
-                p.grad = None
+            for leaf in leaves:
+                leaf.grad = None
             if on_fail is not None:
                 on_fail()
             if e.args and isinstance(e.args[0], str):

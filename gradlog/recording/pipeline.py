@@ -228,6 +228,7 @@ class StepPipeline:
                 offset = sum(sizes[:rank])  # counter-numbered datum ids of the ranks before
                 weight /= world  # DDP and FSDP2 average p.grad over ranks
             if self.encoder.forms is None:
+                self.backend.settle_late_loss_checks()  # (a refused batch plans nothing)
                 if self.dist is None:
                     self.encoder.plan_forms(grads, self.writer.set_forms)
                 else:  # one plan for every rank, for the step's records of all ranks
@@ -249,10 +250,15 @@ class StepPipeline:
             # the encoding's device work, and no host work sits between two waits (on an H200,
             # ~40 ms of GPT-2 small's step were host work done after the backward's wait).
             self.backend.settle()
-        except BaseException:  # this step fails: its checks are read, and dropped, here,
-            # not left to the next backward, which would raise them as its own
-            with contextlib.suppress(BackendError):
-                self.backend.settle()
+        except BaseException as failed:  # this step fails: its checks are read, and dropped,
+            # here, not left to the next backward, which would raise them as its own
+            try:
+                with contextlib.suppress(BackendError):
+                    self.backend.settle()
+            except Exception:  # the losses' checks read late: the batch's own fault, which
+                if isinstance(failed, Exception):  # an error of its backward follows from;
+                    raise
+                raise failed from None  # but never in place of an interrupt
             raise
         loss_np = losses.detach().double().cpu().numpy()
         ids = lifecycle.datum_ids(datum_ids, batch, sizes, offset)

@@ -66,7 +66,7 @@ from gradlog._torch_private import (
     torch_function_mode_paused,
 )
 from gradlog._tree import leaves
-from gradlog.backends.base import Backend, PerDatumGrads
+from gradlog.backends.base import Backend, PerDatumGrads, restorable_leaves
 from gradlog.backends.fused import FusedLink, fuse_output
 from gradlog.backends.heap import keep_heap_resident
 from gradlog.backends.hooks import checks, datum_check, graph, parametrized
@@ -186,8 +186,7 @@ class HooksBackend(Backend):
                 call.release()
         self._live, self._entries = [], []
         self._inside.clear()
-        self._ops = None
-        self._containers = Containers(None, self._capturing)
+        self._ops, self._containers = None, Containers(None, self._capturing)
         self._pool = BufferPool()  # let go of buffers kept for reuse
 
     @property
@@ -330,8 +329,9 @@ class HooksBackend(Backend):
         survey = graph.GraphSurvey(batch_loss.grad_fn,  # one walk: _reset's and the routing's
                                    self._saved_tensor_hooks)
         self._reset(B, survey)
-        # after _reset's walk, before the forward's state is dropped (finally): a retry
-        self.settle_loss_checks(self._loss_refused, self.model)
+        # after _reset's walk, before the forward's state is dropped (a retry); or late
+        self.settle_loss_checks(self._loss_refused, lambda device: restorable_leaves(
+            survey.leaves(), device, lambda h: getattr(h, "func", None) == self._on_param_grad))
         self._pool.reclaim()
         try:
             checks.refuse_double_backward(c for c in (r() for r in self._live) if c is not None)

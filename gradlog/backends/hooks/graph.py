@@ -208,6 +208,7 @@ class GraphSurvey:
         self._moving: list[Any] = []  # nodes of ops that may move rows (reordered)
         self._takers: dict[int, list[str]] = {}  # and the kinds of node taking their output
         self._outputs: list[tuple[Any, Call]] = []  # (node, call) of captured outputs
+        self._leaves: list[torch.Tensor] = []  # the tensors its AccumulateGrad nodes feed
 
     def consumers(self, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
         """For each wanted call (by id), the (node, input slot) pairs that consume its tagged
@@ -246,6 +247,12 @@ class GraphSurvey:
                                  functools.partial(_inside_a_call, outputs=self._outputs),
                                  packed)
 
+    def leaves(self) -> list[torch.Tensor]:
+        """The leaf tensors whose ``.grad`` the backward of this graph accumulates into."""
+        if not self._walked:
+            self._walk(self._accumulators or {})
+        return self._leaves
+
     def widest(self) -> int:
         """The most dimensions of any tensor the graph's nodes made (shapes known: torch >=
         2.6); a walk of its own, for a forward some of whose calls went unseen."""
@@ -268,7 +275,7 @@ class GraphSurvey:
         tags: dict[int, list[tuple[int, Call]]] = {}
         bases: dict[int, list[tuple[int, Call]]] = {}  # (Call.mark_base)
         root = self.root
-        self._moving, self._takers, self._outputs = [], {}, []
+        self._moving, self._takers, self._outputs, self._leaves = [], {}, [], []
         # keep: node wrappers alive, so their ids stay unique
         stack, keep = ([root], [root]) if root is not None else ([], [])
         seen = {id(root)}
@@ -285,8 +292,11 @@ class GraphSurvey:
                     seen.add(key)
                     keep.append(child)
                     stack.append(child)
-                    if type(child).__name__ in reorder.MOVING:
+                    kind = type(child).__name__
+                    if kind in reorder.MOVING:
                         self._moving.append(child)
+                    elif kind == "AccumulateGrad":
+                        self._leaves.append(child.variable)
                     metadata = child.metadata
                     outputs = metadata.get(OUTPUT)
                     if outputs:  # (most nodes have none: no list made for them)
