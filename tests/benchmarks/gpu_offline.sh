@@ -11,8 +11,9 @@
 # run: installs DIR's wheels into /tmp/site (PYTHONPATH), then runs, each part under its
 # own time limit so that one hang cannot take the lease, in the order that says most first:
 # the gpu tests; the compact forms' compute table with batch_grad="sum" and its floor; the
-# writer and the chunked head; where the time goes (with the device's idle time); the
-# ~1B Llama at 8K tokens a step (compact forms); the autograd rows. $BUDGET seconds in all (default 540). Tables go to OUT (default gpu_out),
+# writer and the chunked head; where the time goes (with the device's idle time); which
+# stages the device waits on (gpu_idle.py); the ~1B Llama at 8K tokens a step (compact
+# forms); the autograd rows. $BUDGET seconds in all (default 540). Tables go to OUT (default gpu_out),
 # one file per part (leases may bring back only a few files), logs to /tmp.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,6 +74,15 @@ echo "=== tests rc=$? after $(( $(date +%s) - start )) s"; tail -3 "$out/pytest.
 part forms_sum 150 --sections floor,forms --forms norm,projection,full --batch-grads sum --reps 3
 part writer_head 90 --sections writer,head --reps 3
 part profile 100 --sections profile --profile-forms norm --profile-steps 2
+# which host work the device waits on, by gradlog stage (gpu_idle.py), and sum against autograd
+# interleaved; a script of its own, under the same time limit
+l=$(left); secs=$(( l < 110 ? l : 110 ))
+if [ "$secs" -ge 20 ]; then
+  echo "=== idle (limit ${secs} s)"
+  timeout -k 5 "$secs" python3 tests/benchmarks/gpu_idle.py --workdir /tmp/gpu_offline \
+    --modes sum --reps 5 --out "$out/idle.md" > /tmp/gpu_offline/idle.log 2>&1
+  echo "=== idle rc=$? after $(( $(date +%s) - start )) s"
+fi
 # the ~1B Llama at 8K tokens a step: its plain step no longer waits on the host
 part forms_long 100 --sections forms --shapes llama-8k --forms norm,projection --batch-grads sum \
   --reps 2
