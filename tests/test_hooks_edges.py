@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from gradlog.backends import BACKENDS
 from gradlog.errors import BackendError, GradlogError, UnsupportedLayerError
 from gradlog.grads import dense
 from gradlog.params import select_params
+from gradlog.testing.zoo import gpt_batch, per_token_ce, tiny_gpt
 
 D64 = torch.float64
 B = 4
@@ -3536,3 +3538,92 @@ def test_a_sparse_gradients_wrong_split_is_seen_by_the_datum_check(tmp_path: Pat
             flip[0] = True
             with pytest.raises(BackendError, match="differ from the datums' own gradients"):
                 rec.backward(losses())
+
+
+def test_a_forward_kept_without_its_backward_does_not_make_every_step_a_checked_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A forward whose losses are kept but never backpropagated (refused, or a logging
+    forward held in a variable): its calls stay live. Counted as second calls of every
+    module, they made every later step's layouts "called twice", never verified (those
+    calls never get a gradient): a datum check (one extra backward) at every step, and a
+    log blaming zero gradients (found in review). Calls whose output node is alive but not
+    in this backward's graph are left out of its layouts; the records stay the loop
+    oracle's."""
+    import gradlog.backends.hooks.datum_check as datum_check
+
+    probes: list[int] = []
+    probe = datum_check.probe
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        probes.append(1)
+        return probe(*args, **kwargs)
+
+    stored = {}
+    for backend in ("hooks", "loop"):
+        torch.manual_seed(0)
+        model = tiny_gpt(dtype=D64)
+        x, y, keep = gpt_batch(4, 6)
+        path = tmp_path / f"{backend}.gradlog"
+        with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="gradlog"):
+            mp.setattr(datum_check, "probe", counted)
+            with gradlog.GradRecorder(model, path, backend=backend, dtype="float64") as rec:
+                kept = per_token_ce(model(x), y)  # never backpropagated, alive to the end
+                for step in range(4):
+                    model.zero_grad(set_to_none=True)
+                    rec.backward(per_token_ce(model(x.roll(step, 1)), y), mask=keep, step=step)
+        assert kept.grad_fn is not None
+        run = gradlog.open(path)
+        stored[backend] = {n: run.grads(n, step=3, dtype=np.float64)
+                           for n, _ in model.named_parameters()}
+    assert len(probes) <= 2, probes  # the first step's check, and one for the layouts after
+    assert not [r for r in caplog.records if "only zero gradients" in r.getMessage()]
+    for name, want in stored["loop"].items():
+        np.testing.assert_allclose(stored["hooks"][name], want, rtol=1e-10, atol=1e-13,
+                                   err_msg=name)
+
+
+def test_a_module_called_twice_beside_a_kept_forward_is_still_checked_as_such(
+        tmp_path: Path) -> None:
+    """The calls left out of a backward's layouts are only those of another graph: a Linear
+    called twice in each forward keeps its two-call layout (checked, and its records the
+    loop oracle's) with a kept forward's calls live beside them."""
+    import gradlog.backends.hooks.datum_check as datum_check
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.shared = nn.Linear(3, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x)))))
+
+    seen: list[list[tuple[str, int]]] = []
+    wants = datum_check.DatumLayouts.wants
+
+    def noted(self: Any, calls: Any, *args: Any, **kwargs: Any) -> bool:
+        seen.append(sorted({(c.entry.name, sum(d.entry is c.entry for d in calls))
+                            for c in calls}))
+        return wants(self, calls, *args, **kwargs)
+
+    stored = {}
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(B, 3, dtype=D64, generator=gen) for _ in range(3)]
+    for backend in ("hooks", "loop"):
+        torch.manual_seed(0)
+        model = Twice().to(D64)
+        path = tmp_path / f"{backend}.gradlog"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(datum_check.DatumLayouts, "wants", noted)
+            with gradlog.GradRecorder(model, path, backend=backend, dtype="float64") as rec:
+                kept = squares(model(xs[0]))  # never backpropagated
+                for step, x in enumerate(xs):
+                    model.zero_grad(set_to_none=True)
+                    rec.backward(squares(model(x)), step=step)
+        assert kept.grad_fn is not None
+        run = gradlog.open(path)
+        stored[backend] = {n: run.grads(n, step=2, dtype=np.float64)
+                           for n, _ in model.named_parameters()}
+    assert seen and all(("shared", 2) in s and ("inp", 1) in s for s in seen), seen
+    for name, want in stored["loop"].items():
+        np.testing.assert_allclose(stored["hooks"][name], want, rtol=1e-10, atol=1e-13,
+                                   err_msg=name)

@@ -406,7 +406,7 @@ class HooksBackend(Backend):
         calls = [c for c in (r() for r in self._live) if c is not None and not c.done]
         rows = self._rows.note(calls, B, survey)
         possible = B > 1 and datum_check.datum_check_possible(self.model)
-        return self._layouts.wants(calls, B, self.model, self.params,
+        return self._layouts.wants(survey.in_this_graph(calls), B, self.model, self.params,
                                    self.datum_check_due or rows, possible)
 
     def _datum_probe(self, losses: torch.Tensor, rng: dict[str, torch.Tensor] | None,

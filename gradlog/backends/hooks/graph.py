@@ -209,6 +209,7 @@ class GraphSurvey:
         self._takers: dict[int, list[str]] = {}  # and the kinds of node taking their output
         self._outputs: list[tuple[Any, Call]] = []  # (node, call) of captured outputs
         self._leaves: list[torch.Tensor] = []  # the tensors its AccumulateGrad nodes feed
+        self._reached: set[int] = set()  # ids of the calls whose outputs it holds (TAG)
 
     def consumers(self, wanted: set[int]) -> dict[int, list[tuple[Any, int]]]:
         """For each wanted call (by id), the (node, input slot) pairs that consume its tagged
@@ -246,6 +247,17 @@ class GraphSurvey:
         return reorder.reordered(((n, self._takers[id(n)]) for n in self._moving), B,
                                  functools.partial(_inside_a_call, outputs=self._outputs),
                                  packed)
+
+    def in_this_graph(self, calls: Sequence[Call]) -> list[Call]:
+        """``calls`` less those certainly of another graph: noted in an output's node
+        (:data:`TAG`) that is still alive, and not reached by this walk from the root (which
+        reaches every node the backward runs). A forward kept without its backward leaves
+        such calls live; counted as this backward's, they made every module look called
+        twice, and the datum check ran at every step (:class:`.datum_check.DatumLayouts`)."""
+        if not self._walked:
+            self._walk(self._accumulators or {})
+        return [c for c in calls
+                if id(c) in self._reached or c.tagged is None or c.tagged() is None]
 
     def leaves(self) -> list[torch.Tensor]:
         """The leaf tensors whose ``.grad`` the backward of this graph accumulates into."""
@@ -319,6 +331,7 @@ class GraphSurvey:
         self._walked, self._accumulators = True, accumulators
         self._edges = edges
         self._calls = {e: len(c) for e, c in calls.items()}
+        self._reached = set().union(*calls.values())
         self._consumers = consumers
 
 
