@@ -142,3 +142,26 @@ def test_a_refused_batch_records_from_the_same_losses_with_its_mask(
         torch.testing.assert_close(torch.from_numpy(runs["again"].grads(param)),
                                    torch.from_numpy(runs["fresh"].grads(param)), rtol=1e-12,
                                    atol=1e-15, msg=param)
+
+
+def test_exact_zero_losses_through_a_trainers_session_warn_once(tmp_path: Path) -> None:
+    """The Trainer/Lightning session reduces the losses itself, then the recorder again in
+    the trainer's backward: each warned of the same zeros (found in review)."""
+    import warnings
+
+    from gradlog.integrations.session import RecordingSession
+    from gradlog.testing.zoo import gpt_batch, tiny_gpt
+
+    torch.manual_seed(0)
+    model = tiny_gpt(dtype=D64)
+    x, y, keep = gpt_batch(4, 6)
+    session = RecordingSession(tmp_path / "r.gradlog", {})
+    session.start(model, torch.optim.SGD(model.parameters(), lr=0.1), resuming=False)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            raw = -model(x).log_softmax(-1).gather(-1, y.unsqueeze(-1))[..., 0]  # (B, T)
+            session.loss(raw * keep, datum_ids=torch.arange(4), step=0).backward()
+    finally:
+        session.close()
+    assert [str(w.message)[:34] for w in seen] == ["per-token losses of shape (4, 6) h"]

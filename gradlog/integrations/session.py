@@ -177,7 +177,11 @@ class RecordingSession:
         recorder = self.recorder
         self._losses += 1
         token_reduction = self.options.get("token_reduction", "mean")
-        reduced = per_datum_losses(losses, mask, token_reduction)  # (B,)
+        recording = recorder is not None and torch.is_grad_enabled() and losses.requires_grad
+        with warnings.catch_warnings():
+            if recording:  # (the recorder's backward warns of them, once a batch)
+                warnings.filterwarnings("ignore", message=r"per-token losses .* exact zeros")
+            reduced = per_datum_losses(losses, mask, token_reduction)  # (B,)
         batch_reduction = self.options.get("batch_reduction", "mean")
         batch = reduced.mean() if batch_reduction == "mean" else reduced.sum()
         if recorder is None or not torch.is_grad_enabled() or not reduced.requires_grad:
